@@ -1,0 +1,120 @@
+"""Recipes: how a precision is run on a device.
+
+* ``fp32`` — plain float32; TF32 (CUDA) and HF32 (Ascend) are switched off, and
+  ``torch.set_float32_matmul_precision("highest")``, so a matmul is a true fp32 matmul everywhere.
+* ``bf16`` — the module keeps its fp32 weights and runs under ``torch.autocast(device_type,
+  dtype=torch.bfloat16)``: the way Hugging Face Trainer runs with ``bf16=True`` and the way the
+  Ascend guide recommends training on a 910B. The reference is a bf16 run of the same recipe on its
+  own device, never the fp32 output (FINDINGS: bf16 vs fp32 fails allclose(1e-3) on 79 % of
+  elements).
+* ``bf16-weights`` — weights and floating inputs cast to bfloat16, no autocast.
+
+Every recipe runs with the strict fp32 flags, so the fp32 parts of a bf16 run are not silently
+TF32/HF32 either.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named precision recipe.
+
+    Attributes:
+        name: ``fp32``, ``bf16`` or ``bf16-weights``.
+        autocast_dtype: dtype for ``torch.autocast`` on the device, or ``None``.
+        weights_dtype: dtype the module's floating parameters and floating inputs are cast to, or
+            ``None`` to keep them as they are.
+    """
+
+    name: str
+    autocast_dtype: torch.dtype | None = None
+    weights_dtype: torch.dtype | None = None
+
+    @contextlib.contextmanager
+    def context(self, device: torch.device) -> Iterator[None]:
+        """Run the enclosed code under this recipe on ``device`` (precision flags + autocast)."""
+        with strict_fp32_flags():
+            if self.autocast_dtype is None:
+                yield
+            else:
+                with torch.autocast(device_type=device.type, dtype=self.autocast_dtype):
+                    yield
+
+
+RECIPES: dict[str, Recipe] = {
+    "fp32": Recipe("fp32"),
+    "bf16": Recipe("bf16", autocast_dtype=torch.bfloat16),
+    "bf16-weights": Recipe("bf16-weights", weights_dtype=torch.bfloat16),
+}
+
+
+def parse_recipes(text: str) -> list[Recipe]:
+    """Parse ``--parity-dtypes`` (comma-separated recipe names, e.g. ``fp32,bf16``).
+
+    Raises:
+        ValueError: naming the unknown recipe and the known ones, or when the list is empty.
+    """
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise ValueError("--parity-dtypes is empty; give e.g. 'fp32,bf16'")
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        raise ValueError(f"--parity-dtypes: unknown recipe(s) {', '.join(unknown)}; known: {', '.join(RECIPES)}")
+    return [RECIPES[n] for n in dict.fromkeys(names)]
+
+
+def _npu_flag_holders() -> list[object]:
+    npu = getattr(torch, "npu", None)  # present once torch_npu is imported
+    holders = []
+    for name in ("matmul", "conv"):
+        holder = getattr(npu, name, None) if npu is not None else None
+        if holder is not None and hasattr(holder, "allow_hf32"):
+            holders.append(holder)
+    return holders
+
+
+@contextlib.contextmanager
+def strict_fp32_flags() -> Iterator[None]:
+    """Switch off TF32 (CUDA matmul and cuDNN) and HF32 (torch_npu matmul and conv), restoring after.
+
+    torch_npu documents ``torch.npu.matmul.allow_hf32`` (default False) and
+    ``torch.npu.conv.allow_hf32`` (default True): the ViT patch convolution would otherwise run in
+    HF32 on a 910B.
+    """
+    saved_precision = torch.get_float32_matmul_precision()
+    saved_cuda = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    holders = _npu_flag_holders()
+    saved_npu = [h.allow_hf32 for h in holders]
+    try:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        for h in holders:
+            h.allow_hf32 = False
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved_precision)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_cuda
+        for h, value in zip(holders, saved_npu):
+            h.allow_hf32 = value
+
+
+def precision_flags() -> dict[str, object]:
+    """The precision flags in force right now (for the report header and baseline provenance)."""
+    flags: dict[str, object] = {
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+    }
+    npu = getattr(torch, "npu", None)
+    for name in ("matmul", "conv"):
+        holder = getattr(npu, name, None) if npu is not None else None
+        if holder is not None and hasattr(holder, "allow_hf32"):
+            flags[f"npu.{name}.allow_hf32"] = holder.allow_hf32
+    return flags
