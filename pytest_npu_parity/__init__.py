@@ -1,0 +1,39 @@
+"""pytest-npu-parity: prove that a PyTorch model computes the same thing on its target device.
+
+The public engine API is importable from here without pytest::
+
+    from pytest_npu_parity import compare, Tolerance, ParitySession, ParityCase
+
+Names are imported lazily so that loading the pytest plugin does not import torch for projects that
+never run a parity check.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "compare": "compare",
+    "compare_tensors": "compare",
+    "CompareResult": "compare",
+    "ParityError": "compare",
+    "Tolerance": "policy",
+    "default_for_dtype": "policy",
+    "default_for_recipe": "policy",
+    "RECIPES": "recipes",
+    "same_randomness": "rng",
+    "resolve_target": "devices",
+    "DeviceUnavailableError": "devices",
+    "ParitySession": "runner",
+    "ParityCase": "runner",
+    "CheckRecord": "runner",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
