@@ -1,0 +1,92 @@
+"""Build fake Ascend environments for tests and run Python in them.
+
+The fakes stand in for what a CPU-only machine lacks:
+
+* ``torch_npu_stub/torch_npu`` — a stub package (see its docstring for ``FAKE_TORCH_NPU_MODE``);
+  ``build_site`` copies it into a fresh directory next to a ``torch_npu-<version>.dist-info`` so
+  that ``importlib.metadata`` reports the chosen version and, with ``autoload=True``, torch's
+  device-backend autoload (entry-point group ``torch.backends``) loads it on ``import torch``
+  exactly as it loads the real wheel.
+* ``ascend-toolkit/latest`` — a CANN toolkit directory with a real-format ``version.cfg`` and
+  ``x86_64-linux/ascend_toolkit_install.info`` (CANN 8.2.RC1).
+* ``bin/npu-smi`` — prints the ``npu-smi info`` device table.
+
+Everything that imports the stub runs in a subprocess (``run_python``), so the test process's
+real torch never sees it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+FAKES = Path(__file__).resolve().parent
+REPO_ROOT = FAKES.parent.parent
+STUB_PACKAGE = FAKES / "torch_npu_stub" / "torch_npu"
+TOOLKIT_HOME = FAKES / "ascend-toolkit" / "latest"
+BIN_DIR = FAKES / "bin"
+
+#: Environment variables that would let the host's own Ascend setup leak into a test.
+_SCRUBBED = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH", "ASCEND_RT_VISIBLE_DEVICES",
+             "TORCH_DEVICE_BACKEND_AUTOLOAD", "PYTHONPATH", "FAKE_TORCH_NPU_MODE",
+             "FAKE_NPU_DEVICE_COUNT", "FAKE_NPU_NAME", "FAKE_NPU_SMI_HEALTH")
+
+
+def build_site(dest: Path, *, version: str, autoload: bool = True) -> Path:
+    """Install the stub as ``torch_npu`` ``version`` into ``dest`` (a directory for PYTHONPATH).
+
+    Args:
+        dest: empty or new directory.
+        version: the torch_npu version the dist-info declares, e.g. ``"2.5.1.post1"``.
+        autoload: declare the ``torch.backends`` entry point ``torch_npu = torch_npu:_autoload``
+            (what the real wheel declares), so ``import torch`` autoloads the stub.
+
+    Returns:
+        ``dest``.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(STUB_PACKAGE, dest / "torch_npu",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    info = dest / f"torch_npu-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: torch_npu\nVersion: {version}\n", encoding="utf-8")
+    (info / "top_level.txt").write_text("torch_npu\n", encoding="utf-8")
+    if autoload:
+        (info / "entry_points.txt").write_text(
+            "[torch.backends]\ntorch_npu = torch_npu:_autoload\n", encoding="utf-8")
+    return dest
+
+
+def fake_env(*, site: Path | None = None, toolkit: Path | None = None, npu_smi: bool = False,
+             **extra: str) -> dict[str, str]:
+    """A subprocess environment: the host's, minus Ascend settings, plus the chosen fakes.
+
+    Args:
+        site: directory from ``build_site`` to put first on PYTHONPATH, or None for no torch_npu.
+        toolkit: value for ``ASCEND_TOOLKIT_HOME`` (e.g. ``TOOLKIT_HOME``), or None. The default
+            path ``/usr/local/Ascend/ascend-toolkit/latest`` is still searched by the code under
+            test; on a CPU-only test machine it does not exist.
+        npu_smi: put the fake ``npu-smi`` first on PATH.
+        **extra: more variables (``FAKE_TORCH_NPU_MODE="libhccl"``, …).
+    """
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
+    env["PYTHONPATH"] = os.pathsep.join([*([str(site)] if site else []), str(REPO_ROOT)])
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if toolkit is not None:
+        env["ASCEND_TOOLKIT_HOME"] = str(toolkit)
+    if npu_smi:
+        env["PATH"] = os.pathsep.join([str(BIN_DIR), env.get("PATH", "")])
+    env.update(extra)
+    return env
+
+
+def run_python(code: str | None = None, *, args: list[str] | None = None,
+               env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python -c code`` (or ``python *args``) with this interpreter in ``REPO_ROOT``."""
+    argv = [sys.executable, *(["-c", code] if code is not None else []), *(args or [])]
+    return subprocess.run(argv, cwd=REPO_ROOT, env=env if env is not None else fake_env(),
+                          capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,53 @@
+"""Test stand-in for ``torch_npu`` (Ascend Extension for PyTorch); never touches hardware.
+
+Reproduces the import behaviour of the real package that the NPU detection must survive, chosen
+by ``FAKE_TORCH_NPU_MODE``:
+
+* ``ok`` (default) — registers ``npu`` as torch's PrivateUse1 device and ``torch.npu`` (see
+  ``torch_npu/npu.py``); tensors cannot actually be allocated on it, so op probes fail there.
+* ``libhccl`` / ``libascendcl`` — ``ImportError: libhccl.so: cannot open shared object file``
+  (CANN's ``set_env.sh`` not sourced; FINDINGS "Devices without hardware").
+* ``two_accelerators_cuda`` / ``two_accelerators_npu`` — the RuntimeError torch_npu raises when
+  another accelerator (or a second torch_npu registration) is already present.
+* ``glibcxx`` — the OSError of a torch_npu built against another toolchain (seed §10.6).
+
+The package version comes from the dist-info that ``fake_env.build_site`` writes beside it.
+"""
+import importlib.metadata
+import os
+
+try:
+    __version__ = importlib.metadata.version("torch_npu")
+except importlib.metadata.PackageNotFoundError:
+    __version__ = "0.0.0"
+
+_MODE = os.environ.get("FAKE_TORCH_NPU_MODE", "ok")
+
+if _MODE == "libhccl":
+    raise ImportError("libhccl.so: cannot open shared object file: No such file or directory")
+if _MODE == "libascendcl":
+    raise ImportError("libascendcl.so: cannot open shared object file: No such file or directory")
+if _MODE == "glibcxx":
+    raise OSError("/usr/lib/aarch64-linux-gnu/libstdc++.so.6: version `GLIBCXX_3.4.29' not found "
+                  "(required by site-packages/torch_npu/lib/libtorch_npu.so)")
+
+import torch  # noqa: E402  (the real package imports torch after its native-library checks too)
+
+if _MODE.startswith("two_accelerators"):
+    _other = "npu" if _MODE.endswith("npu") else "cuda"
+    raise RuntimeError(
+        f"Two accelerators cannot be used at the same time in PyTorch: npu and {_other}. You can "
+        f"install the cpu version of PyTorch to use your npu device, or use the {_other} device "
+        f"with 'export TORCH_DEVICE_BACKEND_AUTOLOAD=0'."
+    )
+if _MODE != "ok":
+    raise RuntimeError(f"FAKE_TORCH_NPU_MODE={_MODE!r} is not a mode of the torch_npu stub")
+
+from . import npu  # noqa: E402
+
+torch.utils.rename_privateuse1_backend("npu")
+torch._register_device_module("npu", npu)
+
+
+def _autoload():
+    """Entry point of group ``torch.backends``: importing the package is the whole job."""

@@ -1,0 +1,48 @@
+"""Stand-in for ``torch_npu.npu`` / ``torch.npu``: device count, names, memory and flags.
+
+``FAKE_NPU_DEVICE_COUNT`` (default 1) and ``FAKE_NPU_NAME`` (default ``Ascend910B3``) shape it.
+Calls to ``set_device`` and ``set_compile_mode`` are recorded in ``CALLS`` for the tests.
+"""
+import os
+import types
+
+CALLS = []
+_COUNT = int(os.environ.get("FAKE_NPU_DEVICE_COUNT", "1"))
+_NAME = os.environ.get("FAKE_NPU_NAME", "Ascend910B3")
+
+# torch_npu defaults (FINDINGS): matmul HF32 off, conv HF32 on.
+matmul = types.SimpleNamespace(allow_hf32=False)
+conv = types.SimpleNamespace(allow_hf32=True)
+
+
+def is_available():
+    return _COUNT > 0
+
+
+def device_count():
+    return _COUNT
+
+
+def get_device_name(index=0):
+    return _NAME
+
+
+def current_device():
+    return 0
+
+
+def set_device(index):
+    CALLS.append(("set_device", index))
+
+
+def mem_get_info(index=0):
+    """(free, total) bytes, like torch.npu.mem_get_info."""
+    return 60 * 2**30, 64 * 2**30
+
+
+def synchronize(device=None):
+    return None
+
+
+def set_compile_mode(jit_compile=True):
+    CALLS.append(("set_compile_mode", jit_compile))
