@@ -1,0 +1,405 @@
+"""Provenance of a reference: where, when and with what software a baseline was recorded.
+
+A stored baseline is only as trustworthy as what is known about the run that produced it. This
+module gathers that record and computes the content fingerprints used to tell whether a baseline
+still describes the current model and input:
+
+* ``collect_provenance(device, recipe=..., seed=...)`` — a JSON-ready dict: plugin, torch,
+  torch_npu, CANN, transformers and aurora-model versions, Python and OS, the device type and
+  name, recipe, seed, precision flags, creation time (UTC) and the project's git revision.
+  The host name is deliberately left out (baselines are committed to git and shared).
+* ``describe_provenance(prov)`` — the one-line summary that reports and failure messages print.
+* ``fingerprint_tensors(obj)`` — a BLAKE2b digest of a nested structure of tensors and scalars.
+* ``fingerprint_module(module)`` — a BLAKE2b digest of a module's type and ``state_dict``,
+  cached per module object and invalidated by in-place edits.
+
+Nothing here imports ``torch_npu``: on a machine without CANN that import can break ``import
+torch`` itself (see FINDINGS.md), so its version is read from package metadata unless the
+module is already loaded.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "collect_provenance",
+    "describe_provenance",
+    "fingerprint_tensors",
+    "fingerprint_module",
+]
+
+#: Digest size of every fingerprint, in bytes (BLAKE2b; 32 bytes = 64 hex characters).
+DIGEST_SIZE = 32
+
+#: (implementer, part) codes from /proc/cpuinfo on Arm hosts -> marketing name. Ascend servers
+#: usually run on HiSilicon Kunpeng 920 (implementer 0x48, part 0xd01), whose /proc/cpuinfo has no
+#: "model name" line. Source: the Linux kernel's arch/arm64/include/asm/cputype.h.
+_ARM_PARTS = {
+    ("0x48", "0xd01"): "HiSilicon Kunpeng-920",
+    ("0x41", "0xd0c"): "Arm Neoverse-N1",
+    ("0x41", "0xd40"): "Arm Neoverse-V1",
+    ("0x41", "0xd4f"): "Arm Neoverse-V2",
+    ("0x41", "0xd49"): "Arm Neoverse-N2",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# provenance record
+
+
+def collect_provenance(
+    device: torch.device | str,
+    *,
+    recipe: str,
+    seed: int | None,
+    precision_flags: dict | None = None,
+    extra: dict | None = None,
+) -> dict:
+    """Describe the current run as a JSON-serializable provenance record.
+
+    Args:
+        device: the device the recorded outputs were computed on (``cpu``, ``cuda:0``, ``npu:1``).
+        recipe: the precision recipe (``fp32``, ``bf16``, ...).
+        seed: the seed the check ran under, or ``None``.
+        precision_flags: device numerics switches in force (TF32/HF32 and the like), as
+            ``name -> bool/str/number``.
+        extra: further JSON-serializable fields (input specification, config hash, ...); they are
+            merged at the top level and take precedence over the collected keys.
+
+    Returns:
+        A dict with the keys ``plugin_version, torch, cuda, torch_npu, cann, transformers,
+        aurora_model, python, platform, device_type, device_index, device_name, recipe, seed,
+        precision_flags, created, git_revision, git_dirty``. Versions of absent packages and an
+        unknown git revision are ``None``. ``created`` is UTC ISO-8601 to the second
+        (``2026-11-30T09:27:05+00:00``). The host name is never included.
+
+    Raises:
+        TypeError: when ``precision_flags`` or ``extra`` hold a value JSON cannot encode; the
+            message names the key.
+
+    Never raises for missing packages, a missing ``git`` or an unreadable device name.
+    """
+    device = torch.device(device)
+    revision, dirty = _git_state(os.getcwd())
+    prov: dict[str, Any] = {
+        "plugin_version": _plugin_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "torch_npu": _torch_npu_version(),
+        "cann": _cann_version(),
+        "transformers": _dist_version("transformers"),
+        "aurora_model": _dist_version("aurora-model"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device_type": device.type,
+        "device_index": device.index,
+        "device_name": device_name(device),
+        "recipe": recipe,
+        "seed": seed,
+        "precision_flags": dict(precision_flags or {}),
+        "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "git_revision": revision,
+        "git_dirty": dirty,
+    }
+    for key, value in (extra or {}).items():
+        prov[str(key)] = value
+    for key, value in prov.items():
+        try:
+            json.dumps(value, allow_nan=True)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"provenance field {key!r} is not JSON-serializable ({type(value).__name__}): {exc}; "
+                "pass strings, numbers, booleans, None, or lists/dicts of them"
+            ) from None
+    return prov
+
+
+def describe_provenance(prov: Mapping[str, Any] | None) -> str:
+    """One line naming a baseline's device, date, versions and revision.
+
+    Example: ``"cuda (NVIDIA H200) · 2026-11-30 · torch 2.14.1 · recipe bf16 · git ab12cd3"``;
+    on an NPU the torch_npu and CANN versions follow the torch version. Missing fields are left
+    out; an empty or ``None`` record gives ``"unknown provenance"``.
+    """
+    if not prov:
+        return "unknown provenance"
+    device_type = prov.get("device_type") or "unknown device"
+    name = prov.get("device_name")
+    parts = [f"{device_type} ({name})" if name and name != device_type else str(device_type)]
+    created = prov.get("created")
+    if created:
+        parts.append(str(created)[:10])
+    for key, label in (("torch", "torch"), ("torch_npu", "torch_npu"), ("cann", "CANN")):
+        if prov.get(key):
+            parts.append(f"{label} {prov[key]}")
+    if prov.get("recipe"):
+        parts.append(f"recipe {prov['recipe']}")
+    revision = prov.get("git_revision")
+    if revision:
+        parts.append(f"git {str(revision)[:7]}" + ("+dirty" if prov.get("git_dirty") else ""))
+    return " · ".join(parts)
+
+
+def device_name(device: torch.device | str) -> str:
+    """Human-readable name of ``device``: CPU model, ``torch.cuda.get_device_name`` (e.g.
+    ``"NVIDIA H200"``) or ``torch.npu.get_device_name`` (e.g. ``"Ascend910B"``).
+
+    Falls back to ``str(device)`` when the name cannot be read; never raises.
+    """
+    device = torch.device(device)
+    try:
+        if device.type == "cpu":
+            return _cpu_model()
+        if device.type == "cuda":
+            return str(torch.cuda.get_device_name(device))
+        module = getattr(torch, device.type, None)
+        getter = getattr(module, "get_device_name", None)
+        if getter is not None:
+            return str(getter(device.index if device.index is not None else 0))
+    except Exception:  # a broken driver must not stop a provenance record
+        pass
+    return str(device)
+
+
+@functools.lru_cache(maxsize=4)
+def _cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """CPU model from ``cpuinfo`` (x86 "model name", or Arm implementer/part codes), else
+    ``platform.processor()``/``platform.machine()``."""
+    fields: dict[str, str] = {}
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() not in fields:
+                    fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    for key in ("model name", "Model Name", "cpu model"):
+        if fields.get(key):
+            return " ".join(fields[key].split())
+    implementer, part = fields.get("CPU implementer", "").lower(), fields.get("CPU part", "").lower()
+    if implementer and part:
+        return _ARM_PARTS.get((implementer, part), f"Arm CPU (implementer {implementer}, part {part})")
+    if fields.get("Processor"):
+        return " ".join(fields["Processor"].split())
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    except Exception:
+        return None
+
+
+def _plugin_version() -> str | None:
+    version = _dist_version("pytest-npu-parity")
+    if version is None:
+        package = sys.modules.get(__package__ or "pytest_npu_parity")
+        version = getattr(package, "__version__", None)
+    return version
+
+
+def _torch_npu_version() -> str | None:
+    module = sys.modules.get("torch_npu")
+    version = getattr(module, "__version__", None)
+    if version:
+        return str(version)
+    return _dist_version("torch-npu") or _dist_version("torch_npu")
+
+
+def _cann_version() -> str | None:
+    try:
+        from . import npu  # optional engine module; reads CANN's version files without torch_npu
+    except ImportError:
+        return None
+    getter = getattr(npu, "cann_version", None)
+    if getter is None:
+        return None
+    try:
+        version = getter()
+    except Exception:
+        return None
+    return None if version is None else str(version)
+
+
+def _git_state(cwd: str) -> tuple[str | None, bool | None]:
+    """(``git rev-parse HEAD``, whether tracked files differ from it) in ``cwd``; never raises."""
+    return _git_state_cached(cwd)
+
+
+@functools.lru_cache(maxsize=8)
+def _git_state_cached(cwd: str) -> tuple[str | None, bool | None]:
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10,
+                stdin=subprocess.DEVNULL,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    revision = git("rev-parse", "--verify", "--quiet", "HEAD")
+    if not revision:
+        return None, None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return revision, (None if status is None else bool(status))
+
+
+# --------------------------------------------------------------------------------------------
+# fingerprints
+
+
+def fingerprint_tensors(obj: Any) -> str:
+    """Stable BLAKE2b hex digest (64 characters) of a nested structure.
+
+    Leaves may be tensors (any device; hashed as dtype, shape and the raw bytes of a contiguous
+    CPU copy — so ``-0.0`` and ``0.0``, or two NaN payloads, differ), numpy arrays (as tensors),
+    ``None``, ``bool``/``int``/``float`` (floats exactly, via ``float.hex``), ``str``, ``bytes``,
+    ``torch.dtype`` and ``torch.device``. Containers are mappings (keys sorted by their string
+    form, so insertion order does not matter), tuples and lists; every leaf's path
+    (``["x"][0]``) is part of the digest, so the same numbers in a different structure differ.
+    The device a tensor lives on is not part of the digest.
+
+    The digest is the same across processes and machines of the same byte order (all supported
+    platforms are little-endian).
+
+    Raises:
+        TypeError: for any other leaf type, naming its path.
+    """
+    hasher = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"npu-parity-in")
+    _feed(hasher, obj, "")
+    return hasher.hexdigest()
+
+
+def _put(hasher: Any, *chunks: bytes) -> None:
+    for chunk in chunks:
+        hasher.update(len(chunk).to_bytes(8, "little"))
+        hasher.update(chunk)
+
+
+def _feed(hasher: Any, obj: Any, path: str) -> None:
+    tag = path.encode("utf-8", "surrogatepass")
+    if obj is None:
+        _put(hasher, tag, b"none")
+    elif isinstance(obj, torch.Tensor):
+        _feed_tensor(hasher, tag, obj, path)
+    elif isinstance(obj, bool):
+        _put(hasher, tag, b"bool", b"1" if obj else b"0")
+    elif isinstance(obj, int):
+        _put(hasher, tag, b"int", str(obj).encode())
+    elif isinstance(obj, float):
+        text = obj.hex() if math.isfinite(obj) else repr(obj)
+        _put(hasher, tag, b"float", text.encode())
+    elif isinstance(obj, str):
+        _put(hasher, tag, b"str", obj.encode("utf-8", "surrogatepass"))
+    elif isinstance(obj, (bytes, bytearray)):
+        _put(hasher, tag, b"bytes", bytes(obj))
+    elif isinstance(obj, torch.dtype):
+        _put(hasher, tag, b"dtype", str(obj).encode())
+    elif isinstance(obj, torch.device):
+        _put(hasher, tag, b"device", str(obj).encode())
+    elif type(obj).__module__ == "numpy" and hasattr(obj, "dtype") and hasattr(obj, "shape"):
+        _feed_tensor(hasher, tag, torch.as_tensor(obj), path)
+    elif isinstance(obj, Mapping):
+        items = sorted(obj.items(), key=lambda kv: str(kv[0]))
+        _put(hasher, tag, b"map", str(len(items)).encode())
+        for key, value in items:
+            _feed(hasher, value, f"{path}[{str(key)!r}]")
+    elif isinstance(obj, Sequence):
+        _put(hasher, tag, b"seq", str(len(obj)).encode())
+        for i, value in enumerate(obj):
+            _feed(hasher, value, f"{path}[{i}]")
+    else:
+        where = repr(path) if path else "the top level"
+        raise TypeError(
+            f"cannot fingerprint a {type(obj).__name__} at {where}: use tensors, numbers, strings, "
+            "None, or tuples/lists/dicts of them"
+        )
+
+
+def _feed_tensor(hasher: Any, tag: bytes, tensor: torch.Tensor, path: str) -> None:
+    if tensor.layout != torch.strided:
+        tensor = tensor.to_dense()
+    header = f"{tensor.dtype}|{tuple(tensor.shape)}".encode()
+    if tensor.device.type == "meta":
+        _put(hasher, tag, b"tensor-meta", header)
+        return
+    _put(hasher, tag, b"tensor", header)
+    data = tensor_bytes(tensor)
+    hasher.update(len(data).to_bytes(8, "little"))
+    hasher.update(data)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """Raw bytes of ``tensor`` in C order, as a read-only view of a contiguous CPU copy.
+
+    Conjugate and negative views are materialized first, so the bytes are the values the tensor
+    shows. Works for every dtype, including bfloat16, bool and complex.
+    """
+    flat = tensor.detach()
+    if flat.is_complex():
+        flat = flat.resolve_conj()
+    flat = flat.resolve_neg().to("cpu").contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    raw = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+    return memoryview(raw.numpy()).toreadonly()
+
+
+_MODULE_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+
+
+def fingerprint_module(module: torch.nn.Module) -> str:
+    """BLAKE2b hex digest (64 characters) of a module's class and ``state_dict``.
+
+    Covers the class's qualified name and, for every ``state_dict`` entry (parameters and
+    persistent buffers), its name, dtype, shape and bytes. The device is not part of it, so the
+    same model on CPU and NPU has the same fingerprint.
+
+    The digest is cached per module object (weakly, so the cache never keeps a model alive) and
+    recomputed when any entry's storage pointer, shape, dtype, device or autograd version counter
+    (``tensor._version``) changes — i.e. after ``load_state_dict``, ``.to()``, or an in-place edit
+    such as ``with torch.no_grad(): p.mul_(2)``. An edit through ``p.data`` bypasses the version
+    counter (PyTorch gives ``.data`` its own counter) and is NOT seen; edit parameters under
+    ``torch.no_grad()`` instead.
+
+    Raises:
+        TypeError: if ``module`` is not a ``torch.nn.Module``.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"fingerprint_module expects a torch.nn.Module, got {type(module).__name__}")
+    state = module.state_dict(keep_vars=True)
+    key = tuple(
+        (name, t.data_ptr() if t.device.type != "meta" else 0, getattr(t, "_version", 0),
+         tuple(t.shape), str(t.dtype), str(t.device))
+        for name, t in state.items()
+    )
+    cached = _MODULE_CACHE.get(module)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    hasher = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"npu-parity-mod")
+    kind = type(module)
+    _put(hasher, f"{kind.__module__}.{kind.__qualname__}".encode())
+    for name, tensor in state.items():
+        _feed_tensor(hasher, name.encode(), tensor, name)
+    digest = hasher.hexdigest()
+    _MODULE_CACHE[module] = (key, digest)
+    return digest
