@@ -1,0 +1,536 @@
+"""The engine behind the ``parity`` fixture: run a computation on the reference and the target, compare.
+
+One ``ParitySession`` lives for a pytest session (or a script); it knows the target device, where the
+reference comes from, the recipes, tolerance overrides and the baseline store, and it collects a
+``CheckRecord`` for every check. One ``ParityCase`` serves one test for one recipe:
+
+``case.check(name, fn, *args, **kwargs)``
+    runs ``fn`` (a module, a bound method of a module, or a function) on the reference and on the
+    target and compares every output leaf. The reference side is the upstream computation on the CPU
+    (or, with ``--update-baselines``, on the recording device), or a stored baseline. The target side
+    runs on the target device under the recipe and the suite's patch set. Both sides draw their
+    randomness from the same seeded CPU stream (``rng.same_randomness``).
+``case.train_step(name, module, inputs)``
+    one optimizer step on each side from the same weights; compares the loss, every trainable
+    parameter's gradient, every parameter after the step and every buffer.
+``case.compare(name, actual, expected)``
+    judges outputs the user computed.
+
+Modules are moved to the target once per session (a cached deep copy keyed by the module object);
+a module with any submodule in training mode is deep-copied afresh for every run so that BatchNorm
+running statistics or other state changed by one side never leak into the other.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+
+from .compare import CompareResult, ParityError, compare, flatten
+from .policy import Tolerance, default_for_recipe, parse_tolerance_spec
+from .recipes import RECIPES, Recipe, strict_fp32_flags
+from .rng import same_randomness
+
+PatchFactory = Callable[[torch.device], ContextManager[Any]]
+
+
+@dataclass
+class CheckRecord:
+    """What happened in one check, for the terminal summary and the report.
+
+    ``status`` is ``pass``, ``fail``, ``error`` or ``recorded``. ``reference`` is ``cpu`` (live run),
+    ``baseline`` or ``recorded``; ``reference_provenance`` is the baseline's one-line provenance.
+    ``audit`` is the device-propagation record (a dict) when the audit ran.
+    """
+
+    test_id: str
+    check: str
+    recipe: str
+    target: str
+    target_name: str
+    reference: str
+    tolerance: Tolerance
+    status: str = "pass"
+    submodule: str | None = None
+    result: CompareResult | None = None
+    reference_provenance: str | None = None
+    audit: dict | None = None
+    duration_s: float = 0.0
+    message: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per compared leaf (the report's row schema); one row with no metrics otherwise."""
+        base = {
+            "test_id": self.test_id, "check": self.check, "submodule": self.submodule,
+            "recipe": self.recipe, "target": self.target, "target_name": self.target_name,
+            "reference": self.reference, "reference_provenance": self.reference_provenance,
+            "duration_s": self.duration_s,
+        }
+        counts = (self.audit or {}).get("counts", {})
+        for kind in ("mixed_device", "h2d", "d2h", "host_sync", "cpu_fallback", "fp64"):
+            base[f"audit_{kind}"] = counts.get(kind)
+        leaves = self.result.leaves if self.result is not None else []
+        if not leaves:
+            row = dict(base, leaf=None, verdict=self.status, problem=self.message,
+                       rtol=self.tolerance.rtol, atol=self.tolerance.atol, budget=self.tolerance.budget,
+                       tolerance_source=self.tolerance.source, tolerance_reason=self.tolerance.reason)
+            return [row]
+        rows = []
+        for leaf in leaves:
+            row = dict(base, **leaf.to_row())
+            if self.status == "error":
+                row["verdict"] = "error"
+            rows.append(row)
+        return rows
+
+
+def _move(obj: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:
+    """Move every tensor in a nested structure to ``device`` (floating ones cast to ``float_dtype``)."""
+    if isinstance(obj, torch.Tensor):
+        if float_dtype is not None and obj.is_floating_point():
+            return obj.to(device=device, dtype=float_dtype)
+        return obj.to(device)
+    if isinstance(obj, dict) or hasattr(obj, "items") and hasattr(obj, "keys"):
+        return type(obj)({k: _move(v, device, float_dtype) for k, v in obj.items()}) if isinstance(obj, dict) \
+            else {k: _move(v, device, float_dtype) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(_move(v, device, float_dtype) for v in obj)
+    if isinstance(obj, list):
+        return [_move(v, device, float_dtype) for v in obj]
+    return obj
+
+
+def _to_cpu_leaves(output: Any) -> dict[str, torch.Tensor | None]:
+    return {path: (t.detach().cpu() if t is not None else None) for path, t in flatten(output)}
+
+
+def _any_training(module: torch.nn.Module) -> bool:
+    return any(m.training for m in module.modules())
+
+
+def _sync_modes(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    for a, b in zip(src.modules(), dst.modules()):
+        b.training = a.training
+
+
+def _on_device(module: torch.nn.Module, device: torch.device, dtype: torch.dtype | None) -> bool:
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.device != device:
+            return False
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            return False
+    return True
+
+
+def owner_module(fn: Any) -> torch.nn.Module | None:
+    """The module that ``fn`` is (a module) or belongs to (a bound method of a module), else None."""
+    if isinstance(fn, torch.nn.Module):
+        return fn
+    if inspect.ismethod(fn) and isinstance(fn.__self__, torch.nn.Module):
+        return fn.__self__
+    return None
+
+
+class ParitySession:
+    """Session-wide parity state (no pytest needed: usable from a script or notebook).
+
+    Args:
+        target: the device under test.
+        reference: ``auto`` (stored baseline when one exists for the check, else a live CPU run),
+            ``cpu`` or ``baseline`` (a missing baseline is a failure).
+        update_baselines: record mode: run each check's reference computation on ``target`` and
+            store it instead of comparing.
+        store: a ``baselines.BaselineStore`` (required for ``baseline`` and record mode).
+        check_tolerances: per check name (exact name or ``fnmatch`` pattern): a ``Tolerance`` or a
+            spec string (``"rtol=1e-4 # reason"``, parsed over the recipe's default).
+        recipe_tolerances: per recipe default overrides (from ini).
+        seed: default seed for every check.
+        audit_factory: ``(device) -> context manager yielding an object with .to_dict()`` to audit
+            target runs, or None (no audit, no cost).
+        failure_hooks: callables ``(case, name, fn, args, kwargs, result) -> str | None`` whose text
+            is appended to a failure message (e.g. first-divergence localization).
+    """
+
+    def __init__(self, target: torch.device, *, reference: str = "auto", update_baselines: bool = False,
+                 store: Any = None, check_tolerances: dict[str, Tolerance | str] | None = None,
+                 recipe_tolerances: dict[str, Tolerance] | None = None, seed: int = 0,
+                 audit_factory: Callable[[torch.device], ContextManager[Any]] | None = None,
+                 failure_hooks: list[Callable[..., str | None]] | None = None):
+        if reference not in ("auto", "cpu", "baseline"):
+            raise ValueError(f"--parity-reference={reference!r}: use auto, cpu or baseline")
+        if (reference == "baseline" or update_baselines) and store is None:
+            raise ValueError("a baseline store is needed for --parity-reference=baseline and --update-baselines")
+        self.target = target
+        self.reference = reference
+        self.update_baselines = update_baselines
+        self.store = store
+        self.check_tolerances = dict(check_tolerances or {})
+        self.recipe_tolerances = dict(recipe_tolerances or {})
+        self.seed = seed
+        self.audit_factory = audit_factory
+        self.failure_hooks = list(failure_hooks or [])
+        self.records: list[CheckRecord] = []
+        self.baseline_writes: dict[str, str] = {}  # test_id -> created/changed/unchanged
+        self.baselines_used: set = set()
+        self._copies: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+        self._reference_memo: dict[tuple, dict] = {}
+        from .devices import device_name
+
+        self.target_name = device_name(target)
+
+    # -- modules -------------------------------------------------------------------------------
+    def place(self, module: torch.nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """``module`` on ``device`` (floating tensors in ``dtype`` if given), copied at most once per session.
+
+        A module already there is returned as is. Modules in training mode get a fresh copy each
+        call (see module doc). Weights edited after the first placement are not seen by the cached
+        copy: call ``forget(module)`` after editing.
+        """
+        if _any_training(module):
+            if _on_device(module, device, dtype) and dtype is None:
+                return copy.deepcopy(module)
+            return copy.deepcopy(module).to(device=device, dtype=dtype)
+        if _on_device(module, device, dtype):
+            return module
+        per_module = self._copies.setdefault(module, {})
+        key = (str(device), dtype)
+        placed = per_module.get(key)
+        if placed is None:
+            placed = copy.deepcopy(module).to(device=device, dtype=dtype) if dtype else copy.deepcopy(module).to(device)
+            per_module[key] = placed
+        _sync_modes(module, placed)
+        return placed
+
+    def forget(self, module: torch.nn.Module) -> None:
+        """Drop cached device copies of ``module`` (after editing its weights)."""
+        self._copies.pop(module, None)
+
+    def tolerance(self, recipe: str, check: str, marker: Tolerance | None = None,
+                  explicit: dict[str, Any] | None = None) -> Tolerance:
+        """The tolerance for ``check`` under ``recipe``: default < ini recipe < ini per-check < marker < explicit."""
+        import fnmatch
+
+        tol = self.recipe_tolerances.get(recipe, default_for_recipe(recipe))
+        for pattern, override in self.check_tolerances.items():
+            if pattern == check or fnmatch.fnmatchcase(check, pattern):
+                tol = parse_tolerance_spec(override, source="ini", base=tol) if isinstance(override, str) else override
+                break
+        if marker is not None:
+            tol = marker
+        if explicit:
+            values = {k: v for k, v in explicit.items() if v is not None}
+            if values:
+                tol = tol.replace(**values, source="check", reason=values.get("reason", tol.reason))
+        return tol
+
+
+class ParityCase:
+    """The ``parity`` fixture's object: checks for one test under one recipe.
+
+    Args:
+        session: the ``ParitySession``.
+        test_id: the pytest node id (names the baseline file).
+        recipe: a recipe name from ``recipes.RECIPES``.
+        marker_tolerance: tolerance from ``@pytest.mark.parity(...)``, if any.
+        patches: ``(device) -> context manager`` applying the suite's patch set on the target side.
+    """
+
+    def __init__(self, session: ParitySession, test_id: str, recipe: str = "fp32", *,
+                 marker_tolerance: Tolerance | None = None, patches: PatchFactory | None = None):
+        if recipe not in RECIPES:
+            raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
+        self.session = session
+        self.test_id = test_id
+        self.recipe: Recipe = RECIPES[recipe]
+        self.marker_tolerance = marker_tolerance
+        self.patches = patches
+        self.records: list[CheckRecord] = []
+        self._pending: dict[str, Any] = {}
+        self._baseline: Any = None
+        self._baseline_loaded = False
+
+    # -- public API ----------------------------------------------------------------------------
+    @property
+    def target(self) -> torch.device:
+        return self.session.target
+
+    def check(self, name: str, fn: Callable[..., Any], *args: Any, submodule: str | None = None,
+              seed: int | None = None, grad: bool = False, rtol: float | None = None,
+              atol: float | None = None, budget: float | None = None, reason: str | None = None,
+              **kwargs: Any) -> CheckRecord:
+        """Run ``fn(*args, **kwargs)`` on the reference and the target and compare every output leaf.
+
+        Args:
+            name: the check's name, unique within the test (names the stored baseline entry).
+            fn: an ``nn.Module``, a bound method of one (e.g. ``model.generate``) or a function.
+                Tensors in ``args``/``kwargs`` and the module's parameters/buffers are moved to
+                each side's device.
+            submodule: dotted path of the module inside its model, for the report.
+            seed: seed of the shared random stream (default: the session's).
+            grad: run with autograd enabled (default: ``torch.no_grad()``).
+            rtol, atol, budget, reason: per-check tolerance override (``reason`` is shown in the report).
+
+        Returns:
+            The ``CheckRecord`` (also kept for the summary and report).
+
+        Raises:
+            ParityError: an output leaf is out of tolerance, or shapes/dtypes/structure differ.
+            baselines.BaselineError: the stored baseline is missing (with ``--parity-reference
+                baseline``), stale or corrupt.
+        """
+        seed = self.session.seed if seed is None else seed
+        tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance,
+                                     dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
+        self._check_name(name)
+        start = time.perf_counter()
+        hashes = self._hashes(fn, args, kwargs)
+
+        def run(device: torch.device, patched: bool, audited: bool = False):
+            return self._run(fn, args, kwargs, device, seed=seed, patched=patched, grad=grad, audited=audited)
+
+        if self.session.update_baselines:
+            leaves, _ = run(self.target, patched=False)
+            return self._record_pending(name, leaves, hashes, seed, submodule, tol, start)
+        expected, reference, provenance = self._reference(name, run, hashes)
+        actual, audit = run(self.target, patched=True, audited=self.session.audit_factory is not None)
+        return self._judge(name, actual, expected, tol, reference, provenance, submodule, start, audit,
+                           failure_args=(fn, args, kwargs))
+
+    def train_step(self, name: str, module: torch.nn.Module, inputs: dict[str, Any], *,
+                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                   optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+                   max_grad_norm: float | None = 1.0, seed: int | None = None, submodule: str | None = None,
+                   rtol: float | None = None, atol: float | None = None, budget: float | None = None,
+                   reason: str | None = None) -> CheckRecord:
+        """One training step on each side from the same weights, compared leaf by leaf.
+
+        Each side deep-copies ``module``, puts it in training mode on its device, runs
+        ``module(**inputs)`` under the recipe (forward under autocast for bf16, backward outside it,
+        as Hugging Face Trainer does), ``loss_fn(output)`` (default: ``output.loss`` or
+        ``output[0]``), ``loss.backward()``, clips the global gradient norm to ``max_grad_norm``
+        (``torch.nn.utils.clip_grad_norm_``) and takes one ``optimizer`` step (default
+        ``default_optimizer``: AdamW as upstream Aurora trains).
+
+        Compared leaves: ``loss``; ``grad.<param>`` for every trainable parameter; ``param.<param>``
+        after the step for every trainable parameter; ``buffer.<name>`` for every buffer (e.g.
+        BatchNorm running mean/var and num_batches_tracked).
+
+        Raises:
+            ParityError, baselines.BaselineError: as ``check``.
+        """
+        seed = self.session.seed if seed is None else seed
+        tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance,
+                                     dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
+        self._check_name(name)
+        start = time.perf_counter()
+        optimizer = optimizer or default_optimizer
+        hashes = self._hashes(module, (), inputs)
+
+        def step(m: torch.nn.Module, **batch: Any) -> dict[str, torch.Tensor]:
+            m.train()
+            params = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
+            opt = optimizer([p for _, p in params])
+            opt.zero_grad(set_to_none=True)
+            with self.recipe.context(_device_of(m)):
+                output = m(**batch)
+                loss = loss_fn(output) if loss_fn else _default_loss(output)
+            loss.backward()
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_([p for _, p in params], max_grad_norm)
+            grads = {f"grad.{n}": p.grad.detach().clone() for n, p in params if p.grad is not None}
+            opt.step()
+            out: dict[str, torch.Tensor] = {"loss": loss.detach()}
+            out.update(grads)
+            out.update({f"param.{n}": p.detach() for n, p in params})
+            out.update({f"buffer.{n}": b.detach() for n, b in m.named_buffers()})
+            return out
+
+        def run(device: torch.device, patched: bool, audited: bool = False):
+            m = copy.deepcopy(module).to(device)
+            return self._run(step, (m,), inputs, device, seed=seed, patched=patched, grad=True,
+                             audited=audited, recipe_context=False)
+
+        if self.session.update_baselines:
+            leaves, _ = run(self.target, patched=False)
+            return self._record_pending(name, leaves, hashes, seed, submodule, tol, start)
+        expected, reference, provenance = self._reference(name, run, hashes)
+        actual, audit = run(self.target, patched=True, audited=self.session.audit_factory is not None)
+        return self._judge(name, actual, expected, tol, reference, provenance, submodule, start, audit,
+                           failure_args=(step, (module,), inputs))
+
+    def compare(self, name: str, actual: Any, expected: Any, *, rtol: float | None = None,
+                atol: float | None = None, budget: float | None = None, reason: str | None = None,
+                submodule: str | None = None) -> CheckRecord:
+        """Judge outputs computed by the caller (``actual`` on the target, ``expected`` the reference).
+
+        Raises:
+            ParityError: when a leaf is out of tolerance.
+        """
+        tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance,
+                                     dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
+        self._check_name(name)
+        start = time.perf_counter()
+        return self._judge(name, _to_cpu_leaves(actual), _to_cpu_leaves(expected), tol, "given", None,
+                           submodule, start, None, failure_args=None)
+
+    def finish(self) -> str | None:
+        """End of the test: in record mode write the baseline file; returns its status or None."""
+        if not (self.session.update_baselines and self._pending):
+            return None
+        from .provenance import collect_provenance
+
+        with strict_fp32_flags():
+            from .recipes import precision_flags
+
+            flags = precision_flags()
+        provenance = collect_provenance(self.target, recipe=self.recipe.name, seed=self.session.seed,
+                                        precision_flags=flags)
+        status = self.session.store.write(self.test_id, self._pending, provenance)
+        self.session.baseline_writes[self.test_id] = status
+        self.session.baselines_used.add(self.session.store.path_for(self.test_id))
+        return status
+
+    # -- internals -----------------------------------------------------------------------------
+    def _check_name(self, name: str) -> None:
+        if not name or "/" in name:
+            raise ValueError(f"check name {name!r} must be non-empty and contain no '/'")
+        if any(r.check == name for r in self.records):
+            raise ValueError(f"check name {name!r} is used twice in {self.test_id}; names must be unique per test")
+
+    def _hashes(self, fn: Any, args: tuple, kwargs: dict) -> dict[str, str]:
+        from .provenance import fingerprint_module, fingerprint_tensors
+
+        module = owner_module(fn)
+        if module is not None:
+            config = fingerprint_module(module)
+        else:
+            config = fingerprint_tensors(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}")
+        return {"input_hash": fingerprint_tensors((args, kwargs)), "config_hash": config}
+
+    def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device, *, seed: int,
+             patched: bool, grad: bool, audited: bool = False, recipe_context: bool = True):
+        weights_dtype = self.recipe.weights_dtype
+        module = owner_module(fn)
+        if isinstance(fn, torch.nn.Module):
+            call = self.session.place(fn, device, weights_dtype)
+        elif module is not None:
+            call = getattr(self.session.place(module, device, weights_dtype), fn.__name__)
+        else:
+            call = fn
+        args_d, kwargs_d = _move(args, device, weights_dtype), _move(kwargs, device, weights_dtype)
+        audit = None
+        with contextlib.ExitStack() as stack:
+            if patched and self.patches is not None:
+                stack.enter_context(self.patches(device))
+            stack.enter_context(self.recipe.context(device) if recipe_context else strict_fp32_flags())
+            stack.enter_context(same_randomness(seed))
+            stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
+            if audited:
+                audit = stack.enter_context(self.session.audit_factory(device))
+            output = call(*args_d, **kwargs_d)
+        leaves = _to_cpu_leaves(output)
+        return leaves, (audit.to_dict() if audit is not None and hasattr(audit, "to_dict") else None)
+
+    def _load_baseline(self):
+        if not self._baseline_loaded:
+            self._baseline_loaded = True
+            if self.session.store is not None:
+                self._baseline = self.session.store.load(self.test_id)
+                if self._baseline is not None:
+                    self.session.baselines_used.add(self._baseline.path)
+        return self._baseline
+
+    def _reference(self, name: str, run: Callable, hashes: dict[str, str]):
+        """(expected leaves, reference kind, provenance line) for a check."""
+        mode = self.session.reference
+        if mode in ("auto", "baseline"):
+            baseline = self._load_baseline()
+            has_check = baseline is not None and name in baseline.checks
+            if mode == "baseline" or has_check:
+                from .provenance import describe_provenance
+
+                if baseline is None:
+                    raise self.session.store.missing_error(self.test_id)
+                entry = self.session.store.check_fresh(baseline, name, **hashes)
+                expected: dict[str, torch.Tensor | None] = dict(entry.tensors)
+                expected.update({p: None for p in entry.none_leaves})
+                return expected, "baseline", describe_provenance(baseline.provenance)
+        key = (name, self.recipe.name, hashes["input_hash"], hashes["config_hash"])
+        memo = self.session._reference_memo
+        if key not in memo:
+            memo[key] = run(torch.device("cpu"), patched=False)[0]
+        return memo[key], "cpu", None
+
+    def _record_pending(self, name, leaves, hashes, seed, submodule, tol, start) -> CheckRecord:
+        from .baselines import CheckBaseline
+
+        tensors = {p: t.contiguous() for p, t in leaves.items() if t is not None}
+        meta = dict(hashes, seed=seed, submodule=submodule, recipe=self.recipe.name,
+                    shapes={p: list(t.shape) for p, t in tensors.items()},
+                    dtypes={p: str(t.dtype).removeprefix("torch.") for p, t in tensors.items()})
+        self._pending[name] = CheckBaseline(name=name, tensors=tensors,
+                                            none_leaves=[p for p, t in leaves.items() if t is None], meta=meta)
+        record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
+                             "recorded", tol, status="recorded", submodule=submodule,
+                             duration_s=time.perf_counter() - start)
+        self._keep(record)
+        return record
+
+    def _judge(self, name, actual, expected, tol, reference, provenance, submodule, start, audit,
+               failure_args) -> CheckRecord:
+        result = compare(actual, expected, tol, name=name)
+        record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
+                             reference, tol, status="pass" if result.passed else "fail", submodule=submodule,
+                             result=result, reference_provenance=provenance, audit=audit,
+                             duration_s=time.perf_counter() - start)
+        self._keep(record)
+        if not result.passed:
+            ref_text = {"cpu": "a live CPU run", "given": "the given expected output"}.get(
+                reference, f"baseline {provenance}")
+            context = f"recipe {self.recipe.name}, target {self.target} ({self.session.target_name}) vs {ref_text}"
+            message = result.format(context)
+            if failure_args is not None:
+                for hook in self.session.failure_hooks:
+                    extra = hook(self, name, *failure_args, result)
+                    if extra:
+                        message += "\n\n" + extra
+            record.message = message
+            raise ParityError(message, result)
+        return record
+
+    def _keep(self, record: CheckRecord) -> None:
+        self.records.append(record)
+        self.session.records.append(record)
+
+
+def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1): Aurora's training setup."""
+    return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is None:
+        loss = output[0] if isinstance(output, (tuple, list)) else output
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError("train_step: the output has no scalar loss; pass loss_fn=lambda out: ...")
+    return loss
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def no_patches(device: torch.device) -> Iterator[None]:
+    """A patch factory that applies nothing."""
+    yield

@@ -1,0 +1,185 @@
+"""Plugin behaviour through pytester: options, skipping, recipes, verdicts, messages, device errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+LINEAR_TEST = """
+import contextlib
+import pytest
+import torch
+
+@pytest.fixture
+def layer():
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 4).eval()
+
+def test_linear(parity, layer):
+    x = torch.linspace(-1, 1, 24).reshape(3, 8)
+    parity.check("linear", layer, x)
+
+def test_plain():
+    assert 1 + 1 == 2
+"""
+
+# The target side runs under `parity_patches`: a "patch set" that corrupts one output element
+# by 2x the fp32 tolerance, so the check must fail and name that element.
+BROKEN_TARGET = """
+import contextlib
+import pytest
+import torch
+
+class Doubler(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+@pytest.fixture
+def parity_patches():
+    @contextlib.contextmanager
+    def corrupt(device):
+        original = Doubler.forward
+        def forward(self, x):
+            y = original(self, x)
+            y[1, 2] += 2 * (1e-5 + 1e-5 * abs(float(y[1, 2])))
+            return y
+        Doubler.forward = forward
+        try:
+            yield
+        finally:
+            Doubler.forward = original
+    return corrupt
+
+def test_broken(parity):
+    parity.check("doubler", Doubler(), torch.ones(3, 4))
+
+@pytest.mark.parity(rtol=1e-3, atol=1e-3, reason="documented: tolerance widened on purpose")
+def test_broken_but_widened(parity):
+    record = parity.check("doubler", Doubler(), torch.ones(3, 4))
+    assert record.tolerance.source == "marker"
+    assert record.tolerance.reason == "documented: tolerance widened on purpose"
+"""
+
+
+def test_help_lists_every_option(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--help")
+    for option in ("--npu-parity", "--parity-device", "--parity-reference", "--parity-dtypes",
+                   "--update-baselines", "--baseline-dir", "--parity-report", "--parity-history",
+                   "--parity-seed", "--parity-audit"):
+        result.stdout.fnmatch_lines([f"*{option}*"])
+
+
+def test_parity_tests_are_skipped_without_the_flag(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(LINEAR_TEST)
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(passed=1, skipped=2)
+    result.stdout.fnmatch_lines(["*parity suites run only with --npu-parity*"])
+
+
+def test_check_passes_under_each_recipe(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(LINEAR_TEST)
+    result = pytester.runpytest("--npu-parity", "--parity-device", "cpu", "-v")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*test_linear?fp32? PASSED*", "*test_linear?bf16? PASSED*"])
+    result.stdout.fnmatch_lines(["*npu-parity*", "*linear*fp32*1*1*", "*2 checks: 2 pass*"])
+
+
+def test_recipes_follow_parity_dtypes(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(LINEAR_TEST)
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32", "-v")
+    result.assert_outcomes(passed=2)
+    assert "test_linear[bf16]" not in result.stdout.str()
+
+
+def test_unknown_recipe_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(LINEAR_TEST)
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32,fp8")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*unknown recipe(s) fp8*"])
+
+
+def test_header_names_target_reference_and_versions(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(LINEAR_TEST)
+    result = pytester.runpytest("--npu-parity", "--parity-device", "cpu", "--co")
+    result.stdout.fnmatch_lines([
+        "npu-parity: target cpu (*) * reference auto * recipes fp32,bf16 *",
+        f"npu-parity: torch {torch.__version__} * torch_npu * CANN * precision flags *allow_tf32=False*",
+    ])
+
+
+@pytest.mark.parametrize("device", ["npu", "npu:1"])
+def test_absent_npu_is_a_usage_error_naming_the_cause(pytester: pytest.Pytester, device: str) -> None:
+    from pytest_npu_parity.npu import npu_status
+
+    if npu_status().available:
+        pytest.skip("an NPU is present")
+    pytester.makepyfile(LINEAR_TEST)
+    result = pytester.runpytest("--npu-parity", "--parity-device", device)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*--parity-device={device}: *torch_npu*"])
+
+
+def test_absent_cuda_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    pytester.makepyfile(LINEAR_TEST)
+    result = pytester.runpytest("--npu-parity", "--parity-device", "cuda:0")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--parity-device=cuda:0: *CUDA*"])
+
+
+def test_bad_device_spec_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(LINEAR_TEST)
+    result = pytester.runpytest("--npu-parity", "--parity-device", "tpu")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--parity-device='tpu' is not a device*"])
+
+
+def test_failure_names_the_element_and_marker_override_passes(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(BROKEN_TARGET)
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*Parity check 'doubler' failed (recipe fp32, target cpu (*) vs a live CPU run)*",
+        "*Mismatched elements: 1 / 12 (8.3%)*",
+        "*Greatest absolute difference: * at index (1, 2) (up to 1e-05 allowed*",
+        "*leaf*shape*dtype*max_abs*max_rel*rel_l2*cosine*mismatched*",
+    ])
+
+
+def test_compare_of_user_outputs_with_nan_in_different_places_fails(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("""
+        import torch
+        def test_nan(parity):
+            a = torch.zeros(5); a[1] = float("nan")
+            b = torch.zeros(5); b[3] = float("nan")
+            parity.compare("nan", a, b)
+        def test_same_nan(parity):
+            a = torch.zeros(5); a[1] = float("nan")
+            parity.compare("nan", a, a.clone())
+    """)
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*NaN/Inf positions differ at 2 elements*"])
+
+
+def test_ini_per_check_tolerance_applies_with_its_reason(pytester: pytest.Pytester) -> None:
+    pytester.makeini("""
+        [pytest]
+        parity_tolerances =
+            doub*: rtol=1e-3 atol=1e-3 # widened in ini for the test
+    """)
+    pytester.makepyfile(BROKEN_TARGET.replace("@pytest.mark.parity(", "@pytest.mark.skip(reason='n/a')\n@pytest.mark.parity("))
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32")
+    result.assert_outcomes(passed=1, skipped=1)
+
+
+def test_bad_ini_tolerance_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makeini("""
+        [pytest]
+        parity_tolerances =
+            linear: rtol=abc
+    """)
+    pytester.makepyfile(LINEAR_TEST)
+    result = pytester.runpytest("--npu-parity")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*bad number 'abc' for rtol*"])
