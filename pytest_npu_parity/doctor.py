@@ -172,7 +172,8 @@ class _Context:
         """Mark ``result`` skipped when there is no usable target; True if so."""
         if self.target is None:
             result.status = "skip"
-            why = self.torch_error or self.target_error or "no target"
+            why = "torch is not importable, see Basic environment" if self.torch_error \
+                else "see Device status"
             result.details.append(f"skipped: target {self.requested!r} is unavailable ({why})")
             return True
         return False
@@ -203,11 +204,6 @@ def _version(dist: str) -> str | None:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def _module_missing(exc: ImportError, module: str) -> bool:
-    """True when ``exc`` says ``module`` itself (not something it imports) does not exist."""
-    return isinstance(exc, ModuleNotFoundError) and exc.name == module
 
 
 def _gib(n_bytes: float) -> str:
@@ -331,8 +327,7 @@ def parse_npu_smi(text: str) -> list[dict[str, Any]]:
 def _section_devices(ctx: _Context, r: SectionResult) -> None:
     torch = ctx.torch
     r.details.append(f"requested --device {ctx.requested}: "
-                     + (f"target {ctx.target}" if ctx.target is not None
-                        else f"unavailable — {ctx.target_error or ctx.torch_error}"))
+                     + (f"target {ctx.target}" if ctx.target is not None else "unavailable"))
     if ctx.target is None:
         r.worse("fail")
         r.fixes.append(ctx.target_error or ctx.torch_error or "fix the torch installation")
