@@ -256,6 +256,31 @@ def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, p
     case.finish()
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    config = session.config
+    if SESSION_KEY not in config.stash or getattr(config, "workeroutput", None) is not None:
+        return
+    store = config.stash[SESSION_KEY].store
+    unsafe = store.scan_unsafe()
+    if unsafe:
+        names = "\n  ".join(str(p) for p in unsafe)
+        raise pytest.UsageError(
+            f"refusing to run: pickle-format files in the baseline store (they are never loaded):\n  {names}\n"
+            "baselines are safetensors files; delete these or move them out of the store")
+
+
+def _full_run(config: pytest.Config) -> bool:
+    """True for an unfiltered run of whole directories (unused baselines are only judged then)."""
+    option = config.option
+    if getattr(option, "keyword", "") or getattr(option, "markexpr", "") or getattr(option, "deselect", None):
+        return False
+    if getattr(option, "lf", False):
+        return False
+    if config.getoption("parity_dtypes") is not None:  # a recipe subset leaves the others' files unused
+        return False
+    return all(Path(arg).is_dir() for arg in config.args)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
@@ -266,6 +291,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if workeroutput is not None:  # pytest-xdist worker: ship rows to the controller
         workeroutput["parity_rows"] = json.dumps(rows, default=str)
         workeroutput["parity_writes"] = json.dumps(config.stash[SESSION_KEY].baseline_writes)
+        workeroutput["parity_used"] = json.dumps(sorted(map(str, config.stash[SESSION_KEY].baselines_used)))
         return
     config.stash[ROWS_KEY].extend(rows)
 
@@ -276,6 +302,7 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
     if "parity_rows" in output and SESSION_KEY in config.stash:
         config.stash[ROWS_KEY].extend(json.loads(output["parity_rows"]))
         config.stash[SESSION_KEY].baseline_writes.update(json.loads(output.get("parity_writes", "{}")))
+        config.stash[SESSION_KEY].baselines_used.update(Path(p) for p in json.loads(output.get("parity_used", "[]")))
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -310,6 +337,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         status = Counter(session.baseline_writes.values())
         tr.write_line("baselines: " + ", ".join(f"{n} {s}" for s, n in sorted(status.items()))
                       + f" under {session.store.root}")
+    if _full_run(config) and (exitstatus == 0 or not session.update_baselines):
+        unused = session.store.unused(session.baselines_used)
+        if unused and session.update_baselines:
+            session.store.prune(unused)
+            tr.write_line(f"baselines: pruned {len(unused)} unused: " + ", ".join(map(str, unused)))
+        elif unused:
+            tr.write_line(f"baselines: {len(unused)} unused (no test used them; `pytest --update-baselines` "
+                          "on a full run prunes them): " + ", ".join(map(str, unused)))
     _write_outputs(config, session, rows)
 
 
@@ -320,7 +355,7 @@ def _write_outputs(config: pytest.Config, session: Any, rows: list[dict]) -> Non
         return
     from . import report
 
-    meta = report.run_metadata(session, config.invocation_params.args)
+    meta = session.metadata(_recipe_names(config), config.invocation_params.args)
     hist = report.append_history(rows, meta, history) if history else None
     if out_dir:
         report.write_report(rows, meta, out_dir, history=hist)

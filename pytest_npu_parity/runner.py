@@ -181,6 +181,7 @@ class ParitySession:
         self.baselines_used: set = set()
         self._copies: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         self._reference_memo: dict[tuple, dict] = {}
+        self.patches_applied: set[str] = set()
         from .devices import device_name
 
         self.target_name = device_name(target)
@@ -207,6 +208,39 @@ class ParitySession:
             per_module[key] = placed
         _sync_modes(module, placed)
         return placed
+
+    def metadata(self, recipes: list[str], pytest_args: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+        """The run's metadata for reports: versions, machine, target, reference, flags, patch set."""
+        import datetime
+        import uuid
+
+        from .provenance import collect_provenance
+        from .recipes import precision_flags
+
+        with strict_fp32_flags():
+            flags = precision_flags()
+        prov = collect_provenance(self.target, recipe=",".join(recipes), seed=self.seed, precision_flags=flags)
+        created = datetime.datetime.now(datetime.timezone.utc)
+        return {
+            "run_id": created.strftime("%Y%m%dT%H%M%SZ-") + uuid.uuid4().hex[:6],
+            "created": created.isoformat(timespec="seconds"),
+            "git_revision": prov.get("git_revision"),
+            "machine": prov.get("platform"),
+            "python": prov.get("python"),
+            "torch": prov.get("torch"),
+            "torch_npu": prov.get("torch_npu"),
+            "cann": prov.get("cann"),
+            "transformers": prov.get("transformers"),
+            "aurora_model": prov.get("aurora_model"),
+            "plugin_version": prov.get("plugin_version"),
+            "target": str(self.target),
+            "target_name": self.target_name,
+            "reference": "recording" if self.update_baselines else self.reference,
+            "recipes": list(recipes),
+            "precision_flags": flags,
+            "patch_set": sorted(self.patches_applied),
+            "pytest_args": list(pytest_args),
+        }
 
     def forget(self, module: torch.nn.Module) -> None:
         """Drop cached device copies of ``module`` (after editing its weights)."""
@@ -428,7 +462,8 @@ class ParityCase:
         audit = None
         with contextlib.ExitStack() as stack:
             if patched and self.patches is not None:
-                stack.enter_context(self.patches(device))
+                applied = stack.enter_context(self.patches(device))
+                self.session.patches_applied.update(getattr(applied, "applied", None) or ())
             stack.enter_context(self.recipe.context(device) if recipe_context else strict_fp32_flags())
             stack.enter_context(same_randomness(seed))
             stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
