@@ -1,0 +1,31 @@
+"""Aurora (PyPI ``aurora-model`` 0.2.0) adapter: NPU patch set, seeded model factory, real inputs.
+
+Importing this package does not import ``aurora`` itself; each function imports it when called.
+
+* :mod:`.patches` — the NPU adaptation patch set (``apply_all_patches``, ``patched``).
+* :mod:`.factory` — deterministic ``full``/``tiny`` models (``build_model``, ``get_model``,
+  ``model_fingerprint``).
+* :mod:`.inputs` — Mauna Loa CO2 windows, text tokens and submodule inputs (``make_batch``).
+"""
+from pytest_npu_parity.aurora.factory import (
+    BuildRecord, CheckpointError, build_model, clear_model_cache, config_hash, get_model, model_fingerprint,
+)
+from pytest_npu_parity.aurora.inputs import AuroraBatch, load_co2_series, make_batch
+from pytest_npu_parity.aurora.patches import PatchError, PatchSet, apply_all_patches, patched
+
+__all__ = [
+    "AuroraBatch",
+    "BuildRecord",
+    "CheckpointError",
+    "PatchError",
+    "PatchSet",
+    "apply_all_patches",
+    "build_model",
+    "clear_model_cache",
+    "config_hash",
+    "get_model",
+    "load_co2_series",
+    "make_batch",
+    "model_fingerprint",
+    "patched",
+]

@@ -1,0 +1,418 @@
+"""Real, deterministic inputs for Aurora parity checks (no download, no random numbers).
+
+Series: the Mauna Loa atmospheric CO2 record shipped inside statsmodels
+(``statsmodels.datasets.co2``; C. D. Keeling et al., Scripps; weekly means in ppm, 1958-03-29 to
+2001-12-29, 2 284 values). 59 weeks have no measurement; they are filled by linear
+interpolation between the neighbouring weeks (``pandas.Series.interpolate(method="linear")``; the
+first and last weeks are measured, so no extrapolation happens). Loads offline in ≈ 0.06 s after
+a ≈ 0.8 s ``import statsmodels.datasets`` (measured on the project's 2-core machine).
+
+Windows: ``batch`` windows of ``context + max(horizons)`` consecutive weeks whose starts are
+spread evenly over the record (``numpy.linspace`` rounded down), so with the defaults
+(batch 4, context 528, horizons 96 and 80) the starts are 0, 553, 1106, 1660 (1958, 1968,
+1979, 1990). Contexts never contain their own labels; windows of a batch may overlap by a few
+weeks. Labels exist for every horizon: 96 (two 48-step tokens) and 80 (not a multiple of
+Aurora's 48-step token, so the output-truncation path is exercised in eval; upstream's *train*
+path raises on such a horizon: ``FlowLoss.forward`` multiplies the per-token loss ``[N, 48]`` by
+the padding mask ``[1, 96]``).
+
+Text: one English sentence per window naming the station, unit and the window's years and
+mean level, tokenised with the BERT tokenizer shipped in aurora-model exactly as upstream's
+``TSGenerationMixin._tokenize`` does (padding to max_length 125, truncation).
+
+Submodule inputs (:func:`embedded_tokens`, :func:`vision_features`, :func:`text_features`,
+:func:`capture_submodule_inputs`, :func:`decoder_layer_inputs`) come from running the model's own
+layers on these windows, so attention/encoder/decoder checks see realistic activations.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CONTEXT",
+    "HORIZONS",
+    "BATCH",
+    "TEXT_MAX_LENGTH",
+    "AuroraBatch",
+    "load_co2_series",
+    "make_batch",
+    "describe_window",
+    "tokenize",
+    "revin_normalize",
+    "pseudo_image",
+    "embedded_tokens",
+    "vision_features",
+    "text_features",
+    "capture_submodule_inputs",
+    "decoder_layer_inputs",
+]
+
+CONTEXT = 528
+HORIZONS = (96, 80)
+BATCH = 4
+TEXT_MAX_LENGTH = 125  # upstream TSGenerationMixin.generate(max_text_token_length=125), TextEncoder.max_length
+TOKEN_LEN = 48  # Aurora's patch length (config.json token_len)
+DATASET = "statsmodels.datasets.co2 (Mauna Loa weekly atmospheric CO2, ppm)"
+
+
+@functools.lru_cache(maxsize=1)
+def _co2() -> tuple[np.ndarray, tuple[str, ...], int]:
+    import statsmodels.datasets.co2 as co2
+
+    frame = co2.load_pandas().data
+    series = frame["co2"].astype("float64")
+    gaps = int(series.isna().sum())
+    filled = series.interpolate(method="linear")
+    if filled.isna().any():
+        raise RuntimeError("statsmodels co2: missing values remain after interpolation (edge gap); "
+                           "the bundled dataset changed")
+    dates = tuple(ts.strftime("%Y-%m-%d") for ts in frame.index)
+    values = filled.to_numpy(copy=True)
+    values.setflags(write=False)
+    return values, dates, gaps
+
+
+def load_co2_series() -> tuple[np.ndarray, tuple[str, ...], int]:
+    """The full Mauna Loa CO2 record, gaps filled (cached per process).
+
+    Returns:
+        ``(values, dates, n_gaps)``: read-only float64 array of 2 284 weekly values in ppm,
+        ISO dates (Saturdays) of the same length, and the number of interpolated weeks (59).
+    Raises:
+        ImportError: statsmodels is not installed (``pip install 'pytest-npu-parity[aurora]'``).
+    """
+    return _co2()
+
+
+def revin_normalize(series: torch.Tensor) -> torch.Tensor:
+    """Upstream's RevIN normalisation: ``(x − mean) / (std_biased + 1e-5)`` over the last axis.
+
+    ``AuroraForPrediction.forward``/``generate`` apply it before the model sees the series (the
+    1e-5 is upstream's). Input ``[B, L]``; output same shape and dtype.
+    """
+    means = series.mean(dim=-1, keepdim=True)
+    stdev = series.std(dim=-1, keepdim=True, unbiased=False) + 1e-5
+    return (series - means) / stdev
+
+
+def describe_window(start_date: str, end_date: str, values: np.ndarray) -> str:
+    """English description of one window (fed to BERT): station, unit, years, mean level."""
+    return (f"Weekly mean atmospheric carbon dioxide concentration in parts per million measured "
+            f"at Mauna Loa Observatory, Hawaii, from {start_date[:4]} to {end_date[:4]}. The level "
+            f"averages {values.mean():.1f} ppm, rises year after year and follows a yearly seasonal "
+            f"cycle.")
+
+
+def tokenize(texts: Sequence[str], max_length: int = TEXT_MAX_LENGTH) -> dict[str, torch.Tensor]:
+    """Tokenise ``texts`` with aurora-model's BERT tokenizer, through upstream's own ``_tokenize``.
+
+    Returns:
+        ``{"input_ids", "attention_mask", "token_type_ids"}``, int64 ``[len(texts), max_length]``.
+    Raises:
+        ValueError: empty ``texts``.
+    """
+    if not texts:
+        raise ValueError("tokenize: texts is empty")
+    from aurora.ts_generation_mixin import TSGenerationMixin
+
+    holder = type("_TokenizerHolder", (), {"tokenizer": TSGenerationMixin.tokenizer})()
+    encoded = TSGenerationMixin._tokenize(holder, list(texts), max_length=max_length)
+    return {key: encoded[key].to(torch.int64) for key in ("input_ids", "attention_mask", "token_type_ids")}
+
+
+def _tensor_digest(digest: Any, name: str, tensor: torch.Tensor) -> None:
+    data = tensor.detach().to("cpu").contiguous()
+    digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
+    digest.update(data.reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass
+class AuroraBatch:
+    """A batch of real CO2 windows with labels and text.
+
+    Attributes:
+        context: float32 ``[B, context]``, ppm (raw; the model applies RevIN itself).
+        labels: ``{horizon: float32 [B, horizon]}``, the weeks right after each context.
+        text_input_ids / text_attention_mask / text_token_type_ids: int64 ``[B, 125]``.
+        texts: the descriptions that were tokenised.
+        starts: index of each window's first week in the record.
+        start_dates / end_dates: ISO date of each context's first and last week.
+        n_gaps_interpolated: interpolated weeks in the whole record (59).
+    """
+
+    context: torch.Tensor
+    labels: dict[int, torch.Tensor]
+    text_input_ids: torch.Tensor
+    text_attention_mask: torch.Tensor
+    text_token_type_ids: torch.Tensor
+    texts: list[str]
+    starts: list[int]
+    start_dates: list[str]
+    end_dates: list[str]
+    n_gaps_interpolated: int
+    source: str = field(default=DATASET)
+
+    @property
+    def batch_size(self) -> int:
+        """B."""
+        return int(self.context.shape[0])
+
+    @property
+    def horizons(self) -> tuple[int, ...]:
+        """The label horizons, ascending."""
+        return tuple(sorted(self.labels))
+
+    def text_kwargs(self) -> dict[str, torch.Tensor]:
+        """``text_input_ids``/``text_attention_mask``/``text_token_type_ids`` for a forward."""
+        return {"text_input_ids": self.text_input_ids, "text_attention_mask": self.text_attention_mask,
+                "text_token_type_ids": self.text_token_type_ids}
+
+    def forward_kwargs(self, horizon: int, *, train: bool = False, text: bool = True) -> dict[str, Any]:
+        """Keyword arguments for ``AuroraForPrediction.forward``.
+
+        Eval (``train=False``): ``input_ids``, ``max_output_length=horizon``,
+        ``inference_token_len=48``. Train: ``input_ids`` and ``labels`` of ``horizon``.
+
+        Raises:
+            KeyError: no labels for ``horizon`` (available: :attr:`horizons`).
+            ValueError: ``train=True`` with a horizon that is not a multiple of 48 (upstream's
+                train path raises on it; measured with aurora-model 0.2.0).
+        """
+        if horizon not in self.labels:
+            raise KeyError(f"no labels for horizon {horizon}; this batch has {self.horizons}")
+        if train and horizon % TOKEN_LEN:
+            raise ValueError(f"horizon {horizon} is not a multiple of {TOKEN_LEN}: upstream's train path "
+                             "cannot take it (FlowLoss multiplies the per-token loss [N, 48] by the "
+                             "padding mask [1, padded horizon] and raises a size mismatch); use it "
+                             "for eval checks only")
+        kwargs: dict[str, Any] = {"input_ids": self.context}
+        if train:
+            kwargs["labels"] = self.labels[horizon]
+        else:
+            kwargs.update(max_output_length=horizon, inference_token_len=TOKEN_LEN)
+        if text:
+            kwargs.update(self.text_kwargs())
+        return kwargs
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "AuroraBatch":
+        """A copy with tensors on ``device``; ``dtype`` applies to the float series and labels only."""
+        def move(t: torch.Tensor, is_float: bool) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype if is_float else None)
+
+        return AuroraBatch(
+            context=move(self.context, True), labels={h: move(v, True) for h, v in self.labels.items()},
+            text_input_ids=move(self.text_input_ids, False),
+            text_attention_mask=move(self.text_attention_mask, False),
+            text_token_type_ids=move(self.text_token_type_ids, False),
+            texts=list(self.texts), starts=list(self.starts), start_dates=list(self.start_dates),
+            end_dates=list(self.end_dates), n_gaps_interpolated=self.n_gaps_interpolated, source=self.source)
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready input specification for baseline provenance."""
+        import statsmodels
+
+        return {
+            "dataset": self.source,
+            "statsmodels": statsmodels.__version__,
+            "record_length": len(load_co2_series()[0]),
+            "gaps_interpolated": self.n_gaps_interpolated,
+            "gap_fill": "linear interpolation",
+            "batch": self.batch_size,
+            "context": int(self.context.shape[1]),
+            "horizons": list(self.horizons),
+            "window_starts": list(self.starts),
+            "window_dates": [f"{a}..{b}" for a, b in zip(self.start_dates, self.end_dates)],
+            "dtype": str(self.context.dtype).replace("torch.", ""),
+            "text_max_length": int(self.text_input_ids.shape[1]),
+            "tokenizer": "aurora-model bert_config (BertTokenizer, uncased)",
+            "fingerprint": self.fingerprint(),
+        }
+
+    def fingerprint(self) -> str:
+        """SHA-256 (hex) of every tensor (name, dtype, shape, bytes) and the texts."""
+        digest = hashlib.sha256()
+        _tensor_digest(digest, "context", self.context)
+        for horizon in self.horizons:
+            _tensor_digest(digest, f"labels[{horizon}]", self.labels[horizon])
+        for name in ("text_input_ids", "text_attention_mask", "text_token_type_ids"):
+            _tensor_digest(digest, name, getattr(self, name))
+        digest.update(json.dumps(self.texts).encode())
+        return digest.hexdigest()
+
+
+def make_batch(batch: int = BATCH, context: int = CONTEXT, horizons: Sequence[int] = HORIZONS) -> AuroraBatch:
+    """Cut ``batch`` windows from the CO2 record (see module docstring for placement).
+
+    Args:
+        batch: number of windows B (≥ 1).
+        context: context length in weeks (≥ 1).
+        horizons: label lengths in weeks (each ≥ 1; at least one).
+    Returns:
+        An :class:`AuroraBatch` (float32 series, int64 tokens, on the CPU).
+    Raises:
+        ValueError: a size is not positive, or ``context + max(horizons)`` exceeds the 2 284 weeks.
+    """
+    horizons = tuple(sorted({int(h) for h in horizons}))
+    if batch < 1 or context < 1 or not horizons or horizons[0] < 1:
+        raise ValueError(f"make_batch: batch, context and horizons must be positive, got batch={batch}, "
+                         f"context={context}, horizons={horizons}")
+    values, dates, gaps = load_co2_series()
+    window = context + horizons[-1]
+    if window > len(values):
+        raise ValueError(f"make_batch: context {context} + horizon {horizons[-1]} = {window} weeks exceeds "
+                         f"the {len(values)}-week CO2 record")
+    starts = [int(s) for s in np.floor(np.linspace(0, len(values) - window, batch)).astype(int)]
+    contexts = np.stack([values[s:s + context] for s in starts])
+    labels = {h: torch.from_numpy(np.stack([values[s + context:s + context + h] for s in starts])).to(torch.float32)
+              for h in horizons}
+    start_dates = [dates[s] for s in starts]
+    end_dates = [dates[s + context - 1] for s in starts]
+    texts = [describe_window(a, b, values[s:s + context]) for s, a, b in zip(starts, start_dates, end_dates)]
+    tokens = tokenize(texts)
+    return AuroraBatch(
+        context=torch.from_numpy(contexts).to(torch.float32), labels=labels,
+        text_input_ids=tokens["input_ids"], text_attention_mask=tokens["attention_mask"],
+        text_token_type_ids=tokens["token_type_ids"], texts=texts, starts=starts,
+        start_dates=start_dates, end_dates=end_dates, n_gaps_interpolated=gaps)
+
+
+# --------------------------------------------------------------------------------------------
+# Submodule inputs
+# --------------------------------------------------------------------------------------------
+
+def pseudo_image(series: torch.Tensor, token_len: int = TOKEN_LEN) -> torch.Tensor:
+    """The ViT input upstream builds from a series (``UnifiedImageProcessor.process_pseudo_image``).
+
+    Runs upstream's own processor: period search by FFT, fold to ``[B, 1, period, L/period]``,
+    resize to 224×224, repeat to 3 channels. Pass the RevIN-normalised series
+    (:func:`revin_normalize`) to get what the model's ``VisionEncoder`` sees.
+
+    Args:
+        series: float ``[B, L]``.
+        token_len: fallback period (upstream uses ``config.token_len``, 48).
+    Returns:
+        float ``[B, 3, 224, 224]``, same dtype and device as ``series``.
+    """
+    from aurora.configuration_aurora import AuroraConfig
+    from aurora.modality_connector import UnifiedImageProcessor
+
+    processor = UnifiedImageProcessor(AuroraConfig(token_len=token_len))
+    with torch.no_grad():
+        return processor.process_pseudo_image(series)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def embedded_tokens(model: torch.nn.Module, batch: AuroraBatch, inference_token_len: int = TOKEN_LEN) -> torch.Tensor:
+    """Patch embeddings of the normalised windows: ``[B, ceil(context/48), hidden]``.
+
+    Uses the eval path of ``model.model.embed_layer`` (resampled projection), whatever the
+    model's mode; this is the encoder input and the query of the vision/text guiders.
+    """
+    x = revin_normalize(batch.context).to(_model_device(model))
+    tokens, _ = model.model.embed_layer._predict(x, inference_token_len)
+    return tokens
+
+
+@torch.no_grad()
+def vision_features(model: torch.nn.Module, batch: AuroraBatch) -> torch.Tensor:
+    """``VisionEncoder`` output on the pseudo-images of the normalised windows: ``[B, num_distill, hidden]``."""
+    x = revin_normalize(batch.context).to(_model_device(model))
+    return model.model.VisionEncoder(x, type="pseudo")
+
+
+@torch.no_grad()
+def text_features(model: torch.nn.Module, batch: AuroraBatch) -> torch.Tensor:
+    """``TextEncoder`` output on the batch's descriptions: ``[B, num_distill, hidden]``."""
+    device = _model_device(model)
+    return model.model.TextEncoder({"input_ids": batch.text_input_ids.to(device),
+                                    "attention_mask": batch.text_attention_mask.to(device),
+                                    "token_type_ids": batch.text_token_type_ids.to(device)})
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_detached(v) for v in value)
+    if isinstance(value, list):
+        return [_detached(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+@torch.no_grad()
+def capture_submodule_inputs(model: torch.nn.Module, batch: AuroraBatch, names: Sequence[str], *,
+                             horizon: int = HORIZONS[0], seed: int = 0) -> dict[str, tuple[tuple, dict]]:
+    """Inputs that named submodules receive during one eval forward on the batch.
+
+    Runs ``model(**batch.forward_kwargs(horizon))`` once in eval mode (the model's mode is
+    restored) with the torch RNG forked and seeded (the flow head samples noise), recording the
+    first call of each submodule through a forward pre-hook.
+
+    Args:
+        model: an ``AuroraForPrediction`` (any device; the batch is moved there).
+        batch: the inputs.
+        names: dotted submodule names, e.g. ``"model.dec_layers.0"``, ``"retriever"``.
+        horizon: forecast length (must have labels in the batch).
+        seed: torch seed of the forward.
+    Returns:
+        ``{name: (args, kwargs)}`` with detached tensor clones.
+    Raises:
+        KeyError: a name is not a submodule, or a submodule was not called.
+    """
+    modules = dict(model.named_modules())
+    missing = [n for n in names if n not in modules]
+    if missing:
+        raise KeyError(f"capture_submodule_inputs: no submodule named {missing}; see model.named_modules()")
+    captured: dict[str, tuple[tuple, dict]] = {}
+    handles = []
+
+    def make_hook(name: str):
+        def hook(_module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            captured.setdefault(name, (_detached(args), _detached(kwargs)))
+        return hook
+
+    was_training = model.training
+    device = _model_device(model)
+    try:
+        for name in names:
+            handles.append(modules[name].register_forward_pre_hook(make_hook(name), with_kwargs=True))
+        model.eval()
+        fork = (torch.random.fork_rng(devices=[]) if device.type == "cpu" else
+                torch.random.fork_rng(devices=[device.index or 0], device_type=device.type))
+        with fork:
+            torch.manual_seed(seed)
+            model(**batch.to(device).forward_kwargs(horizon))
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    not_called = [n for n in names if n not in captured]
+    if not_called:
+        raise KeyError(f"capture_submodule_inputs: {not_called} were not called in the forward")
+    return captured
+
+
+def decoder_layer_inputs(model: torch.nn.Module, batch: AuroraBatch, index: int = 0, *,
+                         horizon: int = HORIZONS[0]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden_states, cross_states)`` fed to ``model.model.dec_layers[index]``.
+
+    Shapes ``[B, ceil(horizon/48), hidden]`` and ``[B, ceil(context/48), hidden]``.
+    """
+    name = f"model.dec_layers.{index}"
+    args, kwargs = capture_submodule_inputs(model, batch, [name], horizon=horizon)[name]
+    hidden_states = args[0] if args else kwargs["hidden_states"]
+    cross_states = args[1] if len(args) > 1 else kwargs["cross_states"]
+    return hidden_states, cross_states
