@@ -1,0 +1,44 @@
+"""The Aurora parity suite: real upstream Aurora (PyPI aurora-model), real input, under the NPU patch set.
+
+Environment variables (work with every invocation, including `pytest --update-baselines` alone):
+
+* ``NPU_PARITY_AURORA_CHECKPOINT`` — a ``.safetensors`` checkpoint replacing the seeded weights
+  (then record your own baselines: the stored ones are for the seeded model).
+* ``NPU_PARITY_AURORA_SEED`` — construction seed of the seeded model (default 0).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pytest_npu_parity.aurora import checks, factory, inputs, patches
+
+
+@pytest.fixture(scope="session")
+def aurora(parity_session) -> checks.AuroraContext:
+    """The full seeded Aurora model (eval, CPU), the real CO2 batch and captured submodule inputs.
+
+    On an NPU target, ``transfer_to_npu`` is registered before the model is built, as the seed guide's
+    launcher does.
+    """
+    if parity_session.target.type == "npu":
+        from pytest_npu_parity import npu
+
+        npu.register_transfer_to_npu()
+        npu.set_npu_options()
+    model = factory.get_model("full", seed=int(os.environ.get("NPU_PARITY_AURORA_SEED", "0")),
+                              checkpoint=os.environ.get("NPU_PARITY_AURORA_CHECKPOINT") or None)
+    return checks.build_context(model, inputs.make_batch())
+
+
+@pytest.fixture(scope="session")
+def aurora_tiny(parity_session):
+    """The seeded tiny Aurora (same classes, small dims) for the training-step check."""
+    return factory.get_model("tiny", seed=0)
+
+
+@pytest.fixture
+def parity_patches():
+    """Target runs happen under the NPU patch set (applied and reverted around each run)."""
+    return lambda device: patches.patched(device)

@@ -1,0 +1,345 @@
+"""The Aurora check catalogue: every submodule, function and whole-model computation the suite compares.
+
+Each ``AuroraCheck`` says how to call one computation of the real upstream model on real input
+(Mauna Loa CO2 windows and their text descriptions, see ``inputs``): a name, the submodule's dotted
+path inside ``AuroraForPrediction``, the group it is counted under in the summary, and a ``build``
+function returning ``(callable, args, kwargs)``. The parity suite parametrizes over the catalogue;
+the sensitivity tests and ``--parity-selfcheck`` use the same entries, so a check proven to have
+teeth is exactly the check that runs.
+
+Submodule inputs are the activations those submodules receive in one eval forward of the full model
+on the batch (``inputs.capture_submodule_inputs``), so every layer sees realistic values.
+
+Functions are called through their module attribute at call time (``aurora.modeling_aurora.resample``
+and so on), so the target side runs the patched function and the reference side the upstream one.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import inputs as aurora_inputs
+
+#: Forecast horizon of the whole-model checks (two 48-step tokens) and a non-multiple of 48.
+HORIZON = 96
+ODD_HORIZON = 80
+#: Number of decoder layers of the full config (config.json num_dec_layers).
+DEC_LAYERS = 9
+
+
+@dataclass
+class AuroraContext:
+    """What every check is built from: the model, the batch and captured submodule inputs.
+
+    Attributes:
+        model: the seeded ``AuroraForPrediction`` (eval mode, CPU, float32); never mutated.
+        batch: the real input batch (``inputs.AuroraBatch``).
+        captured: ``{submodule name: (args, kwargs)}`` from one eval forward (horizon ``HORIZON``).
+        extras: derived tensors (``x_dec``, ``prototypes``, flow-loss inputs) and extra modules.
+    """
+
+    model: torch.nn.Module
+    batch: Any
+    captured: dict[str, tuple[tuple, dict]]
+    extras: dict[str, Any]
+
+    def submodule(self, name: str) -> torch.nn.Module:
+        """The submodule at dotted path ``name`` (``KeyError`` naming it if absent)."""
+        return self.model.get_submodule(name)
+
+    def inputs_of(self, name: str) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` the submodule ``name`` received in the eval forward."""
+        return self.captured[name]
+
+
+@dataclass(frozen=True)
+class AuroraCheck:
+    """One entry of the catalogue.
+
+    Attributes:
+        name: the check's name (unique; names the baseline entry).
+        group: the class or function it exercises (summary and report grouping).
+        submodule: dotted path in ``AuroraForPrediction`` of the module whose weights the check
+            depends on, or ``None`` for free functions and modules outside the model.
+        build: ``(AuroraContext) -> (callable, args, kwargs)``.
+        train: the module runs in training mode (dropout, batch statistics, frequency masking),
+            with randomness shared between both sides.
+    """
+
+    name: str
+    group: str
+    submodule: str | None
+    build: Callable[[AuroraContext], tuple[Callable[..., Any], tuple, dict]]
+    train: bool = False
+
+    def __str__(self) -> str:
+        return self.name
+
+
+# --------------------------------------------------------------------------------------------
+# context
+
+
+_CAPTURE = [
+    "model", "model.embed_layer", "model.enc_layers.0", "model.enc_layers.0.self_attn",
+    "model.VisionEncoder", "model.TextEncoder", "model.VisionGuider", "model.TextGuider",
+    "model.ModalityConnector", "retriever", "flow_match.net",
+    *(f"model.dec_layers.{i}" for i in range(DEC_LAYERS)),
+    "model.dec_layers.0.self_attn", "model.dec_layers.0.cross_attn", "model.dec_layers.0.ffn_layer",
+]
+
+
+def build_context(model: torch.nn.Module, batch: Any) -> AuroraContext:
+    """Capture submodule inputs and derive the extra tensors the catalogue needs (CPU, no grad)."""
+    captured = aurora_inputs.capture_submodule_inputs(model, batch, _CAPTURE, horizon=HORIZON)
+    extras: dict[str, Any] = {}
+    with torch.no_grad():
+        args, kwargs = captured[f"model.dec_layers.{DEC_LAYERS - 1}"]
+        x_dec = model.get_submodule(f"model.dec_layers.{DEC_LAYERS - 1}")(*args, **kwargs)[0]
+        extras["x_dec"] = x_dec  # [B, 2, hidden]
+        r_args, r_kwargs = captured["retriever"]
+        extras["prototypes"] = model.retriever(*r_args, **r_kwargs)  # [B, 2, 48]
+        extras.update(_flow_loss_inputs(model, batch, x_dec, extras["prototypes"]))
+        extras["dec_layer_layernorm"] = _layernorm_decoder_layer(model)
+    return AuroraContext(model=model, batch=batch, captured=captured, extras=extras)
+
+
+def _flow_loss_inputs(model, batch, x_dec, prototypes) -> dict[str, torch.Tensor]:
+    """Inputs of ``FlowLoss.forward`` exactly as ``AuroraForPrediction.forward`` builds them in training."""
+    cfg = model.config
+    context = batch.context
+    means = context.mean(1, keepdim=True)
+    stdev = context.std(dim=1, keepdim=True, unbiased=False) + 1e-5
+    labels = (batch.labels[HORIZON] - means) / stdev
+    shift = labels.unfold(-1, cfg.token_len, cfg.token_len)
+    bsz, n_tokens, _ = shift.shape
+    mul = cfg.diffusion_batch_mul
+    return {
+        "flow_target": shift.reshape(bsz * n_tokens, -1).repeat(mul, 1),
+        "flow_z": x_dec.reshape(bsz * n_tokens, -1).repeat(mul, 1),
+        "flow_prototype": prototypes.reshape(bsz * n_tokens, -1).repeat(mul, 1),
+    }
+
+
+def _layernorm_decoder_layer(model) -> torch.nn.Module:
+    """An ``AuroraDecoderLayer`` with ``norm_mode='layer'``: decoder layer 0's attention and FFN weights,
+    LayerNorm scales/shifts drawn from a seeded generator (so a kernel ignoring them would fail)."""
+    from aurora.modeling_aurora import AuroraDecoderLayer
+
+    config = copy.deepcopy(model.config)
+    config.norm_mode = "layer"
+    layer = AuroraDecoderLayer(config, 0)
+    source = model.model.dec_layers[0].state_dict()
+    layer.load_state_dict({k: v for k, v in source.items() if not k.startswith("norm")}, strict=False)
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for norm in (layer.norm1, layer.norm2, layer.norm3):
+            norm.weight.copy_(1 + 0.1 * torch.randn(norm.weight.shape, generator=gen))
+            norm.bias.copy_(0.1 * torch.randn(norm.bias.shape, generator=gen))
+    return layer.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# call helpers: look the function up at call time, so the patch set applies on the target side
+
+
+def resample(old: torch.Tensor, new_patch_len: int) -> torch.Tensor:
+    """``aurora.modeling_aurora.resample`` as the model calls it (patched on the target)."""
+    import aurora.modeling_aurora as modeling
+
+    return modeling.resample(old, new_patch_len)
+
+
+def rope_decoder(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aurora.modeling_aurora.RoPE_decoder`` on ``[B, heads, len, head_dim]`` query and key."""
+    import aurora.modeling_aurora as modeling
+
+    return modeling.RoPE_decoder(query, key)
+
+
+def sinusoidal_position_embedding(like: torch.Tensor, num_heads: int, max_len: int, dim: int) -> torch.Tensor:
+    """``sinusoidal_position_embedding`` for ``like``'s batch, on ``like``'s device."""
+    import aurora.util_functions as util
+
+    return util.sinusoidal_position_embedding(like.shape[0], num_heads, max_len, dim, like.device)
+
+
+def causal_attention_mask(like: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """The decoder's causal mask as its call site uses it (``causal_attention_mask(n).to(x.device)``)."""
+    import aurora.modeling_aurora as modeling
+
+    return modeling.causal_attention_mask(seq_length).to(like.device)
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    b, n, d = x.shape
+    return x.reshape(b, n, heads, d // heads).transpose(1, 2).contiguous()
+
+
+def _module(name: str, *, train: bool = False, **call_kwargs: Any):
+    """Build function for a check of submodule ``name`` on its captured inputs."""
+    def build(ctx: AuroraContext):
+        module = ctx.submodule(name)
+        args, kwargs = ctx.inputs_of(name)
+        return _maybe_train(module, train), args, {**kwargs, **call_kwargs}
+    return build
+
+
+def _maybe_train(module: torch.nn.Module, train: bool) -> torch.nn.Module:
+    if not train:
+        return module
+    module = copy.deepcopy(module)  # never flip the shared model's mode
+    return module.train()
+
+
+def _catalogue() -> list[AuroraCheck]:
+    checks: list[AuroraCheck] = []
+    add = checks.append
+
+    # functions -----------------------------------------------------------------------------
+    for n in (24, 32, 96, 100):
+        add(AuroraCheck(f"resample_{n}", "resample", "model.embed_layer.proj_layer",
+                        lambda ctx, n=n: (resample, (ctx.model.model.embed_layer.proj_layer.weight.detach(), n), {})))
+    add(AuroraCheck("rope_decoder", "RoPE_decoder", None, lambda ctx: (
+        rope_decoder, (_heads(ctx.extras["x_dec"], 8), _heads(ctx.inputs_of("model.dec_layers.0")[0][1], 8)), {})))
+    add(AuroraCheck("sinusoidal_position_embedding", "sinusoidal_position_embedding", None,
+                    lambda ctx: (sinusoidal_position_embedding, (ctx.batch.context, 1, 11, 256), {})))
+    add(AuroraCheck("causal_attention_mask", "causal_attention_mask", None,
+                    lambda ctx: (causal_attention_mask, (ctx.batch.context, 11), {})))
+
+    # patch embedding -------------------------------------------------------------------------
+    def embed(ctx, token_len):
+        args, _ = ctx.inputs_of("model.embed_layer")
+        return ctx.submodule("model.embed_layer"), (args[0], token_len), {}
+    for n in (24, 48, 96):
+        add(AuroraCheck(f"patch_embedding_eval_{n}", "AuroraPatchEmbedding", "model.embed_layer",
+                        functools.partial(embed, token_len=n)))
+    add(AuroraCheck("patch_embedding_train", "AuroraPatchEmbedding", "model.embed_layer",
+                    lambda ctx: (_maybe_train(ctx.submodule("model.embed_layer"), True),
+                                 (ctx.inputs_of("model.embed_layer")[0][0],), {}), train=True))
+
+    # attention, FFN, layers ------------------------------------------------------------------
+    add(AuroraCheck("attention_self_causal", "AuroraAttention", "model.dec_layers.0.self_attn",
+                    _module("model.dec_layers.0.self_attn")))
+    add(AuroraCheck("attention_cross_rope", "AuroraAttention", "model.dec_layers.0.cross_attn",
+                    _module("model.dec_layers.0.cross_attn")))
+    add(AuroraCheck("attention_guided_bias", "AuroraAttention", "model.enc_layers.0.self_attn",
+                    _module("model.enc_layers.0.self_attn")))
+    add(AuroraCheck("ffn", "AuroraFFN", "model.dec_layers.0.ffn_layer", _module("model.dec_layers.0.ffn_layer")))
+    add(AuroraCheck("encoder_layer_0", "AuroraEncoderLayer", "model.enc_layers.0", _module("model.enc_layers.0")))
+    add(AuroraCheck("encoder_layer_0_train", "AuroraEncoderLayer", "model.enc_layers.0",
+                    _module("model.enc_layers.0", train=True), train=True))
+    for i in range(DEC_LAYERS):
+        add(AuroraCheck(f"decoder_layer_{i}", "AuroraDecoderLayer", f"model.dec_layers.{i}",
+                        _module(f"model.dec_layers.{i}")))
+    add(AuroraCheck("decoder_layer_0_train", "AuroraDecoderLayer", "model.dec_layers.0",
+                    _module("model.dec_layers.0", train=True), train=True))
+    add(AuroraCheck("decoder_layer_layernorm", "AuroraDecoderLayer", None, lambda ctx: (
+        ctx.extras["dec_layer_layernorm"], ctx.inputs_of("model.dec_layers.0")[0],
+        ctx.inputs_of("model.dec_layers.0")[1])))
+
+    # prediction head -------------------------------------------------------------------------
+    for n in (24, 48, 96):
+        add(AuroraCheck(f"predict_head_eval_{n}", "AuroraPredictHead", "linear_head",
+                        lambda ctx, n=n: (ctx.model.linear_head, (ctx.extras["x_dec"],), {"inference_token_len": n})))
+    add(AuroraCheck("predict_head_train", "AuroraPredictHead", "linear_head",
+                    lambda ctx: (_maybe_train(ctx.model.linear_head, True), (ctx.extras["x_dec"],), {}), train=True))
+
+    # modalities, retriever, flow head ----------------------------------------------------------
+    add(AuroraCheck("vision_encoder", "VisionEncoder", "model.VisionEncoder", _module("model.VisionEncoder")))
+    add(AuroraCheck("text_encoder", "TextEncoder", "model.TextEncoder", _module("model.TextEncoder")))
+    add(AuroraCheck("modality_connector", "ModalityConnector", "model.ModalityConnector",
+                    _module("model.ModalityConnector")))
+    add(AuroraCheck("vision_guider", "AuroraAttention", "model.VisionGuider", _module("model.VisionGuider")))
+    add(AuroraCheck("text_guider", "AuroraAttention", "model.TextGuider", _module("model.TextGuider")))
+    add(AuroraCheck("prototype_retriever", "PrototypeRetriever", "retriever", _module("retriever")))
+    add(AuroraCheck("simple_mlp_adaln", "SimpleMLPAdaLN", "flow_match.net", _module("flow_match.net")))
+    add(AuroraCheck("flow_loss_train", "FlowLoss", "flow_match", lambda ctx: (
+        _maybe_train(ctx.model.flow_match, True),
+        (ctx.extras["flow_target"], ctx.extras["flow_z"]), {"prototype": ctx.extras["flow_prototype"]}), train=True))
+    add(AuroraCheck("flow_loss_sample", "FlowLoss", "flow_match", lambda ctx: (
+        ctx.model.flow_match.sample,
+        (ctx.extras["x_dec"].reshape(-1, ctx.extras["x_dec"].shape[-1]),),
+        {"prototype": ctx.extras["prototypes"].reshape(-1, ctx.extras["prototypes"].shape[-1]),
+         "num_samples": 1, "inference_token_len": 48})))
+
+    # whole model -------------------------------------------------------------------------------
+    add(AuroraCheck("aurora_model", "AuroraModel", "model", _module("model")))
+    add(AuroraCheck("forward_eval", "AuroraForPrediction", "", lambda ctx: (
+        ctx.model, (), ctx.batch.forward_kwargs(HORIZON))))
+    add(AuroraCheck("forward_eval_odd_horizon", "AuroraForPrediction", "", lambda ctx: (
+        ctx.model, (), ctx.batch.forward_kwargs(ODD_HORIZON))))
+    add(AuroraCheck("forward_train_loss", "AuroraForPrediction", "", lambda ctx: (
+        _maybe_train(ctx.model, True), (), ctx.batch.forward_kwargs(HORIZON, train=True)), train=True))
+    add(AuroraCheck("generate_text", "AuroraForPrediction.generate", "", lambda ctx: (
+        ctx.model.generate, (), {"inputs": ctx.batch.context, **ctx.batch.text_kwargs(),
+                                 "max_output_length": HORIZON, "inference_token_len": 48})))
+    add(AuroraCheck("generate_no_text_odd_horizon", "AuroraForPrediction.generate", "", lambda ctx: (
+        ctx.model.generate, (), {"inputs": ctx.batch.context, "max_output_length": ODD_HORIZON,
+                                 "inference_token_len": 48})))
+    return checks
+
+
+CHECKS: list[AuroraCheck] = _catalogue()
+BY_NAME: dict[str, AuroraCheck] = {c.name: c for c in CHECKS}
+assert len(BY_NAME) == len(CHECKS), "check names must be unique"
+
+#: Checks of the whole model (the ones first-divergence localization explains).
+MODEL_CHECKS = [c for c in CHECKS if c.submodule in ("", "model")]
+#: Everything else: one submodule or function each.
+SUBMODULE_CHECKS = [c for c in CHECKS if c not in MODEL_CHECKS]
+
+
+# --------------------------------------------------------------------------------------------
+# faults, for sensitivity tests and self-checks
+
+
+def sensitive_weight(module: torch.nn.Module) -> str:
+    """Name of the parameter a weight perturbation should scale: the largest trainable floating
+    weight matrix of ``module`` (frozen ViT/BERT weights only if nothing is trainable).
+
+    Raises:
+        ValueError: the module has no floating parameter with two or more dimensions.
+    """
+    candidates = [(p.requires_grad, p.numel(), n) for n, p in module.named_parameters()
+                  if p.is_floating_point() and p.dim() >= 2]
+    if not candidates:
+        raise ValueError(f"{type(module).__name__} has no weight matrix to perturb")
+    return max(candidates)[2]
+
+
+@contextlib.contextmanager
+def scaled_parameter(module: torch.nn.Module, name: str, factor: float) -> Iterator[None]:
+    """Multiply parameter ``name`` of ``module`` by ``factor`` inside the block (restored bit-exactly)."""
+    param = module.get_parameter(name)
+    saved = param.detach().clone()
+    with torch.no_grad():
+        param.mul_(factor)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            param.copy_(saved)
+
+
+@contextlib.contextmanager
+def dropped_causal_mask() -> Iterator[None]:
+    """Replace ``causal_attention_mask`` everywhere in aurora with an all-zero mask (a classic port bug)."""
+    import aurora.modeling_aurora as modeling
+    import aurora.prototype_retriever as retriever
+
+    def no_mask(seq_length, *args, **kwargs):
+        device = kwargs.get("device") or (args[0] if args else None)
+        return torch.zeros(1, 1, seq_length, seq_length, device=device)
+
+    saved = (modeling.causal_attention_mask, retriever.causal_attention_mask)
+    modeling.causal_attention_mask = retriever.causal_attention_mask = no_mask
+    try:
+        yield
+    finally:
+        modeling.causal_attention_mask, retriever.causal_attention_mask = saved
