@@ -224,11 +224,11 @@ def _encoder_config_dirs(vit: dict[str, Any], bert: dict[str, Any]) -> Iterator[
 
 @contextlib.contextmanager
 def _isolated_construction(seed: int) -> Iterator[None]:
-    """Seeded torch RNG, float32 default dtype, NumPy state restored; caller state untouched."""
+    """Seeded torch RNG, CPU default device, float32 default dtype, NumPy state restored."""
     numpy_state = np.random.get_state()
     default_dtype = torch.get_default_dtype()
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(seed)
             torch.set_default_dtype(torch.float32)
             yield
