@@ -49,11 +49,6 @@ def events_at(record: AuditRecord, kind: str, source: str):
     return [e for e in record.events if e.kind == kind and e.source == source]
 
 
-def only_logical_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("these tests audit a logical CUDA device; this machine has a real one")
-
-
 # ---------------------------------------------------------------------------------------------
 # Bug patterns
 # ---------------------------------------------------------------------------------------------
@@ -74,11 +69,10 @@ CASES = [
 @pytest.mark.parametrize("pattern, cls, kind, op, devices, options", CASES,
                          ids=[f"{c[0]}.{c[1]}" for c in CASES])
 def test_bug_pattern_is_caught_with_op_devices_and_line(pattern, cls, kind, op, devices, options):
-    only_logical_cuda()
     mod = load_pattern(pattern)
     buggy = getattr(mod, cls)
     source = bug_source(buggy)
-    _, record = audit_call(buggy(), (mod.make_input(),), target=TARGET, **options)
+    _, record = audit_call(buggy(), (mod.make_input(),), target=TARGET, logical=True, **options)
     hits = events_at(record, kind, source)
     assert hits, f"no {kind} event at {source}:\n{record.format()}"
     message = hits[0].message()
@@ -91,18 +85,19 @@ def test_bug_pattern_is_caught_with_op_devices_and_line(pattern, cls, kind, op, 
 
 @pytest.mark.parametrize("pattern", ["factory_without_device", "hardcoded_cuda", "device_index",
                                      "float64_constant", "item_in_loop", "cpu_only_op"])
-def test_fixed_version_is_clean(pattern):
-    only_logical_cuda()
+def test_fixed_version_is_clean_and_computes_what_the_cpu_computes(pattern):
     mod = load_pattern(pattern)
-    _, record = audit_call(mod.Fixed(), (mod.make_input(),), target=TARGET,
-                           unsupported_ops=getattr(mod, "UNSUPPORTED_OPS", ()))
+    x = mod.make_input()
+    out, record = audit_call(mod.Fixed(), (x,), target=TARGET, logical=True,
+                             unsupported_ops=getattr(mod, "UNSUPPORTED_OPS", ()))
     record.assert_clean()
     assert record.counts() == dict.fromkeys(KINDS, 0)
+    assert torch.equal(out, mod.Fixed()(x))
 
 
 def test_arange_pattern_also_reports_the_cpu_factory():
     mod = load_pattern("factory_without_device")
-    _, record = audit_call(mod.BuggyArange(), (mod.make_input(),), target=TARGET)
+    _, record = audit_call(mod.BuggyArange(), (mod.make_input(),), target=TARGET, logical=True)
     cpu_ops = events_at(record, "cpu_fallback", bug_source(mod.BuggyArange))
     assert [e.op for e in cpu_ops] == ["aten::arange"]
     assert "ran on the CPU, target cuda:1" in cpu_ops[0].message()
@@ -110,14 +105,14 @@ def test_arange_pattern_also_reports_the_cpu_factory():
 
 def test_hardcoded_cuda_mixes_two_devices_at_the_use():
     mod = load_pattern("hardcoded_cuda")
-    _, record = audit_call(mod.Buggy(), (mod.make_input(),), target=TARGET)
+    _, record = audit_call(mod.Buggy(), (mod.make_input(),), target=TARGET, logical=True)
     mixed = {e.op: e.devices for e in record.of_kind("mixed_device")}
     assert mixed["aten::mul.Tensor"] == ("cuda:1", "cuda:0")
 
 
 def test_device_index_mixes_at_the_use():
     mod = load_pattern("device_index")
-    _, record = audit_call(mod.Buggy(), (mod.make_input(),), target=TARGET)
+    _, record = audit_call(mod.Buggy(), (mod.make_input(),), target=TARGET, logical=True)
     mixed = events_at(record, "mixed_device", bug_source(mod.Buggy))
     assert [(e.op, e.devices) for e in mixed] == [("aten::mul.Tensor", ("cuda:1", "cuda:0"))]
 
@@ -125,7 +120,7 @@ def test_device_index_mixes_at_the_use():
 def test_item_in_loop_counts_every_sync():
     mod = load_pattern("item_in_loop")
     x = mod.make_input()
-    _, record = audit_call(mod.Buggy(), (x,), target=TARGET)
+    _, record = audit_call(mod.Buggy(), (x,), target=TARGET, logical=True)
     (event,) = events_at(record, "host_sync", bug_source(mod.Buggy))
     assert event.count == x.shape[0]
     assert record.counts()["host_sync"] == x.shape[0]
@@ -133,7 +128,7 @@ def test_item_in_loop_counts_every_sync():
 
 def test_float64_constant_propagates_to_the_output():
     mod = load_pattern("float64_constant")
-    out, record = audit_call(mod.Buggy(), (mod.make_input(),), target=TARGET)
+    out, record = audit_call(mod.Buggy(), (mod.make_input(),), target=TARGET, logical=True)
     assert out.dtype == torch.float64
     ops = {e.op for e in record.of_kind("fp64")}
     assert {"torch.as_tensor", "aten::mul.Tensor"} <= ops
@@ -142,7 +137,7 @@ def test_float64_constant_propagates_to_the_output():
 def test_manual_cpu_fallback_shows_the_round_trip():
     mod = load_pattern("cpu_only_op")
     source = bug_source(mod.ManualFallback)
-    _, record = audit_call(mod.ManualFallback(), (mod.make_input(),), target=TARGET,
+    _, record = audit_call(mod.ManualFallback(), (mod.make_input(),), target=TARGET, logical=True,
                            unsupported_ops=mod.UNSUPPORTED_OPS)
     kinds = {(e.kind, e.op) for e in record.events if e.source == source}
     assert ("d2h", "Tensor.cpu") in kinds and ("h2d", "Tensor.to") in kinds
@@ -170,7 +165,7 @@ class _Probe(torch.nn.Module):
 
 def test_logical_tensors_report_the_logical_device():
     probe = _Probe()
-    out, record = audit_call(probe, (torch.ones(2, 4),), target="cuda:1")
+    out, record = audit_call(probe, (torch.ones(2, 4),), target="cuda:1", logical=True)
     assert probe.seen == {"device": torch.device("cuda:1"), "is_cuda": True, "is_cpu": False, "index": 1,
                           "weight": torch.device("cuda:1"), "made": torch.device("cuda:1"),
                           "host": torch.device("cpu"), "data": torch.device("cuda:1"), "cpu": torch.device("cpu")}
@@ -188,7 +183,7 @@ def test_logical_forward_and_backward_match_a_plain_cpu_run_bitwise():
     ref_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
 
-    audit = DeviceAudit(TARGET)
+    audit = DeviceAudit(TARGET, logical=True)
     audit.to_target(model)
     xa = audit.to_target(x)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -213,7 +208,7 @@ def test_transformer_encoder_matches_cpu_run_without_fast_path():
             ref = layer(x)
         finally:
             torch.backends.mha.set_fastpath_enabled(True)
-        out, record = audit_call(layer, (x,), target=TARGET)
+        out, record = audit_call(layer, (x,), target=TARGET, logical=True)
     assert torch.equal(out, ref)
     record.assert_clean()
 
@@ -237,7 +232,7 @@ MOVES = [
 
 @pytest.mark.parametrize("call, expected, device, dtype", [m[1:] for m in MOVES], ids=[m[0] for m in MOVES])
 def test_moves_between_host_and_logical_devices(call, expected, device, dtype):
-    audit = DeviceAudit(TARGET)
+    audit = DeviceAudit(TARGET, logical=True)
     xa, host = audit.to_target(torch.ones(3)), torch.arange(3.0)
     out = audit.run(call, xa, host)
     assert [(e.kind, e.op, e.devices) for e in audit.record.events] == expected
@@ -254,7 +249,7 @@ def test_as_tensor_of_a_host_tensor_is_a_copy_not_a_relabel():
         moved = torch.as_tensor(host, device=x.device)
         return moved, x + moved
 
-    audit = DeviceAudit(TARGET)
+    audit = DeviceAudit(TARGET, logical=True)
     xa = audit.to_target(torch.ones(4))
     (moved, _), record = audit.run(fn, xa), audit.record
     assert moved is not host and audit.device_of(host).type == "cpu"
@@ -262,7 +257,7 @@ def test_as_tensor_of_a_host_tensor_is_a_copy_not_a_relabel():
 
 
 def test_copy_into_device_tensor_and_cpu_index_are_h2d():
-    audit = DeviceAudit(TARGET)
+    audit = DeviceAudit(TARGET, logical=True)
     xa = audit.to_target(torch.zeros(3, 4))
     idx = torch.tensor([0, 2])
 
@@ -277,7 +272,7 @@ def test_copy_into_device_tensor_and_cpu_index_are_h2d():
 
 
 def test_boolean_mask_indexing_is_a_host_sync():
-    audit = DeviceAudit(TARGET)
+    audit = DeviceAudit(TARGET, logical=True)
     xa = audit.to_target(torch.tensor([1.0, -2.0, 3.0]))
     out = audit.run(lambda x: x[x > 0], xa)
     assert out.tolist() == [1.0, 3.0]
@@ -285,7 +280,7 @@ def test_boolean_mask_indexing_is_a_host_sync():
 
 
 def test_zero_dim_cpu_tensors_mix_freely():
-    audit = DeviceAudit(TARGET)
+    audit = DeviceAudit(TARGET, logical=True)
     xa = audit.to_target(torch.ones(3))
     audit.run(lambda x: x * torch.tensor(2.0) + 1, xa)
     audit.record.assert_clean()
@@ -341,7 +336,7 @@ def test_real_mode_clean_module_is_clean():
 
 def test_record_to_dict_is_json_and_format_lists_events():
     mod = load_pattern("item_in_loop")
-    _, record = audit_call(mod.Buggy(), (mod.make_input(),), target=TARGET)
+    _, record = audit_call(mod.Buggy(), (mod.make_input(),), target=TARGET, logical=True)
     data = json.loads(json.dumps(record.to_dict()))
     assert data["target"] == "cuda:1" and data["logical"] is True and data["skipped"] is None
     assert data["counts"]["host_sync"] == 5
@@ -352,7 +347,7 @@ def test_record_to_dict_is_json_and_format_lists_events():
 
 def test_assert_clean_allowances():
     mod = load_pattern("item_in_loop")
-    _, record = audit_call(mod.Buggy(), (mod.make_input(),), target=TARGET)
+    _, record = audit_call(mod.Buggy(), (mod.make_input(),), target=TARGET, logical=True)
     record.assert_clean({"host_sync": 5})
     with pytest.raises(DevicePropagationError, match=r"host_sync 5 \(allowed 4\)") as info:
         record.assert_clean({"host_sync": 4})
@@ -372,7 +367,8 @@ def test_cpu_target_is_inert_and_says_so():
 
 
 def test_auto_mode_picks_logical_without_the_device():
-    only_logical_cuda()
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a real CUDA device")
     assert DeviceAudit("cuda").logical is True
     assert DeviceAudit("cuda").device == torch.device("cuda:0")
     with pytest.raises(ValueError, match="logical=True"):
@@ -391,7 +387,7 @@ def test_bad_targets_and_options_are_named():
 
 
 def test_audits_do_not_nest_and_leave_nothing_installed():
-    audit = DeviceAudit(TARGET)
+    audit = DeviceAudit(TARGET, logical=True)
     with audit:
         assert torch._C._is_torch_function_mode_enabled()
         with pytest.raises(RuntimeError, match="do not nest"):
@@ -455,7 +451,7 @@ def _aurora_forward(model, x):
 
 
 def _audit_aurora(model, x):
-    audit = DeviceAudit(TARGET)
+    audit = DeviceAudit(TARGET, logical=True)
     audit.to_target(model)
     out = audit.run(_aurora_forward, model, audit.to_target(x))
     return out, audit.record
