@@ -2,24 +2,27 @@
 
 ``compare(actual, expected, policy)`` walks both structures (tensors, numbers, ``None``, tuples,
 lists, dicts and Hugging Face ``ModelOutput``), pairs their leaves by path (``logits``,
-``last_hidden_state[1]``, ``["loss"]``) and measures every pair in float64 on the CPU:
+``hidden_states[1]``, ``[0].loss``) and measures every pair in float64 on the CPU:
 
 * ``max_abs``  — max |a − e|
 * ``max_rel``  — max |a − e| / (|e| + eps), eps = 1e-10 (msprobe's relative error)
 * ``rel_l2``   — ‖a − e‖₂ / ‖e‖₂ (0 when both are 0, inf when only e is 0)
 * ``cosine``   — ⟨a, e⟩ / (‖a‖₂ ‖e‖₂) (1 when both are all-zero, 0 when only one is)
-* ``mismatched`` — elements with |a − e| > atol + rtol·|e| (the allclose rule), plus every position
-  where NaN/±Inf differ between the two sides (NaN in the same place on both sides is parity)
+* ``mismatched`` — elements with |a − e| > atol + rtol·|e| (the ``torch.isclose`` rule), plus every
+  position where NaN/±Inf differ between the two sides (NaN in the same place on both sides is
+  parity, and so is ±Inf of the same sign)
 * ``err_ratio`` — max over elements of |a − e| / (atol + rtol·|e|): > 1 means out of tolerance
+  (``inf`` when a NaN/Inf position differs, 0/0 counts as 0)
 
 A leaf passes when shapes and dtypes agree and ``mismatched <= floor(budget · numel)``.
-Finite metrics are taken over positions finite on both sides. Complex tensors are compared as
-their real view (``torch.view_as_real``).
+Finite metrics are taken over positions finite on both sides. For complex tensors |·| is the
+modulus (as in ``torch.isclose``) and the cosine is Re⟨a, e⟩ / (‖a‖₂ ‖e‖₂).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -45,9 +48,11 @@ class LeafResult:
 
     ``shape``/``dtype`` are the actual (target) side's, ``expected_shape``/``expected_dtype`` the
     reference's. ``index`` fields are tuples into the tensor (``()`` for 0-d) or ``None`` when no
-    element differs. Errors are in the tensor's units (abs) or dimensionless (rel, ratio).
-    ``problem`` explains a structural failure (missing leaf, shape or dtype mismatch); metrics are
-    NaN then.
+    element differs: ``abs_index``/``rel_index`` locate the greatest absolute/relative difference
+    among positions finite on both sides, ``nonfinite_index`` the first (row-major) position whose
+    NaN/±Inf status differs; ``actual_at_*``/``expected_at_*`` are the two values there. Errors are
+    in the tensor's units (abs) or dimensionless (rel, ratio). ``problem`` explains a structural
+    failure (missing leaf, None vs tensor, shape or dtype mismatch); metrics are NaN then.
     """
 
     path: str
@@ -66,8 +71,11 @@ class LeafResult:
     nonfinite_mismatched: int = 0
     abs_index: tuple[int, ...] | None = None
     rel_index: tuple[int, ...] | None = None
-    actual_at_abs: float | None = None
-    expected_at_abs: float | None = None
+    actual_at_abs: float | complex | None = None
+    expected_at_abs: float | complex | None = None
+    nonfinite_index: tuple[int, ...] | None = None
+    actual_at_nonfinite: float | complex | None = None
+    expected_at_nonfinite: float | complex | None = None
     problem: str | None = None
 
     @property
@@ -159,22 +167,38 @@ def _fmt_index(index: tuple[int, ...] | None) -> str:
     return "()" if index == () else str(index)
 
 
+def _fmt_value(value: float | int | complex | None) -> str:
+    """Nine significant digits (enough to tell fp32 neighbours apart); integers in full."""
+    return str(value) if isinstance(value, int) else f"{value:.9g}"
+
+
+def _fmt_pct(frac: float) -> str:
+    """``0.1%`` style, but never ``0.0%`` for a non-zero share (1 element in 64 Mi is 1.5e-06%)."""
+    pct = 100.0 * frac
+    return f"{pct:.1f}%" if pct == 0 or pct >= 0.1 else f"{pct:.2g}%"
+
+
 def _assert_close_header(leaf: LeafResult) -> list[str]:
     where = f"output {leaf.path!r}: " if leaf.path else ""
     if leaf.problem is not None:
         return [f"{where}{leaf.problem}"]
     tol = leaf.tolerance
-    pct = 100.0 * leaf.mismatched_frac
     lines = [
-        f"{where}Mismatched elements: {leaf.mismatched} / {leaf.numel} ({pct:.1f}%)"
+        f"{where}Mismatched elements: {leaf.mismatched} / {leaf.numel} ({_fmt_pct(leaf.mismatched_frac)})"
         f" (up to {leaf.allowed} allowed by budget {tol.budget:g})",
     ]
     if leaf.nonfinite_mismatched:
-        lines.append(f"NaN/Inf positions differ at {leaf.nonfinite_mismatched} elements")
+        n = leaf.nonfinite_mismatched
+        lines.append(
+            f"NaN/Inf positions differ at {n} element{'s' if n > 1 else ''}, first at index"
+            f" {_fmt_index(leaf.nonfinite_index)} (actual {_fmt_value(leaf.actual_at_nonfinite)},"
+            f" expected {_fmt_value(leaf.expected_at_nonfinite)})"
+        )
     if leaf.abs_index is not None:
         lines.append(
             f"Greatest absolute difference: {leaf.max_abs:.6g} at index {_fmt_index(leaf.abs_index)}"
-            f" (up to {tol.atol:g} allowed; actual {leaf.actual_at_abs:.9g}, expected {leaf.expected_at_abs:.9g})"
+            f" (up to {tol.atol:g} allowed; actual {_fmt_value(leaf.actual_at_abs)},"
+            f" expected {_fmt_value(leaf.expected_at_abs)})"
         )
     if leaf.rel_index is not None:
         lines.append(
@@ -211,17 +235,19 @@ def format_table(leaves: list[LeafResult]) -> list[str]:
 def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """Yield ``(path, leaf)`` for every leaf of a nested output.
 
-    Leaves are tensors, Python numbers (as 0-d tensors) and ``None``. Containers are mappings
-    (including ``transformers`` ``ModelOutput``, whose ``None`` fields are skipped as its
-    ``to_tuple`` does), tuples and lists.
+    Leaves are tensors, Python numbers and ``None``. Numbers become 0-d tensors that hold them
+    exactly: ``bool`` → bool, ``int`` → int64, ``float`` → float64, ``complex`` → complex128.
+    Containers are mappings (including ``transformers`` ``ModelOutput``, whose ``None`` fields are
+    skipped as its ``to_tuple`` does), tuples and lists. Paths join mapping keys with ``.`` and
+    sequence positions as ``[i]``: ``{"a": (x, {"b": y})}`` gives ``a[0]`` and ``a[1].b``.
 
     Raises:
         TypeError: for any other object, naming its path and type.
     """
     if obj is None or isinstance(obj, torch.Tensor):
         yield prefix, obj
-    elif isinstance(obj, bool | int | float):
-        yield prefix, torch.tensor(obj)
+    elif isinstance(obj, bool | int | float | complex):
+        yield prefix, _number_tensor(obj, prefix)
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
             if value is None and _is_model_output(obj):
@@ -238,6 +264,16 @@ def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         )
 
 
+def _number_tensor(value: bool | int | float | complex, path: str) -> torch.Tensor:
+    for kind, dtype in ((bool, torch.bool), (int, torch.int64), (float, torch.float64), (complex, torch.complex128)):
+        if isinstance(value, kind):
+            break
+    try:
+        return torch.tensor(value, dtype=dtype)
+    except (OverflowError, RuntimeError, ValueError) as exc:  # an int beyond int64
+        raise ValueError(f"cannot compare the number {value!r} at {path or 'the top level'!r}: {exc}") from None
+
+
 def _is_model_output(obj: Any) -> bool:
     return any(cls.__name__ == "ModelOutput" for cls in type(obj).__mro__)
 
@@ -246,7 +282,8 @@ def _is_model_output(obj: Any) -> bool:
 # metrics
 
 
-def _index(flat: int, shape: torch.Size) -> tuple[int, ...]:
+def _index(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The multi-dimensional index of row-major position ``flat`` in ``shape``."""
     index = []
     for size in reversed(shape):
         index.append(flat % size)
@@ -254,12 +291,158 @@ def _index(flat: int, shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(index))
 
 
-def compare_tensors(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance, path: str = "") -> LeafResult:
-    """Measure one pair of tensors (any devices and dtypes) under ``tolerance``.
+#: Elements per block of the float64 work: the four work arrays (224 KiB each) stay in a core's L2
+#: cache, and a block is below torch's 32768-element grain, so no op of the block opens an
+#: OpenMP parallel region (each such region costs milliseconds on a busy machine). Large tensors
+#: are shared over threads block-wise instead (see ``_accumulate``).
+BLOCK = 28 * 1024
 
-    Shapes must be equal and dtypes must be equal; otherwise the leaf fails with ``problem`` set.
-    Metrics are computed in float64 on the CPU (complex as real views), so they are exact for
-    fp32/bf16/fp16 inputs.
+#: A tensor is split over threads only when every thread gets at least this many blocks.
+PARALLEL_MIN_BLOCKS = 8
+
+
+class _Accumulator:
+    """Running metrics over the blocks of one flattened pair (see ``compare_tensors``).
+
+    Maxima keep the first flat index where they occur, as ``torch.argmax`` does.
+    """
+
+    def __init__(self, tolerance: Tolerance, block: int, work_dtype: torch.dtype):
+        self.rtol, self.atol = tolerance.rtol, tolerance.atol
+        self.block = block
+        self.sum_dd = self.sum_ee = self.sum_aa = 0.0  # Σ|a−e|², Σ|e|², Σ|a|² (finite positions)
+        self.max_abs = self.max_rel = self.max_ratio = -1.0
+        self.abs_at = self.rel_at = 0
+        self.mismatched = 0
+        self.nonfinite_mismatched = 0
+        self.nonfinite_at: int | None = None
+        # Work arrays reused by every block (a fresh allocation per block costs more than the
+        # math), and the block's six scalars, read back in one go.
+        self.work = (torch.empty(block, dtype=work_dtype), torch.empty(block, dtype=work_dtype),
+                     torch.empty(block, dtype=torch.float64), torch.empty(block, dtype=torch.float64))
+        self.stats = torch.empty(6, dtype=torch.float64)
+
+    def add_block(self, a: torch.Tensor, e: torch.Tensor, start: int) -> None:
+        """Fold the 1-D CPU slices ``a``/``e`` (flat positions ``start``…) into the running metrics."""
+        k = a.numel()
+        work = self.work if k == self.block else tuple(w[:k] for w in self.work)
+        a64, e64 = work[0].copy_(a), work[1].copy_(e)  # exact: fp32/bf16/fp16 values are float64s
+        d, rel, allowed = self._measure_block(*work)
+        norm_a, norm_e, norm_d, max_abs, max_rel, max_ratio = self.stats.tolist()
+        if not math.isfinite(norm_a + norm_e):
+            # A NaN/Inf somewhere (or float64 squares that overflow): judge special values by
+            # position and kind, then measure the positions finite on both sides.
+            self._nonfinite(a64.copy_(a), e64.copy_(e), start)
+            d, rel, allowed = self._measure_block(*work)
+            norm_a, norm_e, norm_d, max_abs, max_rel, max_ratio = self.stats.tolist()
+
+        self.sum_aa += norm_a * norm_a
+        self.sum_ee += norm_e * norm_e
+        self.sum_dd += norm_d * norm_d
+        if max_abs > self.max_abs:
+            self.max_abs, self.abs_at = max_abs, start + int(d.argmax())
+        if max_rel > self.max_rel:
+            self.max_rel, self.rel_at = max_rel, start + int(rel.argmax())
+        self.max_ratio = max(self.max_ratio, max_ratio)
+        if max_ratio > 1.0:  # some element is out of tolerance: count them by the allclose rule
+            self.mismatched += int(torch.count_nonzero(d > allowed))
+
+    def _measure_block(self, a64: torch.Tensor, e64: torch.Tensor, t: torch.Tensor, r: torch.Tensor):
+        """One block's ‖a‖, ‖e‖, ‖d‖ and max of d, rel, ratio into ``self.stats``; returns the
+        arrays d = |a − e|, rel and allowed = atol + rtol·|e| (``a64``/``e64`` are overwritten)."""
+        stats = self.stats
+        # Sums of squares by torch's own reduction, not BLAS dot: MKL's threaded dot stalls for
+        # milliseconds per call on a busy machine.
+        torch.linalg.vector_norm(a64, out=stats[0])
+        torch.linalg.vector_norm(e64, out=stats[1])
+        if a64.is_complex():
+            d = (a64 - e64).abs()  # modulus, as torch.isclose does for complex
+            abs_e = e64.abs()
+        else:
+            d = a64.sub_(e64).abs_()
+            abs_e = e64.abs_()
+        torch.linalg.vector_norm(d, out=stats[2])
+        torch.amax(d, 0, out=stats[3])
+        rel = torch.div(d, torch.add(abs_e, REL_EPS, out=r), out=r)
+        torch.amax(rel, 0, out=stats[4])
+        allowed = abs_e.mul_(self.rtol).add_(self.atol)  # atol + rtol·|e|, as in torch.isclose
+        ratio = torch.div(d, allowed, out=t)
+        if self.atol == 0:
+            ratio.nan_to_num_(nan=0.0, posinf=math.inf)  # 0/0 where e == 0 and a == e
+        torch.amax(ratio, 0, out=stats[5])
+        return d, rel, allowed
+
+    def add_range(self, a: torch.Tensor, e: torch.Tensor, starts: range, block: int) -> "_Accumulator":
+        """Fold the blocks beginning at ``starts`` (flat positions); returns ``self``."""
+        for start in starts:
+            self.add_block(a[start:start + block], e[start:start + block], start)
+        return self
+
+    def merge(self, later: "_Accumulator") -> None:
+        """Fold in the metrics of blocks that come after this accumulator's blocks."""
+        self.sum_dd += later.sum_dd
+        self.sum_ee += later.sum_ee
+        self.sum_aa += later.sum_aa
+        if later.max_abs > self.max_abs:
+            self.max_abs, self.abs_at = later.max_abs, later.abs_at
+        if later.max_rel > self.max_rel:
+            self.max_rel, self.rel_at = later.max_rel, later.rel_at
+        self.max_ratio = max(self.max_ratio, later.max_ratio)
+        self.mismatched += later.mismatched
+        self.nonfinite_mismatched += later.nonfinite_mismatched
+        if self.nonfinite_at is None:
+            self.nonfinite_at = later.nonfinite_at
+
+    def _nonfinite(self, a64: torch.Tensor, e64: torch.Tensor, start: int) -> None:
+        finite_a, finite_e = torch.isfinite(a64), torch.isfinite(e64)
+        both_finite = finite_a & finite_e
+        # NaN in the same place on both sides is parity; so is ±Inf of the same sign.
+        same_special = (torch.isnan(a64) & torch.isnan(e64)) | (~finite_a & (a64 == e64))
+        bad = ~both_finite & ~same_special
+        n_bad = int(torch.count_nonzero(bad))
+        if n_bad:
+            self.nonfinite_mismatched += n_bad
+            self.mismatched += n_bad
+            if self.nonfinite_at is None:
+                self.nonfinite_at = start + int(bad.to(torch.uint8).argmax())
+        a64.masked_fill_(~both_finite, 0)
+        e64.masked_fill_(~both_finite, 0)
+
+
+def _flat_cpu(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, on the CPU in its own dtype (never converted on the device: NPUs have no
+    float64), conjugation resolved, flattened (a copy only when ``t`` is not contiguous)."""
+    t = t.detach()
+    if t.is_complex():
+        t = t.resolve_conj()
+    return t.to("cpu").reshape(-1)
+
+
+def _scalar(t: torch.Tensor, i: int) -> float | int | complex:
+    return t[i].item()  # Python float, int, bool or complex: exact for every dtype
+
+
+def compare_tensors(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance, path: str = "") -> LeafResult:
+    """Measure one pair of tensors (any devices, any shapes) under ``tolerance``.
+
+    Args:
+        actual: the target's tensor.
+        expected: the reference's tensor.
+        tolerance: rtol/atol/budget for this leaf.
+        path: the leaf's name in its output structure (for messages).
+
+    Returns:
+        A ``LeafResult``. Shapes and dtypes must be equal; otherwise the leaf fails with ``problem``
+        set and NaN metrics. Metrics are computed on the CPU in float64 (complex128 for complex
+        inputs), block by block (``BLOCK`` elements, on several threads for large tensors), so
+        every fp32/bf16/fp16 value enters exactly and the differences, ratios and the allclose
+        rule are evaluated in float64; norms are float64 reductions, and the cosine is derived
+        from ‖a‖, ‖e‖ and ‖a − e‖ (which keeps 1 − cosine accurate when a ≈ e). Integer and bool
+        tensors under an exact tolerance (rtol = atol = 0) are judged by ``actual != expected``
+        in their own dtype, so int64 values beyond 2**53 are compared exactly too (their other
+        metrics are float64 approximations). Bitwise-equal pairs take a one-pass shortcut.
+        Float64 inputs beyond ~1e154 overflow the float64 norms (rel_l2/cosine become inf/NaN;
+        the verdict is unaffected).
     """
     leaf = LeafResult(
         path=path, tolerance=tolerance,
@@ -273,67 +456,79 @@ def compare_tensors(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tol
     if actual.dtype != expected.dtype:
         leaf.problem = f"dtype mismatch: actual {leaf.dtype} vs expected {leaf.expected_dtype}"
         return leaf
-    if leaf.numel == 0:
+    a, e = _flat_cpu(actual), _flat_cpu(expected)
+    if leaf.numel == 0 or torch.equal(a, e):
+        # Every element equal (NaN never is, so NaN pairs take the full path): nothing differs.
         leaf.max_abs = leaf.max_rel = leaf.rel_l2 = leaf.err_ratio = 0.0
         leaf.cosine = 1.0
         return leaf
 
-    a = _as_float64(actual)
-    e = _as_float64(expected)
-    shape = a.shape
-    a, e = a.reshape(-1), e.reshape(-1)
+    acc = _accumulate(a, e, tolerance)
 
-    finite_a, finite_e = torch.isfinite(a), torch.isfinite(e)
-    both_finite = finite_a & finite_e
-    if bool(both_finite.all()):
-        nonfinite_bad = None
-        diff = (a - e).abs_()
-        ea, eb = a, e
-    else:
-        # NaN/Inf parity: special values must sit in the same places with the same kind.
-        same_special = (torch.isnan(a) & torch.isnan(e)) | ((~finite_a) & (a == e))
-        nonfinite_bad = ~both_finite & ~same_special
-        leaf.nonfinite_mismatched = int(nonfinite_bad.sum())
-        ea = torch.where(both_finite, a, 0.0)
-        eb = torch.where(both_finite, e, 0.0)
-        diff = (ea - eb).abs_()
+    shape = tuple(actual.shape)
+    leaf.mismatched = acc.mismatched
+    leaf.nonfinite_mismatched = acc.nonfinite_mismatched
+    if acc.nonfinite_at is not None:
+        leaf.nonfinite_index = _index(acc.nonfinite_at, shape)
+        leaf.actual_at_nonfinite = _scalar(a, acc.nonfinite_at)
+        leaf.expected_at_nonfinite = _scalar(e, acc.nonfinite_at)
+    leaf.max_abs, leaf.max_rel = acc.max_abs, acc.max_rel
+    if acc.max_abs > 0:
+        leaf.abs_index, leaf.rel_index = _index(acc.abs_at, shape), _index(acc.rel_at, shape)
+        leaf.actual_at_abs, leaf.expected_at_abs = _scalar(a, acc.abs_at), _scalar(e, acc.abs_at)
+    leaf.err_ratio = math.inf if acc.nonfinite_mismatched else acc.max_ratio
 
-    abs_e = eb.abs()
-    allowed = abs_e * tolerance.rtol + tolerance.atol
-    out = diff > allowed
-    if nonfinite_bad is not None:
-        out |= nonfinite_bad
-    leaf.mismatched = int(out.sum())
+    if not (a.dtype.is_floating_point or a.is_complex()) and tolerance.rtol == 0 and tolerance.atol == 0:
+        _judge_exactly(leaf, a, e, shape)
 
-    i_abs = int(diff.argmax())
-    leaf.max_abs = float(diff[i_abs])
-    rel = diff / (abs_e + REL_EPS)
-    i_rel = int(rel.argmax())
-    leaf.max_rel = float(rel[i_rel])
-    if leaf.max_abs > 0:
-        leaf.abs_index, leaf.rel_index = _index(i_abs, shape), _index(i_rel, shape)
-        leaf.actual_at_abs, leaf.expected_at_abs = float(a[i_abs]), float(e[i_abs])
-    ratio = diff / allowed if tolerance.atol > 0 else torch.where(diff > 0, diff / allowed, 0.0)
-    leaf.err_ratio = float(ratio.max()) if nonfinite_bad is None or leaf.nonfinite_mismatched == 0 else math.inf
-
-    norm_d = float(torch.linalg.vector_norm(ea - eb))
-    norm_e = float(torch.linalg.vector_norm(eb))
-    norm_a = float(torch.linalg.vector_norm(ea))
+    norm_d, norm_e, norm_a = math.sqrt(acc.sum_dd), math.sqrt(acc.sum_ee), math.sqrt(acc.sum_aa)
     leaf.rel_l2 = norm_d / norm_e if norm_e > 0 else (0.0 if norm_d == 0 else math.inf)
     if norm_a == 0 and norm_e == 0:
         leaf.cosine = 1.0
     elif norm_a == 0 or norm_e == 0:
         leaf.cosine = 0.0
     else:
-        leaf.cosine = float(torch.dot(ea, eb)) / (norm_a * norm_e)
+        # ⟨a, e⟩ = (‖a‖² + ‖e‖² − ‖a − e‖²) / 2, arranged so that 1 − cosine keeps its digits
+        # when a ≈ e (the case that matters): 1 − cos = (‖d‖² − (‖a‖ − ‖e‖)²) / (2‖a‖‖e‖).
+        one_minus = (acc.sum_dd - (norm_a - norm_e) ** 2) / (2.0 * norm_a * norm_e)
+        leaf.cosine = min(1.0, max(-1.0, 1.0 - one_minus))
     return leaf
 
 
-def _as_float64(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.is_complex():
-        t = torch.view_as_real(t.resolve_conj())
-    return t.to(device="cpu", dtype=torch.float64)
+def _accumulate(a: torch.Tensor, e: torch.Tensor, tolerance: Tolerance) -> _Accumulator:
+    """Run the blocks of the flat CPU tensors ``a``/``e``, on up to ``torch.get_num_threads()``
+    threads for large tensors (each thread a contiguous run of blocks; torch ops release the GIL,
+    and a block is small enough that no op starts its own thread team)."""
+    numel = a.numel()
+    block = min(BLOCK, numel)
+    work_dtype = torch.complex128 if a.is_complex() else torch.float64
+    starts = range(0, numel, block)
+    workers = min(torch.get_num_threads(), len(starts) // PARALLEL_MIN_BLOCKS)
+    if workers <= 1:
+        return _Accumulator(tolerance, block, work_dtype).add_range(a, e, starts, block)
+    share = -(-len(starts) // workers)
+    runs = [starts[i:i + share] for i in range(0, len(starts), share)]
+    with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="npu-parity-compare") as pool:
+        parts = list(pool.map(lambda run: _Accumulator(tolerance, block, work_dtype).add_range(a, e, run, block), runs))
+    total = parts[0]
+    for part in parts[1:]:
+        total.merge(part)
+    return total
+
+
+def _judge_exactly(leaf: LeafResult, a: torch.Tensor, e: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Integer/bool verdict in the tensors' own dtype (float64 rounds int64 beyond 2**53)."""
+    differs = a != e
+    leaf.mismatched = int(torch.count_nonzero(differs))
+    if leaf.mismatched and leaf.abs_index is None:
+        # Every difference rounded away in float64: report the first one, computed exactly.
+        first = int(differs.to(torch.uint8).argmax())
+        leaf.abs_index = leaf.rel_index = _index(first, shape)
+        leaf.actual_at_abs, leaf.expected_at_abs = _scalar(a, first), _scalar(e, first)
+        leaf.max_abs = float(abs(leaf.actual_at_abs - leaf.expected_at_abs))
+        leaf.max_rel = leaf.max_abs / (abs(leaf.expected_at_abs) + REL_EPS)
+    if leaf.mismatched:
+        leaf.err_ratio = math.inf
 
 
 def compare(actual: Any, expected: Any, policy: Tolerance | None = None, *, name: str = "") -> CompareResult:
@@ -353,10 +548,12 @@ def compare(actual: Any, expected: Any, policy: Tolerance | None = None, *, name
 
     Raises:
         TypeError: when a structure holds something that is not a tensor, number, None or container.
+        ValueError: when two leaves of one side get the same path (``{"a.b": x, "a": {"b": y}}``)
+            or an integer does not fit int64.
     """
     result = CompareResult(name=name)
-    got = dict(flatten(actual))
-    want = dict(flatten(expected))
+    got = _leaves_by_path(actual, "actual")
+    want = _leaves_by_path(expected, "expected")
     for path in list(want) + [p for p in got if p not in want]:
         exp_leaf = want.get(path)
         tol = _tolerance_for(exp_leaf if exp_leaf is not None else got.get(path), policy)
@@ -371,6 +568,15 @@ def compare(actual: Any, expected: Any, policy: Tolerance | None = None, *, name
         else:
             result.leaves.append(compare_tensors(got[path], exp_leaf, tol, path))
     return result
+
+
+def _leaves_by_path(obj: Any, side: str) -> dict[str, torch.Tensor | None]:
+    leaves: dict[str, torch.Tensor | None] = {}
+    for path, leaf in flatten(obj):
+        if path in leaves:
+            raise ValueError(f"two leaves of the {side} output have the same path {path!r}; rename a key")
+        leaves[path] = leaf
+    return leaves
 
 
 def _tolerance_for(leaf: torch.Tensor | None, policy: Tolerance | None) -> Tolerance:
