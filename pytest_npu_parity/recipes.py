@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -69,52 +69,103 @@ def parse_recipes(text: str) -> list[Recipe]:
     return [RECIPES[n] for n in dict.fromkeys(names)]
 
 
-def _npu_flag_holders() -> list[object]:
+def _npu_flag_holders() -> list[tuple[str, object]]:
     npu = getattr(torch, "npu", None)  # present once torch_npu is imported
     holders = []
     for name in ("matmul", "conv"):
         holder = getattr(npu, name, None) if npu is not None else None
         if holder is not None and hasattr(holder, "allow_hf32"):
-            holders.append(holder)
+            holders.append((name, holder))
     return holders
+
+
+#: The ``fp32_precision`` knobs of torch >= 2.9 (``torch.backends.<path>.fp32_precision``), parents
+#: before children. Older torch has none of them and only the legacy flags.
+_FP32_PRECISION_PATHS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn",
+                         "mkldnn", "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+
+
+def _fp32_precision_holders() -> list[tuple[str, object]]:
+    if not hasattr(torch.backends, "fp32_precision"):
+        return []
+    holders = []
+    for path in _FP32_PRECISION_PATHS:
+        holder: object = torch.backends
+        for part in filter(None, path.split(".")):
+            holder = getattr(holder, part, None)
+        if holder is not None:
+            holders.append((path, holder))
+    return holders
+
+
+def _read_legacy(getter: Callable[[], object]) -> object | None:
+    """A legacy precision flag, or ``None`` where torch >= 2.9 refuses to answer because the new
+    ``fp32_precision`` knobs were set to values the legacy flag cannot express."""
+    try:
+        return getter()
+    except RuntimeError:
+        return None
 
 
 @contextlib.contextmanager
 def strict_fp32_flags() -> Iterator[None]:
-    """Switch off TF32 (CUDA matmul and cuDNN) and HF32 (torch_npu matmul and conv), restoring after.
+    """Run fp32 as true IEEE fp32 inside the block, restoring every flag after (also on error).
 
-    torch_npu documents ``torch.npu.matmul.allow_hf32`` (default False) and
-    ``torch.npu.conv.allow_hf32`` (default True): the ViT patch convolution would otherwise run in
-    HF32 on a 910B.
+    Switched off: TF32 for CUDA matmul and cuDNN (``torch.backends.cuda.matmul.allow_tf32``,
+    ``torch.backends.cudnn.allow_tf32``), reduced-precision fp32 matmul
+    (``torch.set_float32_matmul_precision("highest")``: "high"/"medium" also let oneDNN use bf16
+    on the CPU), on torch >= 2.9 every ``fp32_precision`` knob (generic, CUDA matmul/conv/rnn,
+    oneDNN matmul/conv/rnn) set to ``"ieee"``, and HF32 in torch_npu
+    (``torch.npu.matmul.allow_hf32``, default False, and ``torch.npu.conv.allow_hf32``, default
+    True: the ViT patch convolution would otherwise run in HF32 on a 910B).
     """
-    saved_precision = torch.get_float32_matmul_precision()
-    saved_cuda = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    holders = _npu_flag_holders()
-    saved_npu = [h.allow_hf32 for h in holders]
+    legacy = (
+        _read_legacy(torch.get_float32_matmul_precision),
+        _read_legacy(lambda: torch.backends.cuda.matmul.allow_tf32),
+        _read_legacy(lambda: torch.backends.cudnn.allow_tf32),
+    )
+    knobs = _fp32_precision_holders()
+    saved_knobs = [holder.fp32_precision for _, holder in knobs]
+    npu = _npu_flag_holders()
+    saved_npu = [holder.allow_hf32 for _, holder in npu]
     try:
         torch.set_float32_matmul_precision("highest")
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-        for h in holders:
-            h.allow_hf32 = False
+        for _, holder in knobs:
+            holder.fp32_precision = "ieee"
+        for _, holder in npu:
+            holder.allow_hf32 = False
         yield
     finally:
-        torch.set_float32_matmul_precision(saved_precision)
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_cuda
-        for h, value in zip(holders, saved_npu):
-            h.allow_hf32 = value
+        precision, cuda_tf32, cudnn_tf32 = legacy
+        if precision is not None:
+            torch.set_float32_matmul_precision(precision)
+        if cuda_tf32 is not None:
+            torch.backends.cuda.matmul.allow_tf32 = cuda_tf32
+        if cudnn_tf32 is not None:
+            torch.backends.cudnn.allow_tf32 = cudnn_tf32
+        for (_, holder), value in zip(knobs, saved_knobs):
+            holder.fp32_precision = value
+        for (_, holder), value in zip(npu, saved_npu):
+            holder.allow_hf32 = value
 
 
 def precision_flags() -> dict[str, object]:
-    """The precision flags in force right now (for the report header and baseline provenance)."""
+    """The precision flags in force right now (for the report header and baseline provenance).
+
+    Keys: ``float32_matmul_precision``, ``cuda.matmul.allow_tf32``, ``cudnn.allow_tf32`` (each
+    ``None`` where torch >= 2.9 cannot express the state in the legacy flag), then on torch >= 2.9
+    ``fp32_precision`` and ``<path>.fp32_precision`` per knob, and ``npu.matmul.allow_hf32`` /
+    ``npu.conv.allow_hf32`` once torch_npu is imported.
+    """
     flags: dict[str, object] = {
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": _read_legacy(torch.get_float32_matmul_precision),
+        "cuda.matmul.allow_tf32": _read_legacy(lambda: torch.backends.cuda.matmul.allow_tf32),
+        "cudnn.allow_tf32": _read_legacy(lambda: torch.backends.cudnn.allow_tf32),
     }
-    npu = getattr(torch, "npu", None)
-    for name in ("matmul", "conv"):
-        holder = getattr(npu, name, None) if npu is not None else None
-        if holder is not None and hasattr(holder, "allow_hf32"):
-            flags[f"npu.{name}.allow_hf32"] = holder.allow_hf32
+    for path, holder in _fp32_precision_holders():
+        flags[f"{path}.fp32_precision" if path else "fp32_precision"] = holder.fp32_precision
+    for name, holder in _npu_flag_holders():
+        flags[f"npu.{name}.allow_hf32"] = holder.allow_hf32
     return flags
