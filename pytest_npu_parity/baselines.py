@@ -641,12 +641,15 @@ def _sniff(path: Path) -> str:
 def _kind(head: bytes) -> str:
     """``"safetensors"``, ``"pickle"`` (pickle protocol 2+ or zip, i.e. ``torch.save``),
     ``"short"`` (fewer than 9 bytes) or ``"other"``, from a file's first bytes."""
+    # A safetensors header is checked first: its 8-byte little-endian length can start with 0x80
+    # (a 1408-byte header does), which alone would look like a pickle PROTO opcode. Nothing is ever
+    # unpickled either way; a crafted file that passes as safetensors is then parsed (no code runs).
+    if len(head) >= 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") <= _HEADER_LIMIT:
+        return "safetensors"
     if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
         return "pickle"
     if len(head) < 9:
         return "short"
-    if head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") <= _HEADER_LIMIT:
-        return "safetensors"
     return "other"
 
 

@@ -620,3 +620,13 @@ def test_loading_five_megabytes_is_fast(store):
     assert_same_checks(baseline.checks, checks)
     # a forward pass of the Aurora model takes ~0.6 s here; loading must stay far below that
     assert min(timings) < 0.25, timings
+
+
+def test_safetensors_header_length_starting_with_pickle_opcode_is_not_refused(tmp_path):
+    """A 1408-byte header is stored as b"\\x80\\x05\\0..." — the same two bytes as a pickle protocol-5 PROTO."""
+    from pytest_npu_parity.baselines import _kind
+
+    head = (1408).to_bytes(8, "little") + b"{"
+    assert head[:2] == b"\x80\x05"
+    assert _kind(head) == "safetensors"
+    assert _kind(b"\x80\x05\x95\x10\x00\x00\x00\x00\x00") == "pickle"
