@@ -193,3 +193,38 @@ def test_co2_loads_offline_quickly(monkeypatch):
     values, _, _ = load_co2_series()
     elapsed = time.perf_counter() - start
     assert len(values) == 2284 and elapsed < 5.0
+
+
+def test_normalized_batch(batch):
+    normalized = batch.normalized()
+    assert normalized.scale != batch.scale and normalized.describe()["scale"] == normalized.scale
+    assert normalized.fingerprint() != batch.fingerprint()
+    assert normalized.context.dtype == torch.float32
+    torch.testing.assert_close(normalized.context.mean(dim=1), torch.zeros(4), rtol=0, atol=1e-5)
+    torch.testing.assert_close(normalized.context.std(dim=1, unbiased=False), torch.ones(4), rtol=0, atol=1e-5)
+    context = batch.context.double()
+    means, stdev = context.mean(dim=1, keepdim=True), context.std(dim=1, keepdim=True, unbiased=False)
+    for horizon in batch.horizons:
+        expected = ((batch.labels[horizon].double() - means) / stdev).float()
+        assert torch.equal(normalized.labels[horizon], expected)
+    assert torch.equal(normalized.text_input_ids, batch.text_input_ids) and normalized.texts == batch.texts
+    assert batch.context.mean() > 300  # the original stays in ppm
+    assert normalized.to(dtype=torch.bfloat16).scale == normalized.scale
+
+
+def test_normalized_batch_makes_relative_metrics_see_a_fault(tiny):
+    """In ppm the forecast carries a ≈ 330 ppm offset that dilutes any relative error."""
+    raw = make_batch(batch=2)
+    weight = tiny.model.dec_layers[1].ffn_layer.ffn[0].weight
+    rel_l2 = {}
+    for candidate in (raw, raw.normalized()):
+        outputs = []
+        for factor in (1.0, 1 + 1e-4):
+            saved = weight.detach().clone()
+            with torch.no_grad():
+                weight.mul_(factor)
+                torch.manual_seed(0)
+                outputs.append(tiny(**candidate.forward_kwargs(96)).logits)
+                weight.copy_(saved)
+        rel_l2[candidate.scale] = float((outputs[1] - outputs[0]).norm() / outputs[0].norm())
+    assert rel_l2[raw.normalized().scale] > 50 * rel_l2["ppm"] > 0
