@@ -4,28 +4,39 @@ Device random streams differ between devices for the same seed (PyTorch's RNGs a
 per backend, by design), so a check that draws dropout masks or noise on the device can never match.
 Inside ``same_randomness(seed)``:
 
-* Python ``random``, NumPy's global state and torch's CPU generator are seeded with ``seed``;
+* Python ``random``, NumPy's global state and torch's generators are seeded with ``seed``;
 * every draw made through ``torch.rand``, ``torch.randn``, ``torch.rand_like``, ``torch.randn_like``,
   ``torch.randint`` and ``torch.nn.functional.dropout`` (what ``nn.Dropout`` calls) is taken from one
-  seeded CPU ``torch.Generator`` and then moved to the requested device and dtype;
+  seeded CPU ``torch.Generator`` and then moved to the requested device and dtype (a float sample is
+  drawn in float32 and then cast, so every dtype and device sees the same numbers);
 * ``torch.nn.functional.scaled_dot_product_attention`` with ``dropout_p > 0`` (what
-  ``nn.MultiheadAttention`` uses in training) is computed by its reference formula — softmax(QKᵀ·scale
-  + mask) with a CPU-drawn dropout mask, then ·V — instead of the fused kernel's device RNG.
+  ``nn.MultiheadAttention`` uses in training) is computed by its reference formula from the PyTorch
+  documentation — softmax(QKᵀ·scale + mask) with a CPU-drawn dropout mask, then ·V — instead of the
+  fused kernel's device RNG. With ``dropout_p == 0`` the original kernel runs.
 
-So both sides see the same numbers in the same order. The replacements are installed on entry and
-the originals restored on exit; the scope is meant to wrap one run of one check (not thread-safe).
+So both sides see the same numbers in the same order. The replacements are installed on entry;
+on exit (also on error) the functions that were there before are put back and the Python, NumPy
+and torch CPU RNG states (and those of CUDA / the ``privateuse1`` backend such as ``npu``, when
+already initialized) are restored. The scope wraps one run of one check; it is not thread-safe.
+
+Not covered (they keep drawing from the device stream): ``Tensor.uniform_/normal_/bernoulli_/
+random_``, ``torch.bernoulli``, ``torch.normal``, ``torch.randperm``, ``torch.multinomial``,
+``F.dropout1d/2d/3d``, ``F.alpha_dropout``, and functions bound by ``from torch import rand``
+before the block starts.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import random
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+#: The functions replaced inside ``same_randomness``; the CPU draws use these import-time objects.
 _ORIGINALS = {
     (torch, "rand"): torch.rand,
     (torch, "randn"): torch.randn,
@@ -37,14 +48,42 @@ _ORIGINALS = {
 }
 
 
-def _split_size(args: tuple) -> tuple[tuple[int, ...], tuple]:
-    if args and isinstance(args[0], (tuple, list, torch.Size)):
-        return tuple(args[0]), args[1:]
-    sizes = []
-    rest = list(args)
-    while rest and isinstance(rest[0], int):
-        sizes.append(rest.pop(0))
-    return tuple(sizes), tuple(rest)
+def _as_int(value: Any, what: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)  # int, NumPy integer, 0-d integer tensor
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
+def _size(args: tuple, size: Any, fn: str) -> tuple[int, ...]:
+    """The size of ``fn(*args)`` / ``fn(size=...)`` as torch accepts it: ``f(2, 3)``,
+    ``f((2, 3))``, ``f([2, 3])``, ``f(torch.Size([2, 3]))`` or ``f(size=(2, 3))``."""
+    if size is not None:
+        if args:
+            raise TypeError(f"torch.{fn}() got the size both positionally and as size=")
+        args = (size,)
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        args = tuple(args[0])
+    return tuple(_as_int(s, f"torch.{fn}() size") for s in args)
+
+
+def _cpu_generator(generator: torch.Generator | None, default: torch.Generator) -> torch.Generator:
+    # A caller's CPU generator is honoured; a device generator cannot feed a CPU draw and would
+    # differ between the sides anyway, so the shared stream replaces it.
+    if generator is not None and generator.device.type == "cpu":
+        return generator
+    return default
+
+
+def _check_factory_kwargs(fn: str, kwargs: dict) -> None:
+    layout = kwargs.pop("layout", None)
+    pin_memory = kwargs.pop("pin_memory", False)
+    if layout not in (None, torch.strided) or pin_memory or kwargs:
+        extra = sorted(kwargs) + (["layout"] if layout not in (None, torch.strided) else []) + (
+            ["pin_memory"] if pin_memory else [])
+        raise TypeError(f"torch.{fn}() inside same_randomness does not support {', '.join(extra)}")
 
 
 class _CpuDraws:
@@ -55,47 +94,70 @@ class _CpuDraws:
         self.gen.manual_seed(seed)
 
     @staticmethod
-    def _place(t: torch.Tensor, device, dtype, requires_grad=False) -> torch.Tensor:
+    def _place(t: torch.Tensor, device, dtype, requires_grad=False, out=None) -> torch.Tensor:
+        if out is not None:
+            return out.copy_(t)
         t = t.to(device=device if device is not None else "cpu", dtype=dtype if dtype is not None else t.dtype)
         return t.requires_grad_(requires_grad) if requires_grad else t
 
-    def _factory(self, draw):
-        def fn(*args, dtype=None, device=None, requires_grad=False, generator=None, **kwargs):
-            size, _ = _split_size(args)
-            sample = draw(size, generator=generator or self.gen, dtype=torch.float32)
-            return self._place(sample, device, dtype or torch.get_default_dtype(), requires_grad)
-        return fn
+    def _float_draw(self, fn: str, args: tuple, size=None, *, generator=None, out=None, dtype=None, device=None,
+                    requires_grad=False, **kwargs) -> torch.Tensor:
+        _check_factory_kwargs(fn, kwargs)
+        shape = _size(args, size, fn)
+        sample = _ORIGINALS[(torch, fn)](shape, generator=_cpu_generator(generator, self.gen), dtype=torch.float32)
+        return self._place(sample, device, dtype or torch.get_default_dtype(), requires_grad, out)
 
-    def rand(self, *args, **kwargs):
-        return self._factory(_ORIGINALS[(torch, "rand")])(*args, **kwargs)
+    def rand(self, *args, **kwargs) -> torch.Tensor:
+        return self._float_draw("rand", args, **kwargs)
 
-    def randn(self, *args, **kwargs):
-        return self._factory(_ORIGINALS[(torch, "randn")])(*args, **kwargs)
+    def randn(self, *args, **kwargs) -> torch.Tensor:
+        return self._float_draw("randn", args, **kwargs)
 
-    def _like(self, draw, x, dtype=None, device=None, requires_grad=False, **kwargs):
-        sample = draw(tuple(x.shape), generator=self.gen, dtype=torch.float32)
+    def _like(self, fn: str, x: torch.Tensor, dtype=None, device=None, requires_grad=False, memory_format=None,
+              generator=None, **kwargs) -> torch.Tensor:
+        _check_factory_kwargs(f"{fn}_like", kwargs)
+        sample = _ORIGINALS[(torch, fn)](tuple(x.shape), generator=_cpu_generator(generator, self.gen),
+                                         dtype=torch.float32)
         return self._place(sample, device or x.device, dtype or x.dtype, requires_grad)
 
-    def rand_like(self, x, **kwargs):
-        return self._like(_ORIGINALS[(torch, "rand")], x, **kwargs)
+    def rand_like(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self._like("rand", x, **kwargs)
 
-    def randn_like(self, x, **kwargs):
-        return self._like(_ORIGINALS[(torch, "randn")], x, **kwargs)
+    def randn_like(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self._like("randn", x, **kwargs)
 
-    def randint(self, *args, dtype=None, device=None, generator=None, requires_grad=False, **kwargs):
-        # torch.randint(high, size) or torch.randint(low, high, size)
-        if len(args) == 2:
-            low, high, size = 0, args[0], args[1]
-        else:
-            low, high, size = args[0], args[1], args[2]
-        sample = _ORIGINALS[(torch, "randint")](low, high, tuple(size), generator=generator or self.gen)
-        return self._place(sample, device, dtype or torch.int64)
+    def randint(self, *args, low=None, high=None, size=None, generator=None, out=None, dtype=None, device=None,
+                requires_grad=False, **kwargs) -> torch.Tensor:
+        """``torch.randint(high, size)``, ``torch.randint(low, high, size)``, any of them as keywords."""
+        _check_factory_kwargs("randint", kwargs)
+        positional = list(args)
+        if size is None and positional and isinstance(positional[-1], (tuple, list, torch.Size)):
+            size = positional.pop()
+        if len(positional) == 2 and low is None and high is None:
+            low, high = positional
+        elif len(positional) == 1 and high is None:
+            high = positional[0]
+        elif len(positional) == 1 and low is None:
+            low = positional[0]
+        elif positional:
+            raise TypeError(f"torch.randint() got unexpected positional arguments {tuple(args)!r}")
+        if high is None or size is None:
+            raise TypeError("torch.randint() needs high and size: randint(high, size) or randint(low, high, size)")
+        low = 0 if low is None else _as_int(low, "torch.randint() low")
+        shape = _size((), size, "randint")
+        sample = _ORIGINALS[(torch, "randint")](low, _as_int(high, "torch.randint() high"), shape,
+                                                generator=_cpu_generator(generator, self.gen))
+        return self._place(sample, device, dtype or torch.int64, requires_grad, out)
 
     def dropout_mask(self, shape, p: float, device, dtype) -> torch.Tensor:
+        """Keep-mask scaled by 1/(1-p), as ``F.dropout`` applies it: each element is kept with
+        probability 1 - p (a CPU uniform draw >= p)."""
         keep = _ORIGINALS[(torch, "rand")](tuple(shape), generator=self.gen) >= p
         return (keep.to(dtype=dtype) / (1.0 - p)).to(device)
 
-    def dropout(self, input, p=0.5, training=True, inplace=False):
+    def dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if p < 0.0 or p > 1.0:
+            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
         if not training or p == 0.0:
             return input
         if p == 1.0:
@@ -103,13 +165,22 @@ class _CpuDraws:
         mask = self.dropout_mask(input.shape, p, input.device, input.dtype)
         return input.mul_(mask) if inplace else input * mask
 
-    def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+    def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False, **kwargs) -> torch.Tensor:
+        """``F.scaled_dot_product_attention``; with ``dropout_p > 0`` its reference formula."""
         if dropout_p == 0.0:
+            if enable_gqa:
+                kwargs["enable_gqa"] = True  # only passed when set: torch < 2.5 has no such argument
             return _ORIGINALS[(F, "scaled_dot_product_attention")](
                 query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale, **kwargs)
-        # Reference formula of F.scaled_dot_product_attention (PyTorch docs), with a CPU-drawn mask.
+        if kwargs:
+            raise TypeError(f"scaled_dot_product_attention() got unexpected arguments {sorted(kwargs)}")
+        # Reference implementation in the PyTorch documentation of F.scaled_dot_product_attention.
         L, S = query.size(-2), key.size(-2)
         scale_factor = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+        if enable_gqa:
+            key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+            value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
         scores = query @ key.transpose(-2, -1) * scale_factor
         if is_causal:
             causal = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
@@ -120,15 +191,40 @@ class _CpuDraws:
             else:
                 scores = scores + attn_mask
         weights = torch.softmax(scores, dim=-1)
+        # A fully masked row attends to nothing (0, not NaN), as torch's own math backend does.
+        weights = weights.masked_fill(torch.isneginf(scores).all(dim=-1, keepdim=True), 0.0)
         weights = self.dropout(weights, p=dropout_p, training=True)
         return weights @ value
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python ``random``, NumPy's global RNG and torch (CPU and every device) with ``seed``."""
+    """Seed Python ``random``, NumPy's global RNG and torch (CPU and every device) with ``seed``.
+
+    Raises:
+        TypeError: when ``seed`` is not an integer.
+    """
+    seed = _as_int(seed, "seed")
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
+
+
+def _initialized_device_modules() -> list[Any]:
+    """``torch.cuda`` and the ``privateuse1`` backend module (``torch.npu`` once torch_npu is
+    imported) when they are initialized and can save/restore all their RNG states."""
+    names = ["cuda"]
+    try:
+        names.append(torch._C._get_privateuse1_backend_name())
+    except (AttributeError, RuntimeError):
+        pass
+    modules = []
+    for name in dict.fromkeys(names):
+        module = getattr(torch, name, None)
+        is_initialized = getattr(module, "is_initialized", None)
+        if (callable(is_initialized) and is_initialized()
+                and hasattr(module, "get_rng_state_all") and hasattr(module, "set_rng_state_all")):
+            modules.append(module)
+    return modules
 
 
 @contextlib.contextmanager
@@ -136,9 +232,13 @@ def same_randomness(seed: int = 0) -> Iterator[None]:
     """Make every random draw inside the block come from a seeded CPU stream (see module doc).
 
     Args:
-        seed: the seed; the reference and target runs of one check must use the same one.
+        seed: the seed (an integer); the reference and target runs of one check must use the same.
+
+    Raises:
+        TypeError: when ``seed`` is not an integer, or a replaced function is called with an
+            argument it cannot honour with CPU draws (``layout``, ``pin_memory``).
     """
-    draws = _CpuDraws(seed)
+    draws = _CpuDraws(_as_int(seed, "seed"))
     replacements = {
         (torch, "rand"): draws.rand,
         (torch, "randn"): draws.randn,
@@ -148,15 +248,19 @@ def same_randomness(seed: int = 0) -> Iterator[None]:
         (F, "dropout"): draws.dropout,
         (F, "scaled_dot_product_attention"): draws.sdpa,
     }
+    previous = {(owner, name): getattr(owner, name) for owner, name in replacements}
     py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-    seed_everything(seed)
+    devices = [(module, module.get_rng_state_all()) for module in _initialized_device_modules()]
     try:
+        seed_everything(seed)
         for (owner, name), fn in replacements.items():
             setattr(owner, name, fn)
         yield
     finally:
-        for (owner, name), fn in _ORIGINALS.items():
+        for (owner, name), fn in previous.items():
             setattr(owner, name, fn)
         random.setstate(py_state)
         np.random.set_state(np_state)
         torch.random.set_rng_state(torch_state)
+        for module, states in devices:
+            module.set_rng_state_all(states)
