@@ -16,6 +16,8 @@ import pytest
 SESSION_KEY = pytest.StashKey["Any"]()
 CASES_KEY = pytest.StashKey["list"]()
 ROWS_KEY = pytest.StashKey["list"]()
+COLLECTED_KEY = pytest.StashKey["list"]()  # node ids of every collected test (they keep their baselines)
+FAILED_KEY = pytest.StashKey["set"]()  # node ids whose call phase failed (their baselines are not written)
 
 _SKIP_REASON = "parity suites run only with --npu-parity (or --update-baselines)"
 
@@ -111,15 +113,33 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[CASES_KEY] = []
     config.stash[ROWS_KEY] = []
+    config.stash[COLLECTED_KEY] = []
+    config.stash[FAILED_KEY] = set()
     _recipe_names(config)  # validate early
-    if config.getoption("update_baselines") and getattr(config, "args_source", None) is not None:
-        # `pytest --update-baselines` with no path records the parity suites, not the unit tests.
-        if config.args_source != pytest.Config.ArgsSource.ARGS:
-            paths = [str(Path(config.rootpath, p)) for p in config.getini("parity_paths")]
-            config.args[:] = [p for p in paths if Path(p).exists()] or config.args
+    if config.getoption("update_baselines"):
+        _record_parity_paths(config)
     if not parity_enabled(config):
         return
     config.stash[SESSION_KEY] = _make_session(config)
+
+
+def _record_parity_paths(config: pytest.Config) -> None:
+    """Make ``pytest --update-baselines`` with no path record the parity suites (ini ``parity_paths``).
+
+    Without paths pytest runs ``testpaths`` (usually the unit tests) or the invocation directory;
+    ``config.args_source`` (pytest >= 7.2) tells these apart from paths the user typed, which are
+    kept as they are. A run started inside one of the parity paths keeps its directory (it records
+    that suite only). Parity paths that do not exist are ignored; with none left the args stay.
+    """
+    source = getattr(config, "args_source", None)
+    if source is None or source == pytest.Config.ArgsSource.ARGS:
+        return
+    paths = [Path(config.rootpath, p).resolve() for p in config.getini("parity_paths")]
+    paths = [p for p in paths if p.exists()]
+    invocation = Path(config.invocation_params.dir).resolve()
+    if not paths or any(invocation.is_relative_to(p) for p in paths):
+        return
+    config.args[:] = [str(p) for p in paths]
 
 
 def _make_session(config: pytest.Config):
@@ -154,9 +174,10 @@ def _make_session(config: pytest.Config):
 def _make_store(config: pytest.Config):
     from .baselines import SuiteStores
 
-    root = Path(_opt(config, "baseline_dir", "parity_baseline_dir"))
-    if not root.is_absolute():
-        root = config.rootpath / root
+    option = config.getoption("baseline_dir")
+    root = Path(option if option is not None else config.getini("parity_baseline_dir")).expanduser()
+    if not root.is_absolute():  # a command-line path is relative to where pytest runs, an ini one to rootdir
+        root = (Path(config.invocation_params.dir) if option is not None else config.rootpath) / root
     return SuiteStores(root)
 
 
@@ -197,8 +218,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             reason=f"none of the recipes {allowed} is selected by --parity-dtypes"))], ids=["no-recipe"])
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if parity_enabled(config):
+        # Before -k/-m deselection: every collected test keeps its baseline (see _unused_baselines).
+        config.stash[COLLECTED_KEY] = [item.nodeid for item in items]
         return
     skip = pytest.mark.skip(reason=_SKIP_REASON)
     for item in items:
@@ -253,7 +277,47 @@ def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, p
                       marker_tolerance=_marker_tolerance(request.node, parity_recipe), patches=parity_patches)
     request.config.stash[CASES_KEY].append(case)
     yield case
-    case.finish()
+    case.finish(failed=request.node.nodeid in request.config.stash[FAILED_KEY])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    # The call phase's report exists before fixture teardown, where the parity fixture writes baselines.
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        item.config.stash[FAILED_KEY].add(item.nodeid)
+        _shorten_baseline_failure(item, call, report)
+
+
+def _shorten_baseline_failure(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport) -> None:
+    """Show a baseline error (missing, stale, corrupt: not a bug in the code under test) from the
+    test's own frames down to its call into this plugin, without the store's internals.
+
+    Only for ``--tb=auto/long/short``; ``--fulltrace`` and the other styles keep pytest's report.
+    """
+    if SESSION_KEY not in item.config.stash:  # parity off: not our failure (and no torch import for it)
+        return
+    from .baselines import BaselineError
+
+    excinfo = call.excinfo
+    style = item.config.getoption("tbstyle", "auto")
+    if (excinfo is None or not isinstance(excinfo.value, BaselineError) or style not in ("auto", "long", "short")
+            or item.config.getoption("fulltrace", False)):
+        return
+    package = Path(__file__).resolve().parent
+    try:
+        test_file = Path(str(item.path)).resolve()
+        entries = list(excinfo.traceback)
+        paths = [Path(str(entry.path)).resolve() for entry in entries]
+        first = next(i for i, path in enumerate(paths) if path == test_file)
+        last = next((i for i in range(first, len(paths)) if paths[i].is_relative_to(package)), len(paths))
+        excinfo.traceback = type(excinfo.traceback)(entries[first:last])
+        report.longrepr = excinfo.getrepr(
+            funcargs=True, abspath=False, showlocals=item.config.getoption("showlocals", False),
+            style="long" if style == "auto" else style, tbfilter=False, truncate_locals=True)
+    except Exception:  # no frame in the test file, or a pytest whose traceback API differs: keep pytest's report
+        pass
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -292,10 +356,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         workeroutput["parity_rows"] = json.dumps(rows, default=str)
         workeroutput["parity_writes"] = json.dumps(config.stash[SESSION_KEY].baseline_writes)
         workeroutput["parity_used"] = json.dumps(sorted(map(str, config.stash[SESSION_KEY].baselines_used)))
+        workeroutput["parity_collected"] = json.dumps(config.stash[COLLECTED_KEY])
         return
     config.stash[ROWS_KEY].extend(rows)
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown (and never called) without xdist
 def pytest_testnodedown(node: Any, error: Any) -> None:
     output = getattr(node, "workeroutput", {}) or {}
     config = node.config
@@ -303,6 +369,8 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
         config.stash[ROWS_KEY].extend(json.loads(output["parity_rows"]))
         config.stash[SESSION_KEY].baseline_writes.update(json.loads(output.get("parity_writes", "{}")))
         config.stash[SESSION_KEY].baselines_used.update(Path(p) for p in json.loads(output.get("parity_used", "[]")))
+        seen = set(config.stash[COLLECTED_KEY])  # every worker collects the same tests
+        config.stash[COLLECTED_KEY].extend(i for i in json.loads(output.get("parity_collected", "[]")) if i not in seen)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -333,19 +401,138 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         tr.write_line(f"{len(checks)} checks: " + ", ".join(f"{v} {k}" for k, v in sorted(ran.items())))
     else:
         tr.write_line("no parity checks ran")
-    if session.baseline_writes:
-        status = Counter(session.baseline_writes.values())
-        tr.write_line("baselines: " + ", ".join(f"{n} {s}" for s, n in sorted(status.items()))
-                      + f" under {session.store.root}")
+    _summarize_references(tr, rows)
+    _summarize_baseline_problems(tr, rows, session)
+    _summarize_writes(tr, session)
     if _full_run(config) and (exitstatus == 0 or not session.update_baselines):
-        unused = session.store.unused(session.baselines_used)
+        unused = _unused_baselines(config, session)
         if unused and session.update_baselines:
             session.store.prune(unused)
-            tr.write_line(f"baselines: pruned {len(unused)} unused: " + ", ".join(map(str, unused)))
+            tr.write_line(f"baselines: pruned {len(unused)} unused (no collected test maps to them):")
         elif unused:
-            tr.write_line(f"baselines: {len(unused)} unused (no test used them; `pytest --update-baselines` "
-                          "on a full run prunes them): " + ", ".join(map(str, unused)))
+            tr.write_line(f"baselines: {len(unused)} unused (no collected test maps to them; "
+                          "`pytest --update-baselines` on a full run prunes them):")
+        for path in unused:
+            tr.write_line(f"  {_shown(path)}")
     _write_outputs(config, session, rows)
+
+
+def _shown(path: Path | str) -> str:
+    """``path`` relative to the working directory when below it, else as given."""
+    path = Path(path)
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _per_check(rows: list[dict]) -> dict[tuple, dict]:
+    """The first row of every (test, check, recipe): what the reference was does not vary by leaf."""
+    first: dict[tuple, dict] = {}
+    for row in rows:
+        first.setdefault((row["test_id"], row["check"], row["recipe"]), row)
+    return first
+
+
+def _summarize_references(tr: Any, rows: list[dict]) -> None:
+    """One line per reference the targets were compared with: a live CPU run or a baseline's provenance."""
+    counts: Counter = Counter()
+    for row in _per_check(rows).values():
+        if row.get("verdict") in ("recorded", "error") or row.get("reference") == "recorded":
+            continue
+        if row.get("reference") == "baseline":
+            # reference_provenance is Baseline.describe(): "<file> — <device · date · versions>"
+            counts["baseline " + str(row.get("reference_provenance") or "").rpartition(" — ")[2]] += 1
+        else:
+            reference = row.get("reference")
+            counts[{"cpu": "a live CPU run", "given": "the given expected output"}.get(reference, str(reference))] += 1
+    for reference, n in sorted(counts.items()):
+        tr.write_line(f"reference: {n} check{'s' * (n != 1)} vs {reference}")
+
+
+def _summarize_baseline_problems(tr: Any, rows: list[dict], session: Any) -> None:
+    """List the checks whose baseline was missing, stale, corrupt or unsafe, and how to re-record them."""
+    problems = [row for row in _per_check(rows).values() if row.get("baseline_error")]
+    if not problems:
+        return
+    kinds = Counter(row["baseline_error"] for row in problems)
+    tr.write_line("baselines not usable: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
+    width = max(len(k) for k in kinds)
+    for row in sorted(problems, key=lambda r: (r["baseline_error"], r["test_id"], r["check"])):
+        where = f" ({_shown(row['baseline_file'])})" if row.get("baseline_file") else ""
+        tr.write_line(f"  {row['baseline_error'].ljust(width)}  {row['test_id']} check {row['check']!r}{where}")
+    redo = sorted({row["test_id"] for row in problems if row["baseline_error"] in ("missing", "stale", "corrupt")})
+    if redo:
+        import shlex
+
+        tr.write_line(f"re-record them on a trusted machine with: {session.store.update_command} "
+                      + " ".join(shlex.quote(test_id) for test_id in redo))
+
+
+_WRITE_ORDER = ("created", "changed", "unchanged", "not written")
+
+
+def _summarize_writes(tr: Any, session: Any) -> None:
+    """Counts of baseline files created/changed/unchanged/not written, then the files that changed on disk."""
+    writes = session.baseline_writes
+    if not writes:
+        return
+    status = Counter(writes.values())
+    order = [s for s in _WRITE_ORDER if s in status] + sorted(set(status) - set(_WRITE_ORDER))
+    tr.write_line("baselines: " + ", ".join(f"{status[s]} {s}" for s in order)
+                  + f" ({len(writes)} file{'s' * (len(writes) != 1)} under {_shown(session.store.root)})")
+    for test_id, what in sorted(writes.items(), key=lambda kv: (order.index(kv[1]), kv[0])):
+        if what == "unchanged":
+            continue
+        note = " (the test failed)" if what == "not written" else ""
+        try:
+            path = _shown(session.store.path_for(test_id))
+        except Exception:  # a node id no file can be named after: the test itself reported it
+            path = "?"
+        tr.write_line(f"  {what:<11}  {path}  <- {test_id}{note}")
+
+
+def _unused_baselines(config: pytest.Config, session: Any) -> list[Path]:
+    """Baseline files of this run's scope that no collected test maps to (sorted).
+
+    In scope are the files whose recorded test id (file metadata ``test_id``) names a test file
+    under one of the run's directories (``config.args``), so ``pytest --update-baselines
+    parity_suites/aurora`` never touches another suite's files. Kept are the files of every
+    collected test (also deselected, skipped or failed ones, and with ``--parity-reference cpu``)
+    and every file the run read or wrote. Files whose metadata cannot be read are left alone (the
+    test that uses them reports them).
+    """
+    from .baselines import BaselineError
+
+    store = session.store
+    kept = {Path(p).resolve() for p in session.baselines_used}
+    for node_id in config.stash[COLLECTED_KEY]:
+        try:
+            kept.add(store.path_for(node_id).resolve())
+        except BaselineError:
+            pass
+    invocation = Path(config.invocation_params.dir)
+    scope = [(invocation / arg).resolve() for arg in config.args]
+    unused = []
+    for path in store.unused(kept):
+        test_id = _recorded_test_id(path)
+        if not test_id:
+            continue
+        test_file = (config.rootpath / test_id.partition("::")[0]).resolve()
+        if any(test_file.is_relative_to(d) for d in scope):
+            unused.append(path)
+    return unused
+
+
+def _recorded_test_id(path: Path) -> str | None:
+    """The ``test_id`` metadata of a baseline file (its safetensors header only), or None if unreadable."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            return (handle.metadata() or {}).get("test_id")
+    except Exception:  # not a safetensors file, truncated header...: not judged here
+        return None
 
 
 def _write_outputs(config: pytest.Config, session: Any, rows: list[dict]) -> None:

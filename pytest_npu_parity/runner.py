@@ -32,6 +32,8 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
+from .baselines import (BaselineError, CorruptBaselineError, MissingBaselineError, StaleBaselineError,
+                        UnsafeBaselineError)
 from .compare import CompareResult, ParityError, compare, flatten
 from .policy import Tolerance, default_for_recipe, parse_tolerance_spec
 from .recipes import RECIPES, Recipe, strict_fp32_flags
@@ -45,8 +47,11 @@ class CheckRecord:
     """What happened in one check, for the terminal summary and the report.
 
     ``status`` is ``pass``, ``fail``, ``error`` or ``recorded``. ``reference`` is ``cpu`` (live run),
-    ``baseline`` or ``recorded``; ``reference_provenance`` is the baseline's one-line provenance.
-    ``audit`` is the device-propagation record (a dict) when the audit ran.
+    ``baseline`` or ``recorded``; ``reference_provenance`` is the baseline's file and one-line
+    provenance (``Baseline.describe()``: ``"<file> — <device> · <date> · torch <version> …"``).
+    ``audit`` is the device-propagation record (a dict) when the audit ran. A check whose baseline
+    could not be used has status ``error`` and ``extra`` holding ``baseline_error`` (``missing``,
+    ``stale``, ``corrupt``, ``unsafe`` or ``unreadable``) and ``baseline_file``; both also go into its row.
     """
 
     test_id: str
@@ -81,6 +86,9 @@ class CheckRecord:
             row = dict(base, leaf=None, verdict=self.status, problem=self.message,
                        rtol=self.tolerance.rtol, atol=self.tolerance.atol, budget=self.tolerance.budget,
                        tolerance_source=self.tolerance.source, tolerance_reason=self.tolerance.reason)
+            for key in ("baseline_error", "baseline_file"):
+                if key in self.extra:
+                    row[key] = self.extra[key]
             return [row]
         rows = []
         for leaf in leaves:
@@ -177,7 +185,7 @@ class ParitySession:
         self.audit_factory = audit_factory
         self.failure_hooks = list(failure_hooks or [])
         self.records: list[CheckRecord] = []
-        self.baseline_writes: dict[str, str] = {}  # test_id -> created/changed/unchanged
+        self.baseline_writes: dict[str, str] = {}  # test_id -> created/changed/unchanged/not written
         self.baselines_used: set = set()
         self._copies: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         self._reference_memo: dict[tuple, dict] = {}
@@ -332,7 +340,11 @@ class ParityCase:
         if self.session.update_baselines:
             leaves, _ = run(self.target, patched=False)
             return self._record_pending(name, leaves, hashes, seed, submodule, tol, start)
-        expected, reference, provenance = self._reference(name, run, hashes)
+        try:
+            expected, reference, provenance = self._reference(name, run, hashes)
+        except BaselineError as exc:
+            self._baseline_error(name, exc, tol, submodule, start)
+            raise
         actual, audit = run(self.target, patched=True, audited=self.session.audit_factory is not None)
         return self._judge(name, actual, expected, tol, reference, provenance, submodule, start, audit,
                            failure_args=(fn, args, kwargs))
@@ -394,7 +406,11 @@ class ParityCase:
         if self.session.update_baselines:
             leaves, _ = run(self.target, patched=False)
             return self._record_pending(name, leaves, hashes, seed, submodule, tol, start)
-        expected, reference, provenance = self._reference(name, run, hashes)
+        try:
+            expected, reference, provenance = self._reference(name, run, hashes)
+        except BaselineError as exc:
+            self._baseline_error(name, exc, tol, submodule, start)
+            raise
         actual, audit = run(self.target, patched=True, audited=self.session.audit_factory is not None)
         return self._judge(name, actual, expected, tol, reference, provenance, submodule, start, audit,
                            failure_args=(step, (module,), inputs))
@@ -414,10 +430,26 @@ class ParityCase:
         return self._judge(name, _to_cpu_leaves(actual), _to_cpu_leaves(expected), tol, "given", None,
                            submodule, start, None, failure_args=None)
 
-    def finish(self) -> str | None:
-        """End of the test: in record mode write the baseline file; returns its status or None."""
+    def finish(self, *, failed: bool = False) -> str | None:
+        """End of the test: in record mode write the baseline file.
+
+        Args:
+            failed: the test failed (an exception after or between checks, a failed assertion);
+                then nothing is written, so a half-run test never replaces a complete baseline.
+
+        Returns:
+            ``"created"``, ``"changed"`` or ``"unchanged"`` (see ``BaselineStore.write``),
+            ``"not written"`` for a failed test in record mode, or None when nothing was recorded.
+
+        Raises:
+            OSError: the file cannot be written (the old baseline is left intact).
+        """
         if not (self.session.update_baselines and self._pending):
             return None
+        if failed:
+            self.session.baseline_writes[self.test_id] = "not written"
+            self.session.baselines_used.add(self.session.store.path_for(self.test_id))
+            return "not written"
         from .provenance import collect_provenance
 
         with strict_fp32_flags():
@@ -475,11 +507,19 @@ class ParityCase:
 
     def _load_baseline(self):
         if not self._baseline_loaded:
-            self._baseline_loaded = True
             if self.session.store is not None:
-                self._baseline = self.session.store.load(self.test_id)
-                if self._baseline is not None:
+                try:
+                    self._baseline = self.session.store.load(self.test_id)
+                except BaselineError as exc:
+                    # Every later check of the test fails the same way; none falls back to a CPU run.
+                    self._baseline = exc
+                if isinstance(self._baseline, BaselineError):
+                    self.session.baselines_used.add(self._baseline.path or self.session.store.path_for(self.test_id))
+                elif self._baseline is not None:
                     self.session.baselines_used.add(self._baseline.path)
+            self._baseline_loaded = True
+        if isinstance(self._baseline, BaselineError):
+            raise self._baseline
         return self._baseline
 
     def _reference(self, name: str, run: Callable, hashes: dict[str, str]):
@@ -489,19 +529,30 @@ class ParityCase:
             baseline = self._load_baseline()
             has_check = baseline is not None and name in baseline.checks
             if mode == "baseline" or has_check:
-                from .provenance import describe_provenance
-
                 if baseline is None:
                     raise self.session.store.missing_error(self.test_id)
                 entry = self.session.store.check_fresh(baseline, name, **hashes)
                 expected: dict[str, torch.Tensor | None] = dict(entry.tensors)
                 expected.update({p: None for p in entry.none_leaves})
-                return expected, "baseline", describe_provenance(baseline.provenance)
+                return expected, "baseline", baseline.describe()  # "<file> — <device, date, versions>"
         key = (name, self.recipe.name, hashes["input_hash"], hashes["config_hash"])
         memo = self.session._reference_memo
         if key not in memo:
             memo[key] = run(torch.device("cpu"), patched=False)[0]
         return memo[key], "cpu", None
+
+    def _baseline_error(self, name: str, exc: BaselineError, tol: Tolerance, submodule: str | None,
+                        start: float) -> CheckRecord:
+        """Keep an ``error`` record for a check whose baseline is missing, stale, corrupt or unsafe."""
+        kinds = ((MissingBaselineError, "missing"), (StaleBaselineError, "stale"),
+                 (CorruptBaselineError, "corrupt"), (UnsafeBaselineError, "unsafe"))
+        kind = next((label for cls, label in kinds if isinstance(exc, cls)), "unreadable")
+        record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
+                             "baseline", tol, status="error", submodule=submodule,
+                             message=str(exc), duration_s=time.perf_counter() - start,
+                             extra={"baseline_error": kind, "baseline_file": str(exc.path) if exc.path else None})
+        self._keep(record)
+        return record
 
     def _record_pending(self, name, leaves, hashes, seed, submodule, tol, start) -> CheckRecord:
         from .baselines import CheckBaseline
