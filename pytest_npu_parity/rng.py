@@ -12,7 +12,8 @@ Inside ``same_randomness(seed)``:
 * ``torch.nn.functional.scaled_dot_product_attention`` with ``dropout_p > 0`` (what
   ``nn.MultiheadAttention`` uses in training) is computed by its reference formula from the PyTorch
   documentation — softmax(QKᵀ·scale + mask) with a CPU-drawn dropout mask, then ·V — instead of the
-  fused kernel's device RNG. With ``dropout_p == 0`` the original kernel runs.
+  fused kernel's device RNG. With ``dropout_p == 0`` the kernel that was installed when the block
+  started runs (torch's own, or a patch set's fused replacement entered before the block).
 
 So both sides see the same numbers in the same order. The replacements are installed on entry;
 on exit (also on error) the functions that were there before are put back and the Python, NumPy
@@ -87,11 +88,16 @@ def _check_factory_kwargs(fn: str, kwargs: dict) -> None:
 
 
 class _CpuDraws:
-    """Random functions that draw on the CPU from one generator and move the result."""
+    """Random functions that draw on the CPU from one generator and move the result.
 
-    def __init__(self, seed: int):
+    ``sdpa_kernel`` is the ``scaled_dot_product_attention`` in place when the block started (a patch
+    set's replacement, if one is active), run whenever no dropout is asked for.
+    """
+
+    def __init__(self, seed: int, sdpa_kernel=None):
         self.gen = torch.Generator(device="cpu")
         self.gen.manual_seed(seed)
+        self.sdpa_kernel = sdpa_kernel or _ORIGINALS[(F, "scaled_dot_product_attention")]
 
     @staticmethod
     def _place(t: torch.Tensor, device, dtype, requires_grad=False, out=None) -> torch.Tensor:
@@ -171,7 +177,7 @@ class _CpuDraws:
         if dropout_p == 0.0:
             if enable_gqa:
                 kwargs["enable_gqa"] = True  # only passed when set: torch < 2.5 has no such argument
-            return _ORIGINALS[(F, "scaled_dot_product_attention")](
+            return self.sdpa_kernel(
                 query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale, **kwargs)
         if kwargs:
             raise TypeError(f"scaled_dot_product_attention() got unexpected arguments {sorted(kwargs)}")
@@ -238,7 +244,9 @@ def same_randomness(seed: int = 0) -> Iterator[None]:
         TypeError: when ``seed`` is not an integer, or a replaced function is called with an
             argument it cannot honour with CPU draws (``layout``, ``pin_memory``).
     """
-    draws = _CpuDraws(_as_int(seed, "seed"))
+    seed = _as_int(seed, "seed")
+    previous = {(owner, name): getattr(owner, name) for owner, name in _ORIGINALS}
+    draws = _CpuDraws(seed, sdpa_kernel=previous[(F, "scaled_dot_product_attention")])
     replacements = {
         (torch, "rand"): draws.rand,
         (torch, "randn"): draws.randn,
@@ -248,7 +256,6 @@ def same_randomness(seed: int = 0) -> Iterator[None]:
         (F, "dropout"): draws.dropout,
         (F, "scaled_dot_product_attention"): draws.sdpa,
     }
-    previous = {(owner, name): getattr(owner, name) for owner, name in replacements}
     py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
     devices = [(module, module.get_rng_state_all()) for module in _initialized_device_modules()]
     try:
