@@ -115,11 +115,17 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[ROWS_KEY] = []
     config.stash[COLLECTED_KEY] = []
     config.stash[FAILED_KEY] = set()
-    _recipe_names(config)  # validate early
     if config.getoption("update_baselines"):
         _record_parity_paths(config)
     if not parity_enabled(config):
         return
+    from .npu import explain_import_error, import_torch
+
+    try:  # a broken torch_npu can break `import torch` itself: say why, in one sentence
+        import_torch()
+    except Exception as exc:  # noqa: BLE001 - any import failure becomes a usage error
+        raise pytest.UsageError(explain_import_error(exc)) from None
+    _recipe_names(config)  # validate early
     config.stash[SESSION_KEY] = _make_session(config)
 
 
@@ -382,7 +388,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     tr.section("npu-parity")
     checks: dict[tuple, str] = {}
     for row in rows:  # one verdict per (test, check): fail if any leaf failed
-        key = (row["test_id"], row["check"], row["recipe"], row.get("submodule") or row["check"])
+        key = (row["test_id"], row["check"], row["recipe"], row.get("group") or row.get("submodule") or row["check"])
         if checks.get(key) not in ("fail", "error"):
             checks[key] = row["verdict"]
     counts: Counter = Counter()
@@ -390,8 +396,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         counts[(group, recipe, verdict)] += 1
     groups = sorted({(g, r) for g, r, _ in counts})
     if groups:
-        width = max([len("submodule")] + [len(g) for g, _ in groups])
-        tr.write_line(f"{'submodule'.ljust(width)}  recipe  checks  pass  fail  recorded")
+        width = max([len("group")] + [len(g) for g, _ in groups])
+        tr.write_line(f"{'group'.ljust(width)}  recipe  checks  pass  fail  recorded")
         for group, recipe in groups:
             n = {v: counts[(group, recipe, v)] for v in ("pass", "fail", "error", "recorded")}
             total = sum(n.values())

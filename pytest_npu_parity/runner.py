@@ -63,6 +63,7 @@ class CheckRecord:
     tolerance: Tolerance
     status: str = "pass"
     submodule: str | None = None
+    group: str | None = None
     result: CompareResult | None = None
     reference_provenance: str | None = None
     audit: dict | None = None
@@ -74,6 +75,7 @@ class CheckRecord:
         """One dict per compared leaf (the report's row schema); one row with no metrics otherwise."""
         base = {
             "test_id": self.test_id, "check": self.check, "submodule": self.submodule,
+            "group": self.group or self.submodule or self.check,
             "recipe": self.recipe, "target": self.target, "target_name": self.target_name,
             "reference": self.reference, "reference_provenance": self.reference_provenance,
             "duration_s": self.duration_s,
@@ -304,7 +306,7 @@ class ParityCase:
         return self.session.target
 
     def check(self, name: str, fn: Callable[..., Any], *args: Any, submodule: str | None = None,
-              seed: int | None = None, grad: bool = False, rtol: float | None = None,
+              group: str | None = None, seed: int | None = None, grad: bool = False, rtol: float | None = None,
               atol: float | None = None, budget: float | None = None, reason: str | None = None,
               **kwargs: Any) -> CheckRecord:
         """Run ``fn(*args, **kwargs)`` on the reference and the target and compare every output leaf.
@@ -315,6 +317,8 @@ class ParityCase:
                 Tensors in ``args``/``kwargs`` and the module's parameters/buffers are moved to
                 each side's device.
             submodule: dotted path of the module inside its model, for the report.
+            group: what the check is counted under in the summary (e.g. the module's class);
+                default: ``submodule`` or ``name``.
             seed: seed of the shared random stream (default: the session's).
             grad: run with autograd enabled (default: ``torch.no_grad()``).
             rtol, atol, budget, reason: per-check tolerance override (``reason`` is shown in the report).
@@ -339,20 +343,21 @@ class ParityCase:
 
         if self.session.update_baselines:
             leaves, _ = run(self.target, patched=False)
-            return self._record_pending(name, leaves, hashes, seed, submodule, tol, start)
+            return self._record_pending(name, leaves, hashes, seed, submodule, tol, start, group)
         try:
             expected, reference, provenance = self._reference(name, run, hashes)
         except BaselineError as exc:
-            self._baseline_error(name, exc, tol, submodule, start)
+            self._baseline_error(name, exc, tol, submodule, group, start)
             raise
         actual, audit = run(self.target, patched=True, audited=self.session.audit_factory is not None)
         return self._judge(name, actual, expected, tol, reference, provenance, submodule, start, audit,
-                           failure_args=(fn, args, kwargs))
+                           failure_args=(fn, args, kwargs), group=group)
 
     def train_step(self, name: str, module: torch.nn.Module, inputs: dict[str, Any], *,
                    loss_fn: Callable[[Any], torch.Tensor] | None = None,
                    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
                    max_grad_norm: float | None = 1.0, seed: int | None = None, submodule: str | None = None,
+                   group: str | None = None,
                    rtol: float | None = None, atol: float | None = None, budget: float | None = None,
                    reason: str | None = None) -> CheckRecord:
         """One training step on each side from the same weights, compared leaf by leaf.
@@ -405,19 +410,19 @@ class ParityCase:
 
         if self.session.update_baselines:
             leaves, _ = run(self.target, patched=False)
-            return self._record_pending(name, leaves, hashes, seed, submodule, tol, start)
+            return self._record_pending(name, leaves, hashes, seed, submodule, tol, start, group)
         try:
             expected, reference, provenance = self._reference(name, run, hashes)
         except BaselineError as exc:
-            self._baseline_error(name, exc, tol, submodule, start)
+            self._baseline_error(name, exc, tol, submodule, group, start)
             raise
         actual, audit = run(self.target, patched=True, audited=self.session.audit_factory is not None)
         return self._judge(name, actual, expected, tol, reference, provenance, submodule, start, audit,
-                           failure_args=(step, (module,), inputs))
+                           failure_args=(step, (module,), inputs), group=group)
 
     def compare(self, name: str, actual: Any, expected: Any, *, rtol: float | None = None,
                 atol: float | None = None, budget: float | None = None, reason: str | None = None,
-                submodule: str | None = None) -> CheckRecord:
+                submodule: str | None = None, group: str | None = None) -> CheckRecord:
         """Judge outputs computed by the caller (``actual`` on the target, ``expected`` the reference).
 
         Raises:
@@ -428,7 +433,7 @@ class ParityCase:
         self._check_name(name)
         start = time.perf_counter()
         return self._judge(name, _to_cpu_leaves(actual), _to_cpu_leaves(expected), tol, "given", None,
-                           submodule, start, None, failure_args=None)
+                           submodule, start, None, failure_args=None, group=group)
 
     def finish(self, *, failed: bool = False) -> str | None:
         """End of the test: in record mode write the baseline file.
@@ -484,18 +489,19 @@ class ParityCase:
              patched: bool, grad: bool, audited: bool = False, recipe_context: bool = True):
         weights_dtype = self.recipe.weights_dtype
         module = owner_module(fn)
-        if isinstance(fn, torch.nn.Module):
-            call = self.session.place(fn, device, weights_dtype)
-        elif module is not None:
-            call = getattr(self.session.place(module, device, weights_dtype), fn.__name__)
-        else:
-            call = fn
-        args_d, kwargs_d = _move(args, device, weights_dtype), _move(kwargs, device, weights_dtype)
         audit = None
         with contextlib.ExitStack() as stack:
+            # Patches first: a patch may edit weights or classes that placement then copies.
             if patched and self.patches is not None:
                 applied = stack.enter_context(self.patches(device))
                 self.session.patches_applied.update(getattr(applied, "applied", None) or ())
+            if isinstance(fn, torch.nn.Module):
+                call = self.session.place(fn, device, weights_dtype)
+            elif module is not None:
+                call = getattr(self.session.place(module, device, weights_dtype), fn.__name__)
+            else:
+                call = fn
+            args_d, kwargs_d = _move(args, device, weights_dtype), _move(kwargs, device, weights_dtype)
             stack.enter_context(self.recipe.context(device) if recipe_context else strict_fp32_flags())
             stack.enter_context(same_randomness(seed))
             stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
@@ -542,19 +548,19 @@ class ParityCase:
         return memo[key], "cpu", None
 
     def _baseline_error(self, name: str, exc: BaselineError, tol: Tolerance, submodule: str | None,
-                        start: float) -> CheckRecord:
+                        group: str | None, start: float) -> CheckRecord:
         """Keep an ``error`` record for a check whose baseline is missing, stale, corrupt or unsafe."""
         kinds = ((MissingBaselineError, "missing"), (StaleBaselineError, "stale"),
                  (CorruptBaselineError, "corrupt"), (UnsafeBaselineError, "unsafe"))
         kind = next((label for cls, label in kinds if isinstance(exc, cls)), "unreadable")
         record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
-                             "baseline", tol, status="error", submodule=submodule,
+                             "baseline", tol, status="error", submodule=submodule, group=group,
                              message=str(exc), duration_s=time.perf_counter() - start,
                              extra={"baseline_error": kind, "baseline_file": str(exc.path) if exc.path else None})
         self._keep(record)
         return record
 
-    def _record_pending(self, name, leaves, hashes, seed, submodule, tol, start) -> CheckRecord:
+    def _record_pending(self, name, leaves, hashes, seed, submodule, tol, start, group=None) -> CheckRecord:
         from .baselines import CheckBaseline
 
         tensors = {p: t.contiguous() for p, t in leaves.items() if t is not None}
@@ -564,17 +570,17 @@ class ParityCase:
         self._pending[name] = CheckBaseline(name=name, tensors=tensors,
                                             none_leaves=[p for p, t in leaves.items() if t is None], meta=meta)
         record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
-                             "recorded", tol, status="recorded", submodule=submodule,
+                             "recorded", tol, status="recorded", submodule=submodule, group=group,
                              duration_s=time.perf_counter() - start)
         self._keep(record)
         return record
 
     def _judge(self, name, actual, expected, tol, reference, provenance, submodule, start, audit,
-               failure_args) -> CheckRecord:
+               failure_args, group=None) -> CheckRecord:
         result = compare(actual, expected, tol, name=name)
         record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
                              reference, tol, status="pass" if result.passed else "fail", submodule=submodule,
-                             result=result, reference_provenance=provenance, audit=audit,
+                             group=group, result=result, reference_provenance=provenance, audit=audit,
                              duration_s=time.perf_counter() - start)
         self._keep(record)
         if not result.passed:

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from pytest_npu_parity.aurora import checks, factory, inputs, patches
+from pytest_npu_parity.aurora import checks, factory, patches
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +29,7 @@ def aurora(parity_session) -> checks.AuroraContext:
         npu.set_npu_options()
     model = factory.get_model("full", seed=int(os.environ.get("NPU_PARITY_AURORA_SEED", "0")),
                               checkpoint=os.environ.get("NPU_PARITY_AURORA_CHECKPOINT") or None)
-    return checks.build_context(model, inputs.make_batch())
+    return checks.build_context(model, checks.suite_batch())
 
 
 @pytest.fixture(scope="session")

@@ -5,11 +5,10 @@ baseline — loss, every trainable gradient, every parameter after the step and 
 buffer — stays small enough for git. Dropout, frequency masking and flow-matching noise are active
 and identical on both sides.
 """
-from pytest_npu_parity.aurora.checks import HORIZON
-from pytest_npu_parity.aurora.inputs import make_batch
+from pytest_npu_parity.aurora.checks import HORIZON, suite_batch
 
 
 def test_train_step(parity, aurora_tiny):
-    batch = make_batch(batch=4)
+    batch = suite_batch()
     parity.train_step("train_step", aurora_tiny, batch.forward_kwargs(HORIZON, train=True),
                       group="training step")

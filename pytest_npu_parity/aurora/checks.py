@@ -94,6 +94,15 @@ _CAPTURE = [
 ]
 
 
+def suite_batch() -> Any:
+    """The suite's input: the real CO2 windows standardized per window (``AuroraBatch.normalized``).
+
+    Forecasts in ppm (≈ 330) would make a relative tolerance hide real faults (a 1e-4 weight error
+    moves the ppm forecast by 1.8e-4, inside rtol 1e-5 × 330); standardized, the same fault fails.
+    """
+    return aurora_inputs.make_batch().normalized()
+
+
 def build_context(model: torch.nn.Module, batch: Any) -> AuroraContext:
     """Capture submodule inputs and derive the extra tensors the catalogue needs (CPU, no grad)."""
     captured = aurora_inputs.capture_submodule_inputs(model, batch, _CAPTURE, horizon=HORIZON)
@@ -274,8 +283,11 @@ def _catalogue() -> list[AuroraCheck]:
         ctx.model, (), ctx.batch.forward_kwargs(HORIZON))))
     add(AuroraCheck("forward_eval_odd_horizon", "AuroraForPrediction", "", lambda ctx: (
         ctx.model, (), ctx.batch.forward_kwargs(ODD_HORIZON))))
+    # Training forward: the loss alone is one number; the hidden states of every encoder and decoder
+    # layer make the check see (and localize) a fault that moves the loss by less than its tolerance.
     add(AuroraCheck("forward_train_loss", "AuroraForPrediction", "", lambda ctx: (
-        _maybe_train(ctx.model, True), (), ctx.batch.forward_kwargs(HORIZON, train=True)), train=True))
+        _maybe_train(ctx.model, True), (),
+        {**ctx.batch.forward_kwargs(HORIZON, train=True), "output_hidden_states": True}), train=True))
     add(AuroraCheck("generate_text", "AuroraForPrediction.generate", "", lambda ctx: (
         ctx.model.generate, (), {"inputs": ctx.batch.context, **ctx.batch.text_kwargs(),
                                  "max_output_length": HORIZON, "inference_token_len": 48})))

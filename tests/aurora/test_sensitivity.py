@@ -1,0 +1,86 @@
+"""Every Aurora check has teeth: a real fault on the target side makes its fp32 check fail.
+
+Faults (issue: "scaling one weight by (1 + 1e-4) in any checked submodule, or dropping the causal
+mask, makes that submodule's fp32 check (and the full-model checks) fail"):
+
+* one weight matrix of the checked submodule scaled by (1 + 1e-4) — the largest trainable one
+  (``checks.sensitive_weight``), on the target side only;
+* the causal attention mask replaced by zeros (``checks.dropped_causal_mask``).
+
+The reference is a live CPU run of the unpatched upstream model; the target runs the same model under
+the NPU patch set plus the fault, exactly as the suite's target does.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from pytest_npu_parity.aurora import checks, factory, patches
+from pytest_npu_parity.compare import ParityError
+from pytest_npu_parity.runner import ParityCase, ParitySession, owner_module
+
+CAUSAL = [c for c in checks.CHECKS
+          if c.name.startswith("decoder_layer") or c.name == "prototype_retriever" or c in checks.MODEL_CHECKS]
+
+
+@pytest.fixture(scope="module")
+def ctx() -> checks.AuroraContext:
+    return checks.build_context(factory.get_model("full"), checks.suite_batch())
+
+
+@pytest.fixture(scope="module")
+def session() -> ParitySession:
+    return ParitySession(torch.device("cpu"), reference="cpu")  # one reference run per check, memoized
+
+
+def _faulty(*faults):
+    @contextlib.contextmanager
+    def apply(device):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(patches.patched(device))
+            for fault in faults:
+                stack.enter_context(fault())
+            yield
+    return apply
+
+
+def _perturbed_module(ctx: checks.AuroraContext, check: checks.AuroraCheck, fn) -> torch.nn.Module:
+    """The module object the target side actually runs (a training-mode copy for train checks)."""
+    module = owner_module(fn)
+    return module if module is not None else ctx.model.get_submodule(check.submodule)
+
+
+def _run(session, check, fn, args, kwargs, patch_factory, test_id):
+    case = ParityCase(session, test_id, "fp32", patches=patch_factory)
+    return case.check(check.name, fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize("check", [c for c in checks.CHECKS if c.submodule is not None], ids=str)
+def test_scaled_weight_fails_the_check(ctx, session, check):
+    fn, args, kwargs = check.build(ctx)
+    _run(session, check, fn, args, kwargs, _faulty(), "clean")  # the check passes on the clean port
+    module = _perturbed_module(ctx, check, fn)
+    weight = checks.sensitive_weight(module)
+    fault = lambda: checks.scaled_parameter(module, weight, 1 + 1e-4)  # noqa: E731
+    with pytest.raises(ParityError, match=rf"Parity check '{check.name}' failed"):
+        _run(session, check, fn, args, kwargs, _faulty(fault), "scaled")
+
+
+@pytest.mark.parametrize("check", CAUSAL, ids=str)
+def test_dropped_causal_mask_fails_the_check(ctx, session, check):
+    fn, args, kwargs = check.build(ctx)
+    with pytest.raises(ParityError, match=rf"Parity check '{check.name}' failed"):
+        _run(session, check, fn, args, kwargs, _faulty(checks.dropped_causal_mask), "no-mask")
+
+
+@pytest.mark.parametrize("check", checks.MODEL_CHECKS, ids=str)
+def test_scaled_decoder_weight_fails_the_full_model_checks(ctx, session, check):
+    fn, args, kwargs = check.build(ctx)
+    module = _perturbed_module(ctx, check, fn)
+    prefix = "" if module is ctx.model.model else "model."  # AuroraModel vs AuroraForPrediction
+    name = f"{prefix}dec_layers.4.ffn_layer.ffn.0.weight"
+    fault = lambda: checks.scaled_parameter(module, name, 1 + 1e-4)  # noqa: E731
+    with pytest.raises(ParityError, match=rf"Parity check '{check.name}' failed"):
+        _run(session, check, fn, args, kwargs, _faulty(fault), "scaled-decoder")
