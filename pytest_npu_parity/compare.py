@@ -303,6 +303,10 @@ BLOCK = 28 * 1024
 #: A tensor is split over threads only when every thread gets at least this many blocks.
 PARALLEL_MIN_BLOCKS = 8
 
+#: At most this many threads: each block holds the GIL for ~1/6 of its time (the Python side of
+#: its ~17 torch calls), so more threads than this would only queue for the GIL.
+MAX_THREADS = 8
+
 
 class _Accumulator:
     """Running metrics over the blocks of one flattened pair (see ``compare_tensors``).
@@ -500,13 +504,13 @@ def compare_tensors(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tol
 
 def _accumulate(a: torch.Tensor, e: torch.Tensor, tolerance: Tolerance) -> _Accumulator:
     """Run the blocks of the flat CPU tensors ``a``/``e``, on up to ``torch.get_num_threads()``
-    threads for large tensors (each thread a contiguous run of blocks; torch ops release the GIL,
-    and a block is small enough that no op starts its own thread team)."""
+    (at most ``MAX_THREADS``) threads for large tensors: each thread a contiguous run of blocks;
+    torch ops release the GIL, and a block is small enough that no op starts its own thread team."""
     numel = a.numel()
     block = min(BLOCK, numel)
     work_dtype = torch.complex128 if a.is_complex() else torch.float64
     starts = range(0, numel, block)
-    workers = min(torch.get_num_threads(), len(starts) // PARALLEL_MIN_BLOCKS)
+    workers = min(torch.get_num_threads(), MAX_THREADS, len(starts) // PARALLEL_MIN_BLOCKS)
     if workers <= 1:
         return _Accumulator(tolerance, block, work_dtype).add_range(a, e, starts, block)
     share = -(-len(starts) // workers)

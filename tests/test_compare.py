@@ -243,6 +243,19 @@ def test_large_tensor_runs_on_threads_and_matches_numpy(monkeypatch):
     assert leaf.abs_index == (n - 5,)
 
 
+def test_thread_count_is_capped(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 192)  # a large Ascend host
+    monkeypatch.setattr(compare_mod, "BLOCK", 4)
+    monkeypatch.setattr(compare_mod, "PARALLEL_MIN_BLOCKS", 1)
+    calls = []
+    real = compare_mod.ThreadPoolExecutor
+    monkeypatch.setattr(compare_mod, "ThreadPoolExecutor", lambda *args, **kw: calls.append(kw) or real(*args, **kw))
+    a, e = _pair(12, (1000,))
+    leaf = compare_tensors(a, e, FP32)
+    assert calls[0]["max_workers"] == compare_mod.MAX_THREADS
+    assert_matches_numpy(leaf, a, e, FP32)
+
+
 # --------------------------------------------------------------------------------------------
 # NaN / Inf parity
 
