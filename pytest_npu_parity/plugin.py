@@ -284,6 +284,12 @@ def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, p
     request.config.stash[CASES_KEY].append(case)
     yield case
     case.finish(failed=request.node.nodeid in request.config.stash[FAILED_KEY])
+    if case.records and getattr(request.config.option, "xmlpath", None):
+        # JUnit <testcase><properties>: user_properties work under every junit_family (the
+        # record_property fixture warns under the default xunit2) and travel across xdist workers.
+        from .report import junit_properties
+
+        request.node.user_properties.extend(junit_properties([row for r in case.records for row in r.rows()]))
 
 
 @pytest.hookimpl(hookwrapper=True)

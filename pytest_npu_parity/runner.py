@@ -269,9 +269,9 @@ class ParitySession:
         if marker is not None:
             tol = marker
         if explicit:
-            values = {k: v for k, v in explicit.items() if v is not None}
+            values = {k: v for k, v in explicit.items() if v is not None and k != "reason"}
             if values:
-                tol = tol.replace(**values, source="check", reason=values.get("reason", tol.reason))
+                tol = tol.replace(**values, source="check", reason=explicit.get("reason") or tol.reason)
         return tol
 
 

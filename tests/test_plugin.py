@@ -183,3 +183,22 @@ def test_bad_ini_tolerance_is_a_usage_error(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--npu-parity")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*bad number 'abc' for rtol*"])
+
+
+def test_junit_xml_carries_parity_metrics_per_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(LINEAR_TEST)
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32", "--junitxml", "junit.xml")
+    result.assert_outcomes(passed=2)
+    xml = (pytester.path / "junit.xml").read_text()
+    assert '<property name="parity.linear.verdict" value="pass"' in xml
+    assert 'name="parity.linear.max_abs"' in xml and 'name="parity.linear.cosine"' in xml
+
+
+def test_per_check_override_with_reason(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(BROKEN_TARGET.replace(
+        'parity.check("doubler", Doubler(), torch.ones(3, 4))\n\n@pytest.mark.parity',
+        'parity.check("doubler", Doubler(), torch.ones(3, 4), rtol=1e-3, atol=1e-3, reason="why")\n'
+        '    assert parity.records[-1].tolerance.reason == "why"\n'
+        '    assert parity.records[-1].tolerance.source == "check"\n\n@pytest.mark.parity'))
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32")
+    result.assert_outcomes(passed=2)
