@@ -47,6 +47,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="append this run's results to the history file PATH (trends, new failures)")
     group.addoption("--parity-seed", default=None, type=int, metavar="N",
                     help="seed of the shared random stream of every check (default: ini parity_seed or 0)")
+    group.addoption("--parity-worker-devices", default=None, metavar="INDICES",
+                    help="pytest-xdist: comma-separated device indices, worker gwK runs on entry K mod n "
+                         "(default: ini parity_worker_devices, else gwK runs on index K mod device count)")
     group.addoption("--parity-audit", action="store_true", default=False,
                     help="record a device-propagation audit of every target run (costs time)")
 
@@ -55,6 +58,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("parity_dtypes", "default for --parity-dtypes", default="fp32,bf16")
     parser.addini("parity_baseline_dir", "default for --baseline-dir (relative to rootdir)", default="baselines")
     parser.addini("parity_seed", "default for --parity-seed", default="0")
+    parser.addini("parity_worker_devices", "default for --parity-worker-devices", default="")
     parser.addini("parity_paths", "what --update-baselines runs when given no path", type="linelist",
                   default=["parity_suites"])
     parser.addini("parity_tolerances", type="linelist", default=[],
@@ -149,11 +153,13 @@ def _record_parity_paths(config: pytest.Config) -> None:
 
 
 def _make_session(config: pytest.Config):
-    from .devices import DeviceUnavailableError, resolve_target
+    from .devices import DeviceUnavailableError, resolve_worker_target
     from .runner import ParitySession
 
     try:
-        target = resolve_target(_opt(config, "parity_device", "parity_device"))
+        # Under pytest-xdist each worker (gwK) pins its own device; see devices.pinned_device.
+        target = resolve_worker_target(_opt(config, "parity_device", "parity_device"), _xdist_worker_id(config),
+                                       _opt(config, "parity_worker_devices", "parity_worker_devices") or None)
     except (ValueError, DeviceUnavailableError) as exc:
         raise pytest.UsageError(str(exc)) from None
     reference = _opt(config, "parity_reference", "parity_reference")
@@ -187,6 +193,24 @@ def _make_store(config: pytest.Config):
     return SuiteStores(root)
 
 
+def _xdist_worker_id(config: pytest.Config) -> str | None:
+    """``gwK`` inside a pytest-xdist worker, else None."""
+    return (getattr(config, "workerinput", None) or {}).get("workerid")
+
+
+def _worker_pinning_line(config: pytest.Config) -> str | None:
+    """Header line naming each xdist worker's device (the controller's own target is worker 0's)."""
+    workers = getattr(config.option, "numprocesses", None)
+    if not isinstance(workers, int) or workers < 1 or getattr(config.option, "dist", "no") == "no":
+        return None
+    from .devices import resolve_worker_target
+
+    spec = _opt(config, "parity_device", "parity_device")
+    mapping = _opt(config, "parity_worker_devices", "parity_worker_devices") or None
+    pins = [f"gw{k}→{resolve_worker_target(spec, f'gw{k}', mapping)}" for k in range(min(workers, 8))]
+    return "npu-parity: xdist workers " + ", ".join(pins) + (" …" if workers > 8 else "")
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     if not parity_enabled(config):
         return ["npu-parity: off (parity suites are skipped; run with --npu-parity)"]
@@ -200,13 +224,15 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     mode = "recording baselines" if session.update_baselines else f"reference {session.reference}"
     with strict_fp32_flags():
         flags = precision_flags()
-    return [
+    lines = [
         f"npu-parity: target {session.target} ({session.target_name}) · {mode} · recipes "
         f"{','.join(_recipe_names(config))} · baselines {session.store.root}",
         f"npu-parity: torch {torch.__version__} · torch_npu {status.torch_npu_version or '-'} · "
         f"CANN {status.cann_version or '-'} · precision flags "
         + " ".join(f"{k}={v}" for k, v in flags.items()),
     ]
+    pinning = _worker_pinning_line(config)
+    return lines + [pinning] if pinning else lines
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -365,6 +391,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     rows = [row for record in config.stash[SESSION_KEY].records for row in record.rows()]
     workeroutput = getattr(config, "workeroutput", None)
     if workeroutput is not None:  # pytest-xdist worker: ship rows to the controller
+        for row in rows:
+            row["worker"] = _xdist_worker_id(config)
         workeroutput["parity_rows"] = json.dumps(rows, default=str)
         workeroutput["parity_writes"] = json.dumps(config.stash[SESSION_KEY].baseline_writes)
         workeroutput["parity_used"] = json.dumps(sorted(map(str, config.stash[SESSION_KEY].baselines_used)))
