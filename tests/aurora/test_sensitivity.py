@@ -3,8 +3,9 @@
 Faults (issue: "scaling one weight by (1 + 1e-4) in any checked submodule, or dropping the causal
 mask, makes that submodule's fp32 check (and the full-model checks) fail"):
 
-* one weight matrix of the checked submodule scaled by (1 + 1e-4) — the largest trainable one
-  (``checks.sensitive_weight``), on the target side only;
+* one weight matrix of the checked submodule scaled by (1 + 1e-4), on the target side only: the
+  check's ``fault_weight`` or else the largest trainable one (``checks.sensitive_weight``); the
+  whole-model checks are covered by the decoder-layer weight below;
 * the causal attention mask replaced by zeros (``checks.dropped_causal_mask``).
 
 The reference is a live CPU run of the unpatched upstream model; the target runs the same model under
@@ -57,12 +58,12 @@ def _run(session, check, fn, args, kwargs, patch_factory, test_id):
     return case.check(check.name, fn, *args, **kwargs)
 
 
-@pytest.mark.parametrize("check", [c for c in checks.CHECKS if c.submodule is not None], ids=str)
+@pytest.mark.parametrize("check", [c for c in checks.SUBMODULE_CHECKS if c.submodule is not None], ids=str)
 def test_scaled_weight_fails_the_check(ctx, session, check):
     fn, args, kwargs = check.build(ctx)
     _run(session, check, fn, args, kwargs, _faulty(), "clean")  # the check passes on the clean port
     module = _perturbed_module(ctx, check, fn)
-    weight = checks.sensitive_weight(module)
+    weight = check.fault_weight or checks.sensitive_weight(module)
     fault = lambda: checks.scaled_parameter(module, weight, 1 + 1e-4)  # noqa: E731
     with pytest.raises(ParityError, match=rf"Parity check '{check.name}' failed"):
         _run(session, check, fn, args, kwargs, _faulty(fault), "scaled")
