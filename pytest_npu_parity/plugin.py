@@ -18,6 +18,7 @@ CASES_KEY = pytest.StashKey["list"]()
 ROWS_KEY = pytest.StashKey["list"]()
 COLLECTED_KEY = pytest.StashKey["list"]()  # node ids of every collected test (they keep their baselines)
 FAILED_KEY = pytest.StashKey["set"]()  # node ids whose call phase failed (their baselines are not written)
+PROFILE_KEY = pytest.StashKey[str]()  # the hypothesis profile in force before this session loaded its own
 
 _SKIP_REASON = "parity suites run only with --npu-parity (or --update-baselines)"
 
@@ -109,7 +110,40 @@ def _tolerance_overrides(config: pytest.Config) -> tuple[dict, dict]:
     return per_check, per_recipe
 
 
+def _hypothesis_profiles(config: pytest.Config) -> None:
+    """Register the ``npu-parity-ci`` and ``nightly`` hypothesis profiles (``strategies.register_profiles``)
+    and, in a parity session whose user chose no profile, load ``npu-parity-ci`` (bounded, derandomized).
+
+    Runs before hypothesis' own ``pytest_configure`` (``tryfirst`` below), which loads
+    ``--hypothesis-profile``: so ``--hypothesis-profile nightly`` finds the profile, and an explicit
+    choice is never overridden.
+    """
+    try:
+        from hypothesis import settings
+
+        from . import strategies
+    except ImportError:  # hypothesis missing: nothing to configure (the property tests cannot run)
+        return
+    strategies.register_profiles()
+    if parity_enabled(config):
+        current = strategies.current_profile_name()
+        name = strategies.profile_to_load(config.getoption("hypothesis_profile", default=None), current)
+        if name:
+            config.stash[PROFILE_KEY] = current  # restored at unconfigure (in-process pytester runs)
+            settings.load_profile(name)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    previous = config.stash.get(PROFILE_KEY, None)
+    if previous is not None:
+        from hypothesis import settings
+
+        settings.load_profile(previous)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    _hypothesis_profiles(config)
     config.addinivalue_line(
         "markers",
         "parity(rtol=None, atol=None, budget=None, reason=None, recipes=None): tolerance override for every "
@@ -173,9 +207,9 @@ def _make_session(config: pytest.Config):
         raise pytest.UsageError(f"ini parity_seed={seed!r} is not an integer") from None
     audit_factory = None
     if config.getoption("parity_audit"):
-        from .audit import DeviceAudit
+        from .runner import target_audit
 
-        audit_factory = DeviceAudit
+        audit_factory = target_audit  # a CPU target is audited as a logical device
     return ParitySession(
         target, reference=reference, update_baselines=config.getoption("update_baselines"),
         store=_make_store(config), check_tolerances=per_check, recipe_tolerances=per_recipe, seed=seed,

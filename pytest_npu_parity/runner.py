@@ -163,7 +163,9 @@ class ParitySession:
         recipe_tolerances: per recipe default overrides (from ini).
         seed: default seed for every check.
         audit_factory: ``(device) -> context manager yielding an object with .to_dict()`` to audit
-            target runs, or None (no audit, no cost).
+            target runs (e.g. :func:`target_audit`), or None (no audit, no cost). An object with
+            ``to_target`` places the module and inputs itself; one with ``logical`` True audits an
+            extra run (see ``ParityCase._run``).
         failure_hooks: callables ``(case, name, fn, args, kwargs, result) -> str | None`` whose text
             is appended to a failure message (e.g. first-divergence localization).
     """
@@ -487,9 +489,34 @@ class ParityCase:
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device, *, seed: int,
              patched: bool, grad: bool, audited: bool = False, recipe_context: bool = True):
+        """``(leaves on the CPU, audit dict or None)`` of one run of ``fn`` on ``device``.
+
+        ``audited``: record a device-propagation audit (``session.audit_factory(device)``). A real
+        audit watches this very run. A *logical* one (``audit.logical``, a CPU target) watches an
+        extra run whose output is dropped: the numbers come from a plain run, because the logical
+        audit's function mode turns off PyTorch's transformer fast path (about 2.4e-7 apart on
+        Aurora). Modules among ``args`` are deep-copied for the extra run (a train step mutates them).
+        """
+        audit = self.session.audit_factory(device) if audited else None
+        if audit is not None and getattr(audit, "logical", False):
+            leaves, _ = self._run(fn, args, kwargs, device, seed=seed, patched=patched, grad=grad,
+                                  recipe_context=recipe_context)
+            fresh = tuple(copy.deepcopy(a) if isinstance(a, torch.nn.Module) else a for a in args)
+            self._call(fn, fresh, kwargs, device, seed=seed, patched=patched, grad=grad,
+                       recipe_context=recipe_context, audit=audit)
+            return leaves, audit.to_dict()
+        output, entered = self._call(fn, args, kwargs, device, seed=seed, patched=patched, grad=grad,
+                                     recipe_context=recipe_context, audit=audit)
+        leaves = _to_cpu_leaves(output)
+        return leaves, (entered.to_dict() if entered is not None and hasattr(entered, "to_dict") else None)
+
+    def _call(self, fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device, *, seed: int,
+              patched: bool, grad: bool, recipe_context: bool, audit: Any = None) -> tuple[Any, Any]:
+        """Run ``fn`` once on ``device`` under the recipe, shared randomness and (if given) ``audit``;
+        an audit with ``to_target`` (``audit.DeviceAudit``) places the module and inputs first.
+        Returns ``(output, the entered audit or None)``."""
         weights_dtype = self.recipe.weights_dtype
         module = owner_module(fn)
-        audit = None
         with contextlib.ExitStack() as stack:
             # Patches first: a patch may edit weights or classes that placement then copies.
             if patched and self.patches is not None:
@@ -505,11 +532,15 @@ class ParityCase:
             stack.enter_context(self.recipe.context(device) if recipe_context else strict_fp32_flags())
             stack.enter_context(same_randomness(seed))
             stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
-            if audited:
-                audit = stack.enter_context(self.session.audit_factory(device))
+            if audit is not None:
+                if hasattr(audit, "to_target"):
+                    owner = owner_module(call)
+                    if owner is not None:
+                        audit.to_target(owner)
+                    args_d, kwargs_d = audit.to_target(args_d), audit.to_target(kwargs_d)
+                audit = stack.enter_context(audit)
             output = call(*args_d, **kwargs_d)
-        leaves = _to_cpu_leaves(output)
-        return leaves, (audit.to_dict() if audit is not None and hasattr(audit, "to_dict") else None)
+        return output, audit
 
     def _load_baseline(self):
         if not self._baseline_loaded:
@@ -620,6 +651,23 @@ def _device_of(module: torch.nn.Module) -> torch.device:
     for t in module.parameters():
         return t.device
     return torch.device("cpu")
+
+
+def target_audit(device: torch.device) -> Any:
+    """The device-propagation audit of a target run (``--parity-audit``): an ``audit.DeviceAudit``.
+
+    An accelerator target (``npu:0``, ``cuda:0``) is audited in real-device mode. A CPU target has no
+    device boundary, so its runs are audited as the *logical* device ``audit.DEFAULT_LOGICAL_TARGET``
+    (``cuda:1``) over CPU tensors: what an accelerator would see, measured on this machine.
+
+    Raises:
+        ValueError: as ``DeviceAudit`` (a device that is not available here).
+    """
+    from .audit import DEFAULT_LOGICAL_TARGET, DeviceAudit
+
+    if torch.device(device).type == "cpu":
+        return DeviceAudit(DEFAULT_LOGICAL_TARGET, logical=True)
+    return DeviceAudit(device, logical=False)
 
 
 @contextlib.contextmanager
