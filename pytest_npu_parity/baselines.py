@@ -78,7 +78,7 @@ from typing import Any
 
 import torch
 
-from .provenance import describe_provenance, fingerprint_tensors
+from .provenance import describe_provenance, summaries_close, fingerprint_tensors
 
 __all__ = [
     "FORMAT",
@@ -337,6 +337,8 @@ class BaselineStore:
         config_hash: str,
         shapes: dict[str, tuple] | None = None,
         dtypes: dict[str, torch.dtype | str] | None = None,
+        input_summary: list | None = None,
+        config_summary: list | None = None,
     ) -> CheckBaseline:
         """Return the stored check if it was recorded for this input and configuration.
 
@@ -348,6 +350,11 @@ class BaselineStore:
             shapes: optional current output leaf -> shape (``None`` for a ``None`` leaf); any
                 added, removed or reshaped leaf makes the baseline stale.
             dtypes: optional current output leaf -> dtype (``torch.bfloat16`` or its name).
+            input_summary, config_summary: ``provenance.summarize_tensors``/``summarize_module`` of
+                the current input and model. When a hash differs but the recorded summary agrees
+                within ``provenance.SUMMARY_RTOL`` (the same data recomputed on another machine,
+                differing in last bits), the baseline is fresh and ``meta["bitwise_input"]`` /
+                ``meta["bitwise_config"]`` of the returned entry say it was not bit-identical.
 
         Raises:
             MissingBaselineError: the file has no entry for ``check``.
@@ -363,12 +370,22 @@ class BaselineStore:
                 f"record it with: {self.command(test_id)}",
                 baseline.path,
             )
-        meta = recorded.meta
+        meta = dict(recorded.meta)
         changes: list[str] = []
-        for key, label, now in (("input_hash", "input", input_hash), ("config_hash", "model config", config_hash)):
+        for key, label, now, summary in (("input_hash", "input", input_hash, input_summary),
+                                         ("config_hash", "model config", config_hash, config_summary)):
             before = meta.get(key)
-            if before != now:
-                changes.append(f"{label} hash changed (recorded {_short(before)}, now {_short(now)})")
+            bitwise_key = "bitwise_" + key.split("_")[0]
+            meta[bitwise_key] = before == now
+            if before == now:
+                continue
+            change = f"{label} hash changed (recorded {_short(before)}, now {_short(now)})"
+            if summary is None:
+                changes.append(change)
+                continue
+            why = summaries_close(meta.get(key.replace("_hash", "_summary")), summary)
+            if why is not None:
+                changes.append(f"{change}: {why}")
         if shapes is not None:
             was = {leaf: tuple(s) for leaf, s in _recorded_shapes(recorded).items()}
             was.update({leaf: None for leaf in recorded.none_leaves})
@@ -385,7 +402,8 @@ class BaselineStore:
                 f"Re-record it on a trusted machine with: {self.command(test_id)}",
                 baseline.path,
             )
-        return recorded
+        return CheckBaseline(name=recorded.name, tensors=recorded.tensors, none_leaves=recorded.none_leaves,
+                             meta=meta)
 
     # ---- writing ---------------------------------------------------------------------------
 

@@ -403,3 +403,81 @@ def fingerprint_module(module: torch.nn.Module) -> str:
     digest = hasher.hexdigest()
     _MODULE_CACHE[module] = (key, digest)
     return digest
+
+
+# --------------------------------------------------------------------------------------------
+# summaries: staleness that survives last-bit differences between machines
+
+#: Relative difference under which two summaries describe the same data. Recomputing the same
+#: seeded weights or the same activations on another CPU (x86-64 vs the Arm hosts of Ascend
+#: servers, other SIMD paths or thread counts) changes last bits (~1e-7 relative); a different
+#: input window, seed or checkpoint changes these sums at O(1e-2) or more.
+SUMMARY_RTOL = 1e-4
+
+_SUMMARY_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, list]]" = weakref.WeakKeyDictionary()
+
+
+def _leaf_summary(name: str, tensor: torch.Tensor) -> list:
+    t = tensor.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    t = t.to("cpu", torch.float64) if (t.is_floating_point() or t.is_complex()) else t.to("cpu").to(torch.float64)
+    if t.numel() == 0:
+        return [name, 0, 0.0, 0.0, 0.0]
+    return [name, int(t.numel()), float(t.sum()), float((t * t).sum()), float(t.abs().max())]
+
+
+def summarize_tensors(obj: Any) -> list:
+    """Per tensor leaf of a nested structure: ``[path, numel, sum, sum of squares, max |x|]`` (float64).
+
+    Used with ``summaries_close`` to tell a real change of input (another window, another seed)
+    from last-bit differences of the same computation on another machine.
+    """
+    out: list = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            out.append(_leaf_summary(path, value))
+        elif isinstance(value, Mapping):
+            for k in sorted(value, key=str):
+                walk(value[k], f"{path}.{k}")
+        elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+
+    walk(obj, "")
+    return out
+
+
+def summarize_module(module: torch.nn.Module) -> list:
+    """``summarize_tensors`` of a module's ``state_dict``, cached like ``fingerprint_module``."""
+    state = module.state_dict(keep_vars=True)
+    key = tuple((name, t.data_ptr(), getattr(t, "_version", 0), tuple(t.shape), str(t.dtype))
+                for name, t in state.items())
+    cached = _SUMMARY_CACHE.get(module)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    summary = [_leaf_summary(name, t) for name, t in state.items()]
+    _SUMMARY_CACHE[module] = (key, summary)
+    return summary
+
+
+def summaries_close(recorded: list | None, now: list, rtol: float = SUMMARY_RTOL) -> str | None:
+    """``None`` when two summaries agree within ``rtol``, else a short description of the first difference.
+
+    Sums are compared relative to the leaf's scale (``sqrt(numel * sum of squares)``, a bound of
+    |sum|), so a sum that is near zero by cancellation is not over-sensitive.
+    """
+    if recorded is None:
+        return "no summary recorded"
+    if len(recorded) != len(now):
+        return f"{len(recorded)} tensors recorded, {len(now)} now"
+    for (name_a, n_a, s_a, q_a, m_a), (name_b, n_b, s_b, q_b, m_b) in zip(recorded, now):
+        if name_a != name_b or n_a != n_b:
+            return f"tensor {name_a or '<input>'} ({n_a} elements) vs {name_b or '<input>'} ({n_b} elements)"
+        scale = math.sqrt(max(n_a, 1) * max(q_a, q_b)) or 1.0
+        for label, a, b, ref in (("sum", s_a, s_b, scale), ("sum of squares", q_a, q_b, max(q_a, q_b) or 1.0),
+                                 ("max |x|", m_a, m_b, max(m_a, m_b) or 1.0)):
+            if abs(a - b) > rtol * ref:
+                return f"{label} of {name_a or '<input>'} differs: recorded {a:.9g}, now {b:.9g}"
+    return None

@@ -630,3 +630,27 @@ def test_safetensors_header_length_starting_with_pickle_opcode_is_not_refused(tm
     assert head[:2] == b"\x80\x05"
     assert _kind(head) == "safetensors"
     assert _kind(b"\x80\x05\x95\x10\x00\x00\x00\x00\x00") == "pickle"
+
+
+def test_last_bit_differences_are_fresh_but_real_changes_are_stale(tmp_path):
+    """Seeded weights or activations recomputed on another CPU differ in last bits: not stale.
+    Another input (a different window) is stale, and the message says which summary moved."""
+    from pytest_npu_parity.baselines import BaselineStore, CheckBaseline, StaleBaselineError
+    from pytest_npu_parity.provenance import fingerprint_tensors, summarize_tensors
+
+    x = torch.linspace(-3, 3, 1000)
+    store = BaselineStore(tmp_path, "suite")
+    meta = {"input_hash": fingerprint_tensors(x), "config_hash": "c", "input_summary": summarize_tensors(x),
+            "config_summary": []}
+    store.write("t.py::test", {"chk": CheckBaseline("chk", {"out": x * 2}, [], meta)}, {"device_type": "cpu"})
+    baseline = store.load("t.py::test")
+
+    ulp = torch.nextafter(x, torch.full_like(x, float("inf")))  # every element moved by one ULP
+    entry = store.check_fresh(baseline, "chk", input_hash=fingerprint_tensors(ulp), config_hash="c",
+                              input_summary=summarize_tensors(ulp), config_summary=[])
+    assert entry.meta["bitwise_input"] is False and entry.meta["bitwise_config"] is True
+
+    other = x + 0.01  # a different input
+    with pytest.raises(StaleBaselineError, match=r"input hash changed \(recorded .*\): sum of .* differs"):
+        store.check_fresh(baseline, "chk", input_hash=fingerprint_tensors(other), config_hash="c",
+                          input_summary=summarize_tensors(other), config_summary=[])
