@@ -450,14 +450,19 @@ def summarize_tensors(obj: Any) -> list:
 
 
 def summarize_module(module: torch.nn.Module) -> list:
-    """``summarize_tensors`` of a module's ``state_dict``, cached like ``fingerprint_module``."""
+    """One summary row for a module's whole ``state_dict`` (``["<state_dict>", numel, sum, sum of
+    squares, max |x|]`` over every entry), cached like ``fingerprint_module``. One row, not one per
+    tensor, keeps baselines small (the full Aurora model has ~900 entries); another seed or
+    checkpoint moves these totals far beyond ``SUMMARY_RTOL``."""
     state = module.state_dict(keep_vars=True)
     key = tuple((name, t.data_ptr(), getattr(t, "_version", 0), tuple(t.shape), str(t.dtype))
                 for name, t in state.items())
     cached = _SUMMARY_CACHE.get(module)
     if cached is not None and cached[0] == key:
         return cached[1]
-    summary = [_leaf_summary(name, t) for name, t in state.items()]
+    rows = [_leaf_summary(name, t) for name, t in state.items()]
+    summary = [["<state_dict>", sum(r[1] for r in rows), sum(r[2] for r in rows), sum(r[3] for r in rows),
+                max((r[4] for r in rows), default=0.0)]]
     _SUMMARY_CACHE[module] = (key, summary)
     return summary
 
