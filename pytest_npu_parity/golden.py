@@ -1,0 +1,761 @@
+"""The golden policy: judge the target by how far it strays from a higher-precision golden run,
+relative to how far the reference strays from the same golden.
+
+An allclose tolerance asks "is the target within ``atol + rtol·|e|`` of the reference?". Between two
+legitimate implementations of a bf16 computation the answer is often "no" for many elements (both
+carry bf16 rounding error, in different places), and for a fp32 computation a real fault can hide
+below the tolerance. The golden policy asks instead: "is the target's error no worse than the
+reference's error, within a documented multiple?", both errors measured against a **golden**: the
+same computation on the CPU at higher precision.
+
+=============================  ============================  ================================
+work (recipe)                  golden                        ``golden_dtype(recipe)``
+=============================  ============================  ================================
+``fp32``                       fp64 run on the CPU           ``torch.float64``
+``bf16``, ``bf16-weights``     fp32 run on the CPU           ``torch.float32``
+=============================  ============================  ================================
+
+This is msprobe's "benchmark" comparison (标杆比对法, PyPI ``mindstudio-probe``; documented in
+``msprobe/pytorch/doc/api_accuracy_checker.md`` and implemented in
+``api_accuracy_checker/compare/api_precision_compare.py`` of mindstudio-probe 1.0.3): NPU and GPU
+outputs are each compared with a high-precision CPU golden and the verdict is taken on the ratios
+NPU-error / GPU-error. Here the target plays msprobe's NPU and the reference its GPU.
+
+Metrics of one side ``x`` (target ``a`` or reference ``e``) against the golden ``g``, per leaf, in
+float64 over the positions finite on all three tensors (``F``); a golden element is *small* when
+``|g| < small_value_threshold`` and *normal* otherwise:
+
+* ``rmse``       — sqrt(mean over F of (x − g)²)             (tensor units)
+* ``max_rel``    — max over normal of |x − g| / |g|           (dimensionless)
+* ``mean_rel``   — mean over normal of |x − g| / |g|          (dimensionless)
+* ``small_share`` — share of small elements with |x − g| > ``small_value_atol``
+* ``balance``    — |#(x > g) − #(x < g)| / #F, msprobe's error balance (reported, not judged,
+  as in msprobe)
+
+Ratios are target metric / reference metric. As in msprobe, 0/0 is 1 (neither side has the error).
+Two floors keep a ratio from exploding on a reference that happens to be (nearly) exact, which
+msprobe instead turns into an error through a default ratio of 10 000:
+
+* the reference's metric is never taken below the metric of the golden rounded to the leaf's own
+  dtype (no target can beat correct rounding of its output);
+* a share is never taken below one element's worth (1 / number of small elements): a share cannot
+  resolve less.
+
+A leaf passes when the structure matches (two floating dtypes may differ: autocast's op lists
+differ between devices and kernels), NaN/±Inf positions of the target equal the reference's
+(NaN/Inf on one side only is an error, as in msprobe's inf/nan consistency check) and every ratio is
+at most its limit. Integer and bool leaves are compared exactly (the golden is not used).
+
+Default limits are msprobe's *error* thresholds of the benchmark method (ratio above the threshold
+marks the API "error"; between 1 and the threshold msprobe says "warning", which we count as a pass
+and show in the report): RMSE ratio 2, max relative error ratio 10, mean relative error ratio 2,
+small-value error share ratio 2. Small-value thresholds are msprobe's too: ``|g| < 1e-6`` and error
+``> 1e-9`` for fp32 work, ``|g| < 1e-3`` and error ``> 1e-5`` for fp16/bf16 work.
+
+Difference from msprobe: msprobe leaves small values out of the RMSE; here they are included, so a
+tensor whose values are all small still has an RMSE to judge.
+
+Which Aurora checks get an fp64 golden (aurora-model 0.2.0, all 47 of ``aurora.checks.CHECKS``
+measured): 38 as they are. The 8 through the flow head (``simple_mlp_adaln``, ``flow_loss_*``,
+``forward_*``, ``generate_*``) raise "mat1 and mat2 must have the same dtype" in float64, because
+``TimestepEmbedder.timestep_embedding`` hard-codes float32; with the golden shim
+``calibration.aurora_golden_shims`` (the same embedding computed in float64) they get one too.
+``sinusoidal_position_embedding`` builds its table in float32 whatever the input, so its output is
+float32 and ``GoldenRunner`` refuses it (``GoldenUnavailableError``). Every check gets its fp32
+golden for bf16 work.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+
+from .compare import CompareResult, LeafResult, compare_tensors, flatten, format_table
+from .policy import EXACT, SOURCES, Tolerance, default_for_dtype
+
+#: Golden dtype per recipe (fp64 for fp32 work; fp32 for bf16/fp16 work).
+GOLDEN_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float64,
+    "bf16": torch.float32,
+    "bf16-weights": torch.float32,
+    "fp16": torch.float32,
+}
+
+#: msprobe's small-value thresholds per work dtype: (|golden| below which an element is "small",
+#: absolute error above which a small element is wrong). mindstudio-probe 1.0.3,
+#: api_accuracy_checker.md, "小值域阈值".
+SMALL_VALUE: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-6, 1e-9),
+    torch.float64: (1e-6, 1e-9),
+    torch.bfloat16: (1e-3, 1e-5),
+    torch.float16: (1e-3, 1e-5),
+}
+
+#: The work dtype of each recipe (what the small-value thresholds are chosen by).
+WORK_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bf16-weights": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+#: The judged metrics, in report order.
+METRICS = ("rmse", "max_rel", "mean_rel", "small_share")
+
+
+def golden_dtype(recipe: str) -> torch.dtype:
+    """The golden dtype for work under ``recipe`` (``fp32`` → float64, bf16/fp16 recipes → float32).
+
+    Raises:
+        ValueError: for an unknown recipe, naming the known ones.
+    """
+    try:
+        return GOLDEN_DTYPES[recipe]
+    except KeyError:
+        raise ValueError(f"unknown recipe {recipe!r}; expected one of {sorted(GOLDEN_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class GoldenPolicy:
+    """Limits on target-error / reference-error ratios, both errors measured against a golden.
+
+    Attributes:
+        rmse_ratio: largest allowed ratio of root-mean-square errors (msprobe: 2).
+        max_rel_ratio: largest allowed ratio of maximum relative errors over normal values (msprobe: 10).
+        mean_rel_ratio: largest allowed ratio of mean relative errors over normal values (msprobe: 2).
+        small_value_ratio: largest allowed ratio of small-value error shares (msprobe: 2).
+        small_value_threshold: |golden| below which an element is small; ``None`` picks msprobe's
+            value for the leaf's dtype (``SMALL_VALUE``).
+        small_value_atol: absolute error above which a small element counts as wrong (tensor
+            units); ``None`` picks msprobe's value for the leaf's dtype.
+        source: where the values came from: one of ``policy.SOURCES``.
+        reason: why a non-default policy is justified (shown in the report).
+
+    Raises:
+        ValueError: on a ratio limit below 1 or NaN (a target may always be as good as the
+            reference), a negative threshold, or an unknown source.
+    """
+
+    rmse_ratio: float = 2.0
+    max_rel_ratio: float = 10.0
+    mean_rel_ratio: float = 2.0
+    small_value_ratio: float = 2.0
+    small_value_threshold: float | None = None
+    small_value_atol: float | None = None
+    source: str = "default"
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("rmse_ratio", "max_rel_ratio", "mean_rel_ratio", "small_value_ratio"):
+            value = getattr(self, name)
+            if not value >= 1.0:  # also rejects NaN
+                raise ValueError(f"golden policy {name}={value!r}: a ratio limit must be >= 1 "
+                                 "(the target may always be as accurate as the reference)")
+        for name in ("small_value_threshold", "small_value_atol"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0.0:
+                raise ValueError(f"golden policy {name}={value!r} must be >= 0 (or None for msprobe's default)")
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown golden policy source {self.source!r}; expected one of {SOURCES}")
+
+    @property
+    def limits(self) -> dict[str, float]:
+        """``{metric: limit}`` for the judged metrics (``METRICS``)."""
+        return {"rmse": self.rmse_ratio, "max_rel": self.max_rel_ratio,
+                "mean_rel": self.mean_rel_ratio, "small_share": self.small_value_ratio}
+
+    @property
+    def is_override(self) -> bool:
+        """True when the values did not come from the built-in defaults."""
+        return self.source != "default"
+
+    def small_values_for(self, dtype: torch.dtype) -> tuple[float, float]:
+        """``(threshold, atol)`` of the small-value criterion for work in ``dtype``."""
+        threshold, atol = SMALL_VALUE.get(dtype, SMALL_VALUE[torch.float32])
+        return (threshold if self.small_value_threshold is None else self.small_value_threshold,
+                atol if self.small_value_atol is None else self.small_value_atol)
+
+    def replace(self, **changes: Any) -> "GoldenPolicy":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """Short text such as ``golden rmse<=2 max_rel<=10 mean_rel<=2 small<=2`` (+ source/reason)."""
+        text = (f"golden rmse<={self.rmse_ratio:g} max_rel<={self.max_rel_ratio:g} "
+                f"mean_rel<={self.mean_rel_ratio:g} small<={self.small_value_ratio:g}")
+        if self.small_value_threshold is not None or self.small_value_atol is not None:
+            text += f" small_thr={self.small_value_threshold} small_atol={self.small_value_atol}"
+        if self.is_override:
+            text += f" [{self.source}" + (f": {self.reason}]" if self.reason else "]")
+        return text
+
+
+#: msprobe's error thresholds of the benchmark method.
+DEFAULT_GOLDEN = GoldenPolicy()
+
+#: Keys accepted by ``parse_golden_spec`` and the field each sets.
+_SPEC_KEYS = {
+    "rmse": "rmse_ratio", "rmse_ratio": "rmse_ratio",
+    "max_rel": "max_rel_ratio", "max_rel_ratio": "max_rel_ratio",
+    "mean_rel": "mean_rel_ratio", "mean_rel_ratio": "mean_rel_ratio",
+    "small": "small_value_ratio", "small_value_ratio": "small_value_ratio",
+    "small_value_threshold": "small_value_threshold", "small_value_atol": "small_value_atol",
+}
+
+
+def parse_golden_spec(text: str, *, source: str, base: GoldenPolicy = DEFAULT_GOLDEN) -> GoldenPolicy:
+    """Parse ``"rmse=3 max_rel=10 mean_rel=2 small=2 # reason"`` into a ``GoldenPolicy`` over ``base``.
+
+    A leading word ``golden`` is allowed (``"golden rmse=3"``). Keys: ``rmse``/``rmse_ratio``,
+    ``max_rel``/``max_rel_ratio``, ``mean_rel``/``mean_rel_ratio``, ``small``/``small_value_ratio``,
+    ``small_value_threshold``, ``small_value_atol``. Keys not given keep ``base``'s values; the
+    text after ``#`` is the reason.
+
+    Raises:
+        ValueError: on an unknown key, a value that is not a number, or an invalid limit, naming
+            the offending text.
+    """
+    body, _, reason = text.partition("#")
+    items = body.replace(",", " ").split()
+    if items and items[0] == "golden":
+        items = items[1:]
+    values: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in _SPEC_KEYS:
+            raise ValueError(f"bad golden policy item {item!r} in {text!r}: expected one of "
+                             f"{', '.join(sorted(k + '=' for k in _SPEC_KEYS))}")
+        try:
+            values[_SPEC_KEYS[key]] = float(value)
+        except ValueError:
+            raise ValueError(f"bad number {value!r} for {key} in {text!r}") from None
+    try:
+        return base.replace(**values, source=source, reason=reason.strip() or base.reason)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (in {text!r})") from None
+
+
+def default_golden_for_recipe(recipe: str) -> GoldenPolicy:
+    """The default golden policy of a recipe, with small-value thresholds of its work dtype filled in
+    (a bf16 recipe's fp32 outputs carry bf16 error, so they are judged by bf16's thresholds).
+
+    Raises:
+        ValueError: for an unknown recipe.
+    """
+    golden_dtype(recipe)  # validates the name
+    threshold, atol = SMALL_VALUE[WORK_DTYPES[recipe]]
+    return DEFAULT_GOLDEN.replace(small_value_threshold=threshold, small_value_atol=atol)
+
+
+# --------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass
+class SideMetrics:
+    """Errors of one side (target, reference, or the golden rounded to the leaf dtype) against the golden.
+
+    ``rmse`` is in tensor units, the others dimensionless; ``small``/``normal`` count the golden's
+    small and normal elements among positions finite on all three tensors.
+    """
+
+    rmse: float = 0.0
+    max_rel: float = 0.0
+    mean_rel: float = 0.0
+    small_share: float = 0.0
+    balance: float = 0.0
+    small: int = 0
+    normal: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class GoldenLeafResult(LeafResult):
+    """A ``LeafResult`` judged by a ``GoldenPolicy``.
+
+    The inherited metrics (``max_abs``, ``rel_l2``, ``cosine``, ``mismatched`` …) are the target
+    vs reference ones under ``tolerance`` (informative only: they do not decide the verdict).
+    Added fields: ``policy``; ``golden_dtype``; ``target``/``reference``/``floor`` —
+    ``SideMetrics`` against the golden (``floor`` is the golden rounded to the leaf's dtype);
+    ``ratios`` — ``{metric: target / max(reference, floor)}`` for ``METRICS``;
+    ``exact`` — an integer/bool leaf, judged by equality; ``note`` — e.g. that the target's
+    floating dtype differs from the reference's (allowed under the golden policy).
+    """
+
+    policy: GoldenPolicy | None = None
+    golden_dtype: str | None = None
+    target: SideMetrics | None = None
+    reference: SideMetrics | None = None
+    floor: SideMetrics | None = None
+    ratios: dict[str, float] = field(default_factory=dict)
+    exact: bool = False
+    note: str | None = None
+
+    @property
+    def over_limit(self) -> dict[str, float]:
+        """``{metric: ratio}`` of the ratios above the policy's limits."""
+        if self.policy is None:
+            return {}
+        limits = self.policy.limits
+        return {m: r for m, r in self.ratios.items() if not r <= limits[m]}
+
+    @property
+    def passed(self) -> bool:
+        """No structural problem, no NaN/Inf on one side only, every ratio within its limit
+        (integer/bool leaves: no differing element)."""
+        if self.problem is not None:
+            return False
+        if self.exact:
+            return self.mismatched == 0
+        return self.nonfinite_mismatched == 0 and not self.over_limit
+
+    @property
+    def worst_ratio(self) -> tuple[str | None, float]:
+        """``(metric, ratio / limit)`` of the ratio closest to (or furthest over) its limit."""
+        if self.policy is None or not self.ratios:
+            return None, math.nan
+        limits = self.policy.limits
+        metric = max(self.ratios, key=lambda m: self.ratios[m] / limits[m])
+        return metric, self.ratios[metric] / limits[metric]
+
+    def to_row(self) -> dict[str, Any]:
+        """``LeafResult.to_row()`` plus ``policy``, ``golden_*`` columns and this verdict."""
+        row = super().to_row()
+        row["policy"] = "golden"
+        row["golden_policy"] = self.policy.describe() if self.policy is not None else None
+        row["golden_policy_source"] = self.policy.source if self.policy is not None else None
+        row["golden_policy_reason"] = self.policy.reason if self.policy is not None else None
+        row["golden_dtype"] = self.golden_dtype
+        row["golden_note"] = self.note
+        for metric in METRICS:
+            row[f"golden_{metric}_ratio"] = self.ratios.get(metric)
+            row[f"golden_{metric}_target"] = getattr(self.target, metric) if self.target else None
+            row[f"golden_{metric}_reference"] = getattr(self.reference, metric) if self.reference else None
+        metric, margin = self.worst_ratio
+        row["golden_worst_metric"] = metric
+        row["golden_worst_margin"] = margin
+        row["verdict"] = "pass" if self.passed else "fail"
+        return row
+
+
+class GoldenCompareResult(CompareResult):
+    """``CompareResult`` of ``GoldenLeafResult`` leaves; its message shows the golden ratios."""
+
+    def __init__(self, name: str, policy: GoldenPolicy, leaves: list[LeafResult] | None = None):
+        super().__init__(name=name, leaves=list(leaves or []))
+        self.policy = policy
+
+    def format(self, context: str = "") -> str:
+        """The failure message: a header naming the worst golden ratio, the ratio table, then the
+        usual target-vs-reference metrics table (informative)."""
+        failures = self.failures
+        verdict = "failed" if failures else "passed"
+        lines = [f"Parity check {self.name!r} {verdict} under the golden policy"
+                 + (f" ({context})" if context else "")]
+        lines.append(f"policy: {self.policy.describe()}")
+        if failures:
+            worst = max(failures, key=_golden_severity)
+            lines.append(_golden_header(worst))
+        lines.append("")
+        lines += format_golden_table(failures or self.leaves)
+        lines += ["", "target vs reference (informative):"]
+        lines += format_table(failures or self.leaves)
+        return "\n".join(lines)
+
+
+def _golden_severity(leaf: LeafResult) -> float:
+    if leaf.problem is not None or leaf.nonfinite_mismatched:
+        return math.inf
+    if isinstance(leaf, GoldenLeafResult) and not leaf.exact:
+        margin = leaf.worst_ratio[1]
+        return margin if not math.isnan(margin) else math.inf
+    return math.inf if leaf.mismatched else 0.0
+
+
+def _golden_header(leaf: LeafResult) -> str:
+    where = f"output {leaf.path!r}: " if leaf.path else ""
+    if leaf.problem is not None:
+        return where + leaf.problem
+    if leaf.nonfinite_mismatched:
+        return (f"{where}NaN/Inf on one side only at {leaf.nonfinite_mismatched} element(s), first at index "
+                f"{leaf.nonfinite_index} (target {leaf.actual_at_nonfinite}, reference {leaf.expected_at_nonfinite})")
+    if isinstance(leaf, GoldenLeafResult) and not leaf.exact:
+        parts = [f"{m} ratio {r:.3g} > {leaf.policy.limits[m]:g}" for m, r in leaf.over_limit.items()]
+        return (f"{where}target error vs the {leaf.golden_dtype} golden exceeds the reference's: "
+                + ", ".join(parts))
+    return f"{where}{leaf.mismatched} integer/bool element(s) differ"
+
+
+_GOLDEN_COLUMNS = ("leaf", "golden", "rmse t/r (ratio)", "max_rel t/r (ratio)", "mean_rel t/r (ratio)",
+                   "small t/r (ratio)", "verdict")
+
+
+def format_golden_table(leaves: list[LeafResult]) -> list[str]:
+    """Fixed-width table of golden metrics: target / reference error and their ratio per metric."""
+    rows = [_GOLDEN_COLUMNS]
+    for leaf in leaves:
+        name = leaf.path or "<output>"
+        verdict = "pass" if leaf.passed else "FAIL"
+        if not isinstance(leaf, GoldenLeafResult) or leaf.exact or leaf.target is None:
+            rows.append((name, "-", "-", "-", "-", "-", leaf.problem or verdict))
+            continue
+        cells = []
+        for metric in METRICS:
+            t, r = getattr(leaf.target, metric), getattr(leaf.reference, metric)
+            cells.append(f"{t:.3g}/{r:.3g} ({leaf.ratios[metric]:.3g})")
+        rows.append((name, leaf.golden_dtype or "-", *cells, verdict))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(_GOLDEN_COLUMNS))]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+
+
+# --------------------------------------------------------------------------------------------
+# arithmetic
+
+
+def _real64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached on the CPU, flattened, as float64 (complex: real and imaginary parts)."""
+    t = t.detach().to("cpu")
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    return t.reshape(-1).to(torch.float64)
+
+
+def side_metrics(x: torch.Tensor, g: torch.Tensor, mask: torch.Tensor, small: torch.Tensor,
+                 small_atol: float) -> SideMetrics:
+    """Errors of ``x`` against the golden ``g`` (1-D float64 tensors of equal length).
+
+    Args:
+        x: one side's values.
+        g: the golden values.
+        mask: positions to measure (finite on every tensor of the comparison).
+        small: positions (within ``mask``) where the golden is small.
+        small_atol: absolute error above which a small element is wrong.
+
+    Returns:
+        ``SideMetrics`` (see the module docstring for the formulas; empty sets give 0).
+    """
+    out = SideMetrics()
+    n = int(mask.sum())
+    if n == 0:
+        return out
+    err = (x - g).abs()
+    out.rmse = math.sqrt(float(err[mask].square().mean()))
+    normal = mask & ~small
+    out.normal, out.small = int(normal.sum()), int(small.sum())
+    if out.normal:
+        rel = err[normal] / g[normal].abs()
+        out.max_rel, out.mean_rel = float(rel.max()), float(rel.mean())
+    if out.small:
+        out.small_share = int((err[small] > small_atol).sum()) / out.small
+    diff = (x - g)[mask]
+    out.balance = abs(int((diff > 0).sum()) - int((diff < 0).sum())) / n
+    return out
+
+
+def ratio(target: float, reference: float, floor: float = 0.0) -> float:
+    """``target / max(reference, floor)``; 1 when both are 0 (msprobe: 0/0 is 1), ``inf`` when only
+    the denominator is 0, NaN when an input is NaN."""
+    denominator = max(reference, floor)
+    if math.isnan(target) or math.isnan(denominator):
+        return math.nan
+    if denominator == 0:
+        return 1.0 if target == 0 else math.inf
+    return target / denominator
+
+
+def _same_kind(a: torch.dtype, b: torch.dtype) -> bool:
+    """Both real floating or both complex."""
+    return (a.is_floating_point and b.is_floating_point) or (a.is_complex and b.is_complex)
+
+
+def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: torch.Tensor,
+                         policy: GoldenPolicy, *, tolerance: Tolerance | None = None,
+                         path: str = "") -> GoldenLeafResult:
+    """Judge one leaf: the target ``actual`` and the reference ``expected`` against ``golden``.
+
+    Args:
+        actual: the target's tensor (any device).
+        expected: the reference's tensor; same shape and dtype as ``actual``.
+        golden: the golden tensor (usually float64 or float32), same shape.
+        policy: the ratio limits and small-value criterion.
+        tolerance: allclose tolerance for the informative target-vs-reference metrics
+            (default: ``policy.default_for_dtype`` of ``expected``).
+        path: the leaf's name.
+
+    Returns:
+        A ``GoldenLeafResult`` (its ``passed`` is the verdict). A shape mismatch between target and
+        reference, a dtype mismatch of another kind (float vs integer, real vs complex), or a golden
+        of another shape fail with ``problem`` set. Two floating dtypes may differ (``note`` says
+        so): the golden judges accuracy, and autocast's op lists differ between devices and kernels.
+        Integer and bool leaves are judged exactly.
+    """
+    tol = tolerance if tolerance is not None else default_for_dtype(expected.dtype)
+    exact = not (expected.dtype.is_floating_point or expected.dtype.is_complex)
+    coarse = expected.dtype
+    note = None
+    if actual.dtype != expected.dtype and _same_kind(actual.dtype, expected.dtype) and not exact:
+        # Autocast op lists differ between devices and kernels (measured: under CPU bf16 autocast
+        # nn.TransformerEncoder's fast path returns bf16, its slow path fp32): the golden judges
+        # accuracy, not the dtype. Informative metrics are taken in the finer dtype, the rounding
+        # floor in the coarser one.
+        common = torch.promote_types(actual.dtype, expected.dtype)
+        coarse = actual.dtype if common == expected.dtype else expected.dtype
+        base = compare_tensors(actual.to(common), expected.to(common), tol, path)
+        base.dtype = str(actual.dtype).removeprefix("torch.")
+        base.expected_dtype = str(expected.dtype).removeprefix("torch.")
+        note = f"dtype differs: target {base.dtype}, reference {base.expected_dtype} (judged against the golden)"
+    else:
+        base = compare_tensors(actual, expected, EXACT if exact else tol, path)
+    leaf = GoldenLeafResult(**{f.name: getattr(base, f.name) for f in dataclasses.fields(LeafResult)})
+    leaf.policy = policy
+    leaf.exact = exact
+    leaf.note = note
+    leaf.golden_dtype = str(golden.dtype).removeprefix("torch.")
+    if leaf.problem is not None or exact:
+        return leaf
+    if tuple(golden.shape) != tuple(expected.shape):
+        leaf.problem = f"golden shape {tuple(golden.shape)} differs from the outputs' {tuple(expected.shape)}"
+        return leaf
+
+    a, e, g = _real64(actual), _real64(expected), _real64(golden)
+    threshold, small_atol = policy.small_values_for(coarse)
+    mask = torch.isfinite(a) & torch.isfinite(e) & torch.isfinite(g)
+    small = mask & (g.abs() < threshold)
+    rounded = _real64(golden.detach().to("cpu").to(coarse))
+    mask_floor = mask & torch.isfinite(rounded)  # a golden beyond the dtype's range rounds to inf
+    leaf.target = side_metrics(a, g, mask, small, small_atol)
+    leaf.reference = side_metrics(e, g, mask, small, small_atol)
+    leaf.floor = side_metrics(rounded, g, mask_floor, small & mask_floor, small_atol)
+    share_floor = 1.0 / leaf.reference.small if leaf.reference.small else 0.0
+    leaf.ratios = {
+        "rmse": ratio(leaf.target.rmse, leaf.reference.rmse, leaf.floor.rmse),
+        "max_rel": ratio(leaf.target.max_rel, leaf.reference.max_rel, leaf.floor.max_rel),
+        "mean_rel": ratio(leaf.target.mean_rel, leaf.reference.mean_rel, leaf.floor.mean_rel),
+        "small_share": ratio(leaf.target.small_share, leaf.reference.small_share,
+                             max(share_floor, leaf.floor.small_share)),
+    }
+    return leaf
+
+
+def judge_golden(actual: Any, expected: Any, golden: Any, policy: GoldenPolicy = DEFAULT_GOLDEN, *,
+                 tolerance: Tolerance | None = None, name: str = "") -> GoldenCompareResult:
+    """Judge nested outputs under the golden policy, leaf by leaf.
+
+    Args:
+        actual: the target's output (tensors or nested tuples/lists/dicts/ModelOutputs of them).
+        expected: the reference's output, same structure.
+        golden: the golden output, same structure (float leaves in the golden dtype).
+        policy: the ratio limits (see ``GoldenPolicy``; ``default_golden_for_recipe`` for a recipe's).
+        tolerance: allclose tolerance for the informative metrics (default: by dtype).
+        name: the check's name, for messages.
+
+    Returns:
+        A ``GoldenCompareResult``: passed when every leaf passes. A leaf missing on either side, a
+        ``None`` against a tensor, or a leaf without a golden counterpart fails with ``problem``.
+
+    Raises:
+        TypeError, ValueError: as ``compare.compare`` for structures it cannot walk.
+    """
+    result = GoldenCompareResult(name=name, policy=policy)
+    got, want, gold = _by_path(actual, "actual"), _by_path(expected, "expected"), _by_path(golden, "golden")
+    for path in list(want) + [p for p in got if p not in want]:
+        a, e, g = got.get(path), want.get(path), gold.get(path)
+        tol = tolerance or default_for_dtype(e.dtype if e is not None else torch.float32)
+        problem = None
+        if path not in got:
+            problem = "missing in actual output"
+        elif path not in want:
+            problem = "not in expected output"
+        elif a is None or e is None:
+            if a is e:
+                continue
+            problem = f"{'actual' if a is None else 'expected'} is None, the other is a tensor"
+        elif path not in gold or (g is None and (e.dtype.is_floating_point or e.dtype.is_complex)):
+            problem = "the golden run has no such output"
+        if problem is not None:
+            result.leaves.append(GoldenLeafResult(path=path, tolerance=tol, problem=problem, policy=policy))
+            continue
+        if g is None:  # integer leaf without golden: exact comparison needs none
+            g = e
+        result.leaves.append(judge_golden_tensors(a, e, g, policy, tolerance=tol, path=path))
+    return result
+
+
+def _by_path(obj: Any, side: str) -> dict[str, torch.Tensor | None]:
+    leaves: dict[str, torch.Tensor | None] = {}
+    for path, leaf in flatten(obj):
+        if path in leaves:
+            raise ValueError(f"two leaves of the {side} output have the same path {path!r}; rename a key")
+        leaves[path] = leaf
+    return leaves
+
+
+# --------------------------------------------------------------------------------------------
+# running the golden
+
+
+class GoldenUnavailableError(RuntimeError):
+    """The computation cannot run in the golden dtype (e.g. a hard-coded float32 inside)."""
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    """Every floating tensor in a nested structure cast to ``dtype`` on the CPU (others moved only)."""
+    if isinstance(obj, torch.Tensor):
+        obj = obj.detach().to("cpu")
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return tuple(_cast_floats(v, dtype) for v in obj)
+    if isinstance(obj, list):
+        return [_cast_floats(v, dtype) for v in obj]
+    return obj
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``torch.set_default_dtype(dtype)`` inside the block (restored on exit, also on error), so
+    factory calls without a dtype (``torch.zeros``, ``torch.ones``, Python floats) follow the golden."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def _float32_dropout_draws() -> Iterator[None]:
+    """Keep the shared stream's dropout masks identical to the sides' in a float64 golden run.
+
+    ``rng._CpuDraws.dropout_mask`` draws its uniform sample in the default dtype; with the default
+    dtype at float64 (see ``GoldenRunner.run``) the same generator would give other numbers, so the
+    golden's dropout masks would differ from the reference's. The draw is pinned to float32 here.
+    """
+    from . import rng
+
+    draws = getattr(rng, "_CpuDraws", None)
+    original = getattr(draws, "dropout_mask", None)
+    if original is None:
+        yield
+        return
+
+    def dropout_mask(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with default_dtype(torch.float32):
+            return original(self, *args, **kwargs)
+
+    draws.dropout_mask = dropout_mask
+    try:
+        yield
+    finally:
+        draws.dropout_mask = original
+
+
+class GoldenRunner:
+    """Runs computations on the CPU in a golden dtype, with the same seeded randomness as the sides.
+
+    Args:
+        root: a model whose submodules are judged; its golden copy is made once and submodules
+            are taken from it by name (one fp64 copy of a 210 M-parameter model, 1.7 GB, instead of
+            one per submodule). Modules outside ``root`` get their own cached copy.
+        shims: ``(dtype) -> context manager`` entered around every golden run to make code that
+            hard-codes float32 follow the golden dtype (see the module docstring), or None.
+
+    A module with any submodule in training mode is copied afresh for every run (BatchNorm
+    running statistics change in training). Copies are made at the first run: call ``forget()``
+    after editing weights.
+    """
+
+    def __init__(self, root: torch.nn.Module | None = None,
+                 shims: Callable[[torch.dtype], ContextManager[Any]] | None = None):
+        self.root = root
+        self.shims = shims
+        self._root_copies: dict[torch.dtype, torch.nn.Module] = {}
+        self._names: dict[int, str] | None = None
+        self._copies: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+    def forget(self) -> None:
+        """Drop every cached golden copy (after editing weights)."""
+        self._root_copies.clear()
+        self._copies = weakref.WeakKeyDictionary()
+        self._names = None
+
+    def _copy(self, module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+        if any(m.training for m in module.modules()):
+            return copy.deepcopy(module).to(dtype)
+        if all(t.dtype == dtype for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()) \
+                and all(t.device.type == "cpu" for t in list(module.parameters()) + list(module.buffers())):
+            return module  # already a CPU module in the golden dtype: no copy
+        if self.root is not None:
+            if self._names is None:
+                self._names = {id(m): name for name, m in self.root.named_modules()}
+            name = self._names.get(id(module))
+            if name is not None:
+                root_copy = self._root_copies.get(dtype)
+                if root_copy is None:
+                    root_copy = self._root_copies[dtype] = copy.deepcopy(self.root).to(dtype)
+                return root_copy.get_submodule(name) if name else root_copy
+        per_module = self._copies.setdefault(module, {})
+        if dtype not in per_module:
+            per_module[dtype] = copy.deepcopy(module).to(dtype)
+        return per_module[dtype]
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *,
+            recipe: str = "fp32", seed: int = 0, grad: bool = False) -> dict[str, torch.Tensor | None]:
+        """The golden output of ``fn(*args, **kwargs)`` for work under ``recipe``, as CPU leaves by path.
+
+        ``fn`` is a module, a bound method of one, or a function; its module (copied) and every
+        floating input are cast to ``golden_dtype(recipe)``. Runs with strict fp32 flags, no
+        autocast, ``rng.same_randomness(seed)``, the default dtype set to the golden dtype, and the
+        shims.
+
+        Raises:
+            GoldenUnavailableError: the computation raised in the golden dtype, or a floating
+                output came back in a lower precision than the golden dtype; the message names
+                the cause.
+            ValueError: for an unknown recipe.
+        """
+        from .recipes import strict_fp32_flags
+        from .rng import same_randomness
+
+        from .runner import owner_module
+
+        dtype = golden_dtype(recipe)
+        module = owner_module(fn)
+        if isinstance(fn, torch.nn.Module):
+            call = self._copy(fn, dtype)
+        elif module is not None:
+            call = getattr(self._copy(module, dtype), fn.__name__)
+        else:
+            call = fn
+        args_g, kwargs_g = _cast_floats(args, dtype), _cast_floats(kwargs or {}, dtype)
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(strict_fp32_flags())
+                stack.enter_context(default_dtype(dtype) if dtype.is_floating_point else contextlib.nullcontext())
+                if self.shims is not None:
+                    stack.enter_context(self.shims(dtype))
+                stack.enter_context(_float32_dropout_draws())
+                stack.enter_context(same_randomness(seed))
+                stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
+                output = call(*args_g, **kwargs_g)
+        except (RuntimeError, TypeError) as exc:
+            raise GoldenUnavailableError(f"the {str(dtype).removeprefix('torch.')} golden run failed: "
+                                         f"{type(exc).__name__}: {exc}") from exc
+        leaves = {p: (t.detach().to("cpu") if t is not None else None) for p, t in flatten(output)}
+        lower = [p for p, t in leaves.items() if t is not None and t.is_floating_point()
+                 and torch.finfo(t.dtype).bits < torch.finfo(dtype).bits]
+        if lower:
+            kinds = sorted({str(leaves[p].dtype).removeprefix("torch.") for p in lower})
+            raise GoldenUnavailableError(
+                f"the golden run returned {', '.join(kinds)} for {', '.join(repr(p) for p in lower[:3])}"
+                f" instead of {str(dtype).removeprefix('torch.')}: the computation hard-codes a lower precision")
+        return leaves

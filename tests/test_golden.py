@@ -1,0 +1,370 @@
+"""The golden policy's arithmetic against hand-computed cases, its verdicts, parsing and the golden runner."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from pytest_npu_parity import golden as G
+from pytest_npu_parity.policy import Tolerance
+
+
+def f64(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def f32(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# metrics of one side
+
+
+def test_side_metrics_by_hand():
+    g = f64(1.0, 2.0, 4.0, 1e-7)
+    x = f64(1.1, 2.0, 3.0, 1e-7 + 2e-9)
+    mask = torch.ones(4, dtype=torch.bool)
+    small = g.abs() < 1e-6  # only the last element
+    m = G.side_metrics(x, g, mask, small, small_atol=1e-9)
+    # errors 0.1, 0, 1, 2e-9
+    assert m.rmse == pytest.approx(math.sqrt((0.01 + 0 + 1 + 4e-18) / 4), rel=1e-12)
+    assert m.max_rel == pytest.approx(0.25)  # 1 / 4
+    assert m.mean_rel == pytest.approx((0.1 + 0 + 0.25) / 3)
+    assert m.small_share == 1.0  # the one small element is off by 2e-9 > 1e-9
+    assert m.balance == pytest.approx(abs(2 - 1) / 4)  # two above the golden, one below
+    assert (m.small, m.normal) == (1, 3)
+
+
+def test_side_metrics_empty_mask_is_all_zero():
+    g = f64(1.0, 2.0)
+    m = G.side_metrics(g + 1, g, torch.zeros(2, dtype=torch.bool), torch.zeros(2, dtype=torch.bool), 1e-9)
+    assert (m.rmse, m.max_rel, m.mean_rel, m.small_share, m.small, m.normal) == (0.0, 0.0, 0.0, 0.0, 0, 0)
+
+
+@pytest.mark.parametrize("target, reference, floor, expected", [
+    (0.0, 0.0, 0.0, 1.0),          # neither side has the error: msprobe's 0/0 = 1
+    (3.0, 1.5, 0.0, 2.0),
+    (1e-9, 0.0, 0.0, math.inf),    # the reference is exact, the target is not
+    (1.0, 0.1, 0.5, 2.0),          # the floor replaces a reference better than rounding
+    (0.2, 0.1, 0.05, 2.0),         # a floor below the reference changes nothing
+])
+def test_ratio(target, reference, floor, expected):
+    assert G.ratio(target, reference, floor) == expected
+
+
+def test_ratio_nan_stays_nan():
+    assert math.isnan(G.ratio(math.nan, 1.0))
+
+
+# --------------------------------------------------------------------------------------------
+# one leaf
+
+
+def _dyadic(target_error: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Golden [1, 2, 4, 8]; the reference is off by 2**-10 in the first element, the target by
+    ``target_error`` there. Every value is exact in fp32, so the rounding floor is 0."""
+    g = f64(1.0, 2.0, 4.0, 8.0)
+    e = f32(1.0 + 2 ** -10, 2.0, 4.0, 8.0)
+    a = f32(1.0 + target_error, 2.0, 4.0, 8.0)
+    return a, e, g
+
+
+def test_ratios_of_a_target_twice_as_wrong_are_two_and_pass_at_the_limit():
+    a, e, g = _dyadic(2 ** -9)
+    leaf = G.judge_golden_tensors(a, e, g, G.DEFAULT_GOLDEN, path="y")
+    assert leaf.ratios == {"rmse": 2.0, "max_rel": 2.0, "mean_rel": 2.0, "small_share": 1.0}
+    assert leaf.target.rmse == pytest.approx(2 ** -9 / 2)  # sqrt(2**-18 / 4)
+    assert leaf.reference.max_rel == 2 ** -10
+    assert leaf.floor.rmse == 0.0
+    assert leaf.passed  # ratio == limit passes (msprobe: error only above the threshold)
+    assert leaf.worst_ratio == ("rmse", 1.0)
+
+
+def test_a_target_three_times_as_wrong_fails_on_rmse_and_mean_rel_only():
+    a, e, g = _dyadic(3 * 2 ** -10)
+    leaf = G.judge_golden_tensors(a, e, g, G.DEFAULT_GOLDEN)
+    assert leaf.ratios["rmse"] == 3.0 and leaf.ratios["mean_rel"] == 3.0 and leaf.ratios["max_rel"] == 3.0
+    assert leaf.over_limit == {"rmse": 3.0, "mean_rel": 3.0}  # max_rel's limit is 10
+    assert not leaf.passed
+    assert G.judge_golden_tensors(a, e, g, G.DEFAULT_GOLDEN.replace(rmse_ratio=3, mean_rel_ratio=3)).passed
+
+
+def test_a_target_better_than_the_reference_passes():
+    a, e, g = _dyadic(0.0)
+    leaf = G.judge_golden_tensors(a, e, g, G.DEFAULT_GOLDEN)
+    assert leaf.ratios["rmse"] == 0.0 and leaf.passed
+
+
+def test_exact_reference_makes_any_target_error_infinite():
+    g = f64(1.0, 2.0)
+    e = f32(1.0, 2.0)
+    a = f32(1.0, 2.0 + 2 ** -22)  # one fp32 ulp of 2
+    leaf = G.judge_golden_tensors(a, e, g, G.DEFAULT_GOLDEN)
+    assert leaf.ratios["rmse"] == math.inf and not leaf.passed
+
+
+def test_rounding_floor_when_the_golden_is_not_representable():
+    third = 1.0 / 3.0
+    g = f64(third)
+    e = f32(third)  # correctly rounded: its error is the floor
+    below = torch.nextafter(e, torch.tensor(0.0, dtype=torch.float32))
+    a = torch.nextafter(below, torch.tensor(0.0, dtype=torch.float32))  # two fp32 ulps below
+    leaf = G.judge_golden_tensors(a, e, g, G.DEFAULT_GOLDEN)
+    floor = abs(float(e) - third)
+    assert leaf.floor.rmse == pytest.approx(floor, rel=1e-12)
+    assert leaf.ratios["rmse"] == pytest.approx(abs(float(a) - third) / floor, rel=1e-12)
+    assert leaf.ratios["rmse"] > 2 and not leaf.passed
+
+
+def test_small_value_share_ratio_has_one_element_resolution():
+    g = f64(1e-7, 2e-7, 3e-7, 4e-7, 1.0)  # four small values (fp32 threshold 1e-6), one normal
+    e = g.to(torch.float32)
+    one_wrong = e.clone()
+    one_wrong[0] += 5e-9  # > 1e-9: one small element wrong
+    leaf = G.judge_golden_tensors(one_wrong, e, g, G.DEFAULT_GOLDEN.replace(rmse_ratio=1e9, mean_rel_ratio=1e9))
+    assert leaf.target.small_share == 0.25
+    assert leaf.ratios["small_share"] == pytest.approx(1.0)  # 0.25 / max(ref share, 1/4)
+    assert leaf.passed
+    three_wrong = e.clone()
+    three_wrong[:3] += 5e-9
+    leaf = G.judge_golden_tensors(three_wrong, e, g, G.DEFAULT_GOLDEN.replace(rmse_ratio=1e9, mean_rel_ratio=1e9))
+    assert leaf.ratios["small_share"] == pytest.approx(3.0)
+    assert leaf.over_limit == {"small_share": pytest.approx(3.0)}
+
+
+def test_small_values_are_left_out_of_relative_errors():
+    g = f64(1e-9, 1.0)
+    e = f32(1e-9, 1.0 + 2 ** -10)
+    a = f32(3e-9, 1.0 + 2 ** -10)  # triples the tiny value: relative error 2, but it is "small"
+    leaf = G.judge_golden_tensors(a, e, g, G.DEFAULT_GOLDEN.replace(small_value_ratio=1e9))
+    assert leaf.ratios["max_rel"] == 1.0 and leaf.ratios["mean_rel"] == 1.0
+    assert leaf.target.small_share == 1.0
+
+
+def test_bf16_recipe_uses_bf16_small_value_thresholds():
+    policy = G.default_golden_for_recipe("bf16")
+    assert policy.small_values_for(torch.float32) == (1e-3, 1e-5)
+    assert G.default_golden_for_recipe("fp32").small_values_for(torch.float32) == (1e-6, 1e-9)
+    assert G.DEFAULT_GOLDEN.small_values_for(torch.bfloat16) == (1e-3, 1e-5)  # by leaf dtype when unset
+
+
+def test_nan_on_one_side_only_fails_and_same_nan_is_ignored():
+    g = f64(1.0, 2.0, 3.0)
+    e = f32(1.0, math.nan, 3.0)
+    a = f32(1.0, 2.0, 3.0)
+    leaf = G.judge_golden_tensors(a, e, g, G.DEFAULT_GOLDEN)
+    assert leaf.nonfinite_mismatched == 1 and not leaf.passed
+    both = G.judge_golden_tensors(e.clone(), e, g, G.DEFAULT_GOLDEN)
+    assert both.nonfinite_mismatched == 0 and both.passed
+    inf_vs_ninf = G.judge_golden_tensors(f32(math.inf), f32(-math.inf), f64(1.0), G.DEFAULT_GOLDEN)
+    assert not inf_vs_ninf.passed
+
+
+def test_integer_leaves_are_exact():
+    e = torch.tensor([1, 2, 3])
+    assert G.judge_golden_tensors(e.clone(), e, e, G.DEFAULT_GOLDEN).passed
+    wrong = G.judge_golden_tensors(torch.tensor([1, 2, 4]), e, e, G.DEFAULT_GOLDEN)
+    assert wrong.exact and wrong.mismatched == 1 and not wrong.passed
+
+
+def test_shape_problems_fail_with_a_message():
+    leaf = G.judge_golden_tensors(f32(1.0, 2.0), f32(1.0), f64(1.0), G.DEFAULT_GOLDEN)
+    assert "shape mismatch" in leaf.problem and not leaf.passed
+    leaf = G.judge_golden_tensors(f32(1.0), f32(1.0), f64(1.0, 2.0), G.DEFAULT_GOLDEN)
+    assert "golden shape" in leaf.problem and not leaf.passed
+
+
+def test_complex_leaves_are_judged_on_real_and_imaginary_parts():
+    g = torch.tensor([1 + 1j], dtype=torch.complex128)
+    e = torch.tensor([1 + (1 + 2 ** -10) * 1j], dtype=torch.complex64)
+    a = torch.tensor([1 + (1 + 2 ** -9) * 1j], dtype=torch.complex64)
+    leaf = G.judge_golden_tensors(a, e, g, G.DEFAULT_GOLDEN)
+    assert leaf.ratios["max_rel"] == 2.0
+
+
+# --------------------------------------------------------------------------------------------
+# nested outputs, messages, rows
+
+
+def test_judge_golden_walks_nested_outputs_and_reports_the_failing_leaf():
+    a1, e1, g1 = _dyadic(2 ** -10)       # as good as the reference
+    a2, e2, g2 = _dyadic(8 * 2 ** -10)   # eight times worse
+    result = G.judge_golden({"x": a1, "y": (a2, None)}, {"x": e1, "y": (e2, None)},
+                            {"x": g1, "y": (g2, None)}, G.DEFAULT_GOLDEN, name="demo")
+    assert [leaf.path for leaf in result.leaves] == ["x", "y[0]"]
+    assert not result.passed and [leaf.path for leaf in result.failures] == ["y[0]"]
+    message = result.format("recipe fp32")
+    assert "Parity check 'demo' failed under the golden policy (recipe fp32)" in message
+    assert "output 'y[0]'" in message and "rmse ratio 8 > 2" in message
+    assert "target vs reference (informative)" in message
+
+
+def test_missing_golden_and_missing_leaves_fail():
+    a, e, g = _dyadic(0.0)
+    result = G.judge_golden({"x": a, "z": a}, {"x": e}, {}, G.DEFAULT_GOLDEN)
+    problems = {leaf.path: leaf.problem for leaf in result.leaves}
+    assert problems == {"x": "the golden run has no such output", "z": "not in expected output"}
+    assert G.judge_golden({"x": None}, {"x": e}, {"x": g}).leaves[0].problem == "actual is None, the other is a tensor"
+
+
+def test_rows_carry_policy_and_golden_columns():
+    a, e, g = _dyadic(3 * 2 ** -10)
+    policy = G.DEFAULT_GOLDEN.replace(source="marker", reason="bf16 kernel")
+    row = G.judge_golden({"y": a}, {"y": e}, {"y": g}, policy).leaves[0].to_row()
+    json.dumps(row)
+    assert row["policy"] == "golden" and row["verdict"] == "fail"
+    assert row["golden_rmse_ratio"] == 3.0 and row["golden_dtype"] == "float64"
+    assert row["golden_policy_source"] == "marker" and row["golden_policy_reason"] == "bf16 kernel"
+    assert row["golden_worst_metric"] in ("rmse", "mean_rel") and row["golden_worst_margin"] == 1.5
+    assert "[marker: bf16 kernel]" in row["golden_policy"]
+
+
+def test_informative_metrics_use_the_given_tolerance():
+    a, e, g = _dyadic(2 ** -9)
+    leaf = G.judge_golden_tensors(a, e, g, G.DEFAULT_GOLDEN, tolerance=Tolerance(rtol=0, atol=1e-1))
+    assert leaf.mismatched == 0 and leaf.tolerance.atol == 1e-1
+    leaf = G.judge_golden_tensors(a, e, g, G.DEFAULT_GOLDEN)
+    assert leaf.mismatched == 1  # 2**-10 apart: beyond fp32's 1e-5 default
+
+
+# --------------------------------------------------------------------------------------------
+# the policy object
+
+
+@pytest.mark.parametrize("field", ["rmse_ratio", "max_rel_ratio", "mean_rel_ratio", "small_value_ratio"])
+def test_ratio_limits_below_one_are_rejected(field):
+    with pytest.raises(ValueError, match=field):
+        G.GoldenPolicy(**{field: 0.5})
+    with pytest.raises(ValueError, match=field):
+        G.GoldenPolicy(**{field: math.nan})
+
+
+def test_bad_source_and_threshold_are_rejected():
+    with pytest.raises(ValueError, match="source"):
+        G.GoldenPolicy(source="env")
+    with pytest.raises(ValueError, match="small_value_atol"):
+        G.GoldenPolicy(small_value_atol=-1.0)
+
+
+def test_defaults_are_msprobes_error_thresholds():
+    assert G.DEFAULT_GOLDEN.limits == {"rmse": 2.0, "max_rel": 10.0, "mean_rel": 2.0, "small_share": 2.0}
+
+
+def test_parse_golden_spec():
+    policy = G.parse_golden_spec("golden rmse=3, max_rel=20 small_value_threshold=1e-4 # noisy kernel", source="ini")
+    assert (policy.rmse_ratio, policy.max_rel_ratio, policy.mean_rel_ratio) == (3.0, 20.0, 2.0)
+    assert policy.small_value_threshold == 1e-4
+    assert (policy.source, policy.reason) == ("ini", "noisy kernel")
+    assert policy.is_override and "[ini: noisy kernel]" in policy.describe()
+    with pytest.raises(ValueError, match=r"bad golden policy item 'rtol=1'"):
+        G.parse_golden_spec("rtol=1", source="ini")
+    with pytest.raises(ValueError, match=r"bad number 'x' for rmse"):
+        G.parse_golden_spec("rmse=x", source="marker")
+    with pytest.raises(ValueError, match=r"must be >= 1 .*in 'rmse=0.5'"):
+        G.parse_golden_spec("rmse=0.5", source="check")
+
+
+def test_golden_dtype_per_recipe():
+    assert G.golden_dtype("fp32") == torch.float64
+    assert G.golden_dtype("bf16") == torch.float32
+    with pytest.raises(ValueError, match="unknown recipe 'int8'"):
+        G.golden_dtype("int8")
+
+
+# --------------------------------------------------------------------------------------------
+# the golden runner
+
+
+def test_runner_computes_a_linear_in_float64():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    out = G.GoldenRunner().run(layer, (x,), recipe="fp32")
+    expected = x.double() @ layer.weight.double().T + layer.bias.double()
+    assert out[""].dtype == torch.float64
+    assert torch.equal(out[""], expected)
+    assert layer.weight.dtype == torch.float32  # the module itself is untouched
+
+
+def test_runner_for_bf16_work_is_the_fp32_module_itself():
+    layer = torch.nn.Linear(4, 4)
+    runner = G.GoldenRunner()
+    out = runner.run(layer, (torch.ones(1, 4),), recipe="bf16")
+    assert out[""].dtype == torch.float32
+    assert torch.equal(out[""], layer(torch.ones(1, 4)).detach())
+
+
+class _HardCodedFloat32(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(torch.ones(x.shape, dtype=torch.float32))
+
+
+class _ReturnsFloat32(torch.nn.Module):
+    def forward(self, x):
+        return x.float()
+
+
+def test_runner_reports_computations_that_cannot_run_in_the_golden_dtype():
+    with pytest.raises(G.GoldenUnavailableError, match="float64 golden run failed: RuntimeError"):
+        G.GoldenRunner().run(_HardCodedFloat32(), (torch.ones(2, 4),), recipe="fp32")
+    with pytest.raises(G.GoldenUnavailableError, match=r"returned float32 for '' instead of float64"):
+        G.GoldenRunner().run(_ReturnsFloat32(), (torch.ones(2),), recipe="fp32")
+
+
+def test_runner_shims_are_entered_with_the_golden_dtype():
+    seen = []
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def shim(dtype):
+        seen.append(dtype)
+        yield
+
+    G.GoldenRunner(shims=shim).run(torch.nn.Identity(), (torch.ones(2),), recipe="fp32")
+    assert seen == [torch.float64]
+
+
+def test_runner_shares_one_copy_of_the_root_and_restores_the_default_dtype():
+    root = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).eval()
+    runner = G.GoldenRunner(root=root)
+    runner.run(root[1], (torch.ones(1, 4),), recipe="fp32")
+    first = runner._copy(root[1], torch.float64)
+    assert first is runner._copy(root, torch.float64)[1]
+    assert first.weight.dtype == torch.float64 and root[1].weight.dtype == torch.float32
+    assert torch.get_default_dtype() == torch.float32
+    root.train()  # training mode: BatchNorm statistics would change, so every run gets a fresh copy
+    assert runner._copy(root[1], torch.float64) is not runner._copy(root[1], torch.float64)
+
+
+def test_runner_dropout_masks_match_the_fp32_run():
+    """The float64 golden of a training-mode module drops the same elements as the fp32 side."""
+    from pytest_npu_parity.rng import same_randomness
+
+    module = torch.nn.Dropout(0.5).train()
+    x = torch.ones(64)
+    with same_randomness(7):
+        side = module(x)
+    gold = G.GoldenRunner().run(module, (x,), recipe="fp32", seed=7)[""]
+    assert torch.equal(gold == 0, side == 0)
+    assert torch.equal(gold, side.double())
+
+
+def test_floating_dtypes_may_differ_and_the_floor_uses_the_coarser_one():
+    g = f64(1.0 / 3.0, 2.0 / 3.0)
+    e = g.to(torch.float32)             # reference kept fp32 (e.g. one autocast kernel)
+    a = g.to(torch.bfloat16)            # target returned bf16 (another kernel), correctly rounded
+    leaf = G.judge_golden_tensors(a, e, g, G.DEFAULT_GOLDEN)
+    assert leaf.problem is None and leaf.passed
+    assert "target bfloat16, reference float32" in leaf.note
+    assert leaf.ratios["rmse"] == pytest.approx(1.0)  # the target is exactly at the bf16 rounding floor
+    assert (leaf.dtype, leaf.expected_dtype) == ("bfloat16", "float32")
+    assert G.judge_golden_tensors(torch.tensor([1, 2]), f32(1.0, 2.0), f64(1.0, 2.0),
+                                  G.DEFAULT_GOLDEN).problem.startswith("dtype mismatch")
