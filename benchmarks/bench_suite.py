@@ -1,0 +1,493 @@
+"""Benchmark the parity suite's overhead against the computation it checks (Aurora suite).
+
+Measures on one machine, in one run:
+
+(a) **bare compute** — every check of the Aurora catalogue (``aurora.checks.CHECKS``) and the training
+    step, per recipe, timed directly without the plugin: the target run exactly as the runner does it
+    (recipe context — autocast for bf16 —, ``rng.same_randomness``, ``no_grad``/``enable_grad``,
+    output leaves to the CPU) under the NPU patch set. The *patched* target run is the computation;
+    the patch set is applied once around the whole loop, so applying it per run is counted as plugin
+    overhead. With stored baselines (the suite's default) there is no reference run; with
+    ``--reference cpu`` each check's unpatched reference run is timed too. Model construction and
+    context capture (``build_context``) and each check's ``build`` are timed separately ("setup"):
+    both the bare run and the suite need them.
+(b) **plugin** — ``pytest --npu-parity <suite> -p no:cacheprovider`` in a subprocess; its cost is the
+    run's time minus pytest's own startup and collection (the same command with ``--co``). Per test,
+    ``--durations=0`` gives the call time (the check's ``build`` plus everything ``parity.check``
+    does), compared with bare build + run per check group.
+(c) ratio suite / bare, overall and per check group, on wall time and on CPU time (the CPU seconds
+    of the process and its threads: on a shared machine wall time carries other users' load, CPU
+    time much less).
+(d) comparison throughput: ``compare.compare`` on a large float32 tensor pair vs a plain
+    ``clone`` of the pair (the bytes a comparison must read; a clone of one tensor is reported too); baseline load throughput (``BaselineStore.load`` of every committed Aurora
+    baseline, including the checksum) vs reading the same bytes.
+(e) peak resident memory of the bare process and of the pytest subprocess.
+
+Results are printed as a table and written as JSON (``benchmarks/results/bench_suite.json``;
+``bench_suite_quick.json`` with ``--quick``). No timing is asserted anywhere.
+
+Usage::
+
+    OMP_NUM_THREADS=2 python benchmarks/bench_suite.py              # whole suite, fp32 + bf16
+    python benchmarks/bench_suite.py --quick                         # 6 checks, fp32 only (development)
+    python benchmarks/bench_suite.py --repeat 3 --recipes fp32       # min/median over 3 repetitions
+    python benchmarks/bench_suite.py --skip-plugin --compare-mib 64  # bare compute and throughput only
+
+Exit status 0 when the run finished (whatever the numbers), 1 when the pytest run failed, 2 on bad
+arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SUITE_FILES = ["parity_suites/aurora/test_model.py", "parity_suites/aurora/test_submodules.py",
+               "parity_suites/aurora/test_train_step.py"]
+#: The ``--quick`` subset: a function, a small and a large submodule, a training-mode module, the
+#: whole model, and the training step (covers every kind of check at a fraction of the cost).
+QUICK_CHECKS = ["resample_24", "ffn", "decoder_layer_0", "encoder_layer_0_train", "aurora_model"]
+TRAIN_STEP = "train_step"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a subset of checks, fp32 only (development)")
+    parser.add_argument("--recipes", default=None, help="comma-separated recipes (default fp32,bf16; quick: fp32)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="repetitions of the bare loop and of the pytest run (min and median reported)")
+    parser.add_argument("--reference", choices=("auto", "cpu"), default="auto",
+                        help="auto: stored baselines (no reference run); cpu: live CPU reference on both sides")
+    parser.add_argument("--skip-plugin", action="store_true", help="skip the pytest runs (b, c)")
+    parser.add_argument("--compare-mib", type=int, default=None,
+                        help="size of the comparison tensor in MiB (default 256; quick: 64)")
+    parser.add_argument("--out", default=None, help="JSON output path")
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
+    args.recipes = (args.recipes or ("fp32" if args.quick else "fp32,bf16")).split(",")
+    from pytest_npu_parity.recipes import RECIPES
+
+    unknown = [r for r in args.recipes if r not in RECIPES]
+    if unknown:
+        parser.error(f"--recipes: unknown {unknown}; known: {', '.join(RECIPES)}")
+    args.compare_mib = args.compare_mib or (64 if args.quick else 256)
+    name = "bench_suite_quick.json" if args.quick else "bench_suite.json"
+    args.out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# clocks
+
+
+class Clock:
+    """Wall and CPU seconds of a block (CPU: this process, every thread: ``time.process_time``)."""
+
+    def __enter__(self) -> "Clock":
+        self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.wall0
+        self.cpu = time.process_time() - self.cpu0
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "n": len(values)}
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, core count, load, versions and thread settings of this run."""
+    import torch
+
+    cpu = platform.processor() or ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "platform": platform.platform()}
+
+
+def _maxrss_mib(who: int) -> float:
+    return resource.getrusage(who).ru_maxrss / 1024.0  # Linux: KiB
+
+
+# --------------------------------------------------------------------------------------------
+# (a) bare compute
+
+
+def _train_step_leaves(module, inputs: dict, recipe, device) -> dict:
+    """One training step as ``ParityCase.train_step`` runs it (AdamW, clip 1.0), minus the plugin."""
+    import torch
+
+    from pytest_npu_parity.runner import _default_loss, default_optimizer
+
+    module.train()
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    opt = default_optimizer([p for _, p in params])
+    opt.zero_grad(set_to_none=True)
+    with recipe.context(device):
+        output = module(**inputs)
+        loss = _default_loss(output)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
+    grads = {f"grad.{n}": p.grad.detach().clone() for n, p in params if p.grad is not None}
+    opt.step()
+    out = {"loss": loss.detach(), **grads}
+    out.update({f"param.{n}": p.detach() for n, p in params})
+    out.update({f"buffer.{n}": b.detach() for n, b in module.named_buffers()})
+    return out
+
+
+def _timed_run(call: Callable[[], Any], recipe, device, *, seed: int, grad: bool, recipe_context: bool = True):
+    """Time ``call()`` under the recipe, shared randomness and the grad mode; leaves moved to the CPU."""
+    import torch
+
+    from pytest_npu_parity.compare import flatten
+    from pytest_npu_parity.recipes import strict_fp32_flags
+    from pytest_npu_parity.rng import same_randomness
+
+    with Clock() as clock:
+        with (recipe.context(device) if recipe_context else strict_fp32_flags()), same_randomness(seed), \
+                (torch.enable_grad() if grad else torch.no_grad()):
+            output = call()
+        leaves = {p: (t.detach().cpu() if t is not None else None) for p, t in flatten(output)}
+    del leaves
+    return clock
+
+
+def bare(names: list[str], recipes: list[str], reference: str, repeat: int) -> dict[str, Any]:
+    """(a): setup, per-check build and run times, per recipe, ``repeat`` times."""
+    import torch
+
+    from pytest_npu_parity.aurora import checks, factory, patches
+    from pytest_npu_parity.recipes import RECIPES
+    from pytest_npu_parity.runner import _move
+
+    device = torch.device("cpu")
+    with Clock() as setup:
+        model = factory.get_model("full", seed=int(os.environ.get("NPU_PARITY_AURORA_SEED", "0")))
+        ctx = checks.build_context(model, checks.suite_batch())
+        tiny = factory.get_model("tiny", seed=0)
+        batch = checks.suite_batch()
+    per_check: dict[str, dict[str, Any]] = {}
+    for _ in range(repeat):
+        for recipe_name in recipes:
+            recipe = RECIPES[recipe_name]
+            for name in names:
+                key = f"{recipe_name}-{name}"
+                entry = per_check.setdefault(key, {"check": name, "recipe": recipe_name, "build_wall": [],
+                                                   "build_cpu": [], "run_wall": [], "run_cpu": [],
+                                                   "reference_wall": [], "reference_cpu": []})
+                if name == TRAIN_STEP:
+                    entry["group"] = "training step"
+                    inputs = batch.forward_kwargs(checks.HORIZON, train=True)
+                    with Clock() as build:
+                        module = copy.deepcopy(tiny)
+                        ref_module = copy.deepcopy(tiny) if reference == "cpu" else None
+                    with patches.patched(device):
+                        run = _timed_run(lambda: _train_step_leaves(module, inputs, recipe, device), recipe,
+                                         device, seed=0, grad=True, recipe_context=False)
+                    if ref_module is not None:
+                        ref = _timed_run(lambda: _train_step_leaves(ref_module, inputs, recipe, device), recipe,
+                                         device, seed=0, grad=True, recipe_context=False)
+                else:
+                    check = checks.BY_NAME[name]
+                    entry["group"] = check.group
+                    with Clock() as build:
+                        fn, args, kwargs = check.build(ctx)
+                        if recipe.weights_dtype is not None:  # the session's one-time placement
+                            fn = copy.deepcopy(fn).to(dtype=recipe.weights_dtype) \
+                                if isinstance(fn, torch.nn.Module) else fn
+                            args, kwargs = _move(args, device, recipe.weights_dtype), \
+                                _move(kwargs, device, recipe.weights_dtype)
+                        ref_fn = copy.deepcopy(fn) if reference == "cpu" and check.train else fn
+                    with patches.patched(device):
+                        run = _timed_run(lambda: fn(*args, **kwargs), recipe, device, seed=0, grad=False)
+                    if reference == "cpu":
+                        ref = _timed_run(lambda: ref_fn(*args, **kwargs), recipe, device, seed=0, grad=False)
+                entry["build_wall"].append(build.wall)
+                entry["build_cpu"].append(build.cpu)
+                entry["run_wall"].append(run.wall)
+                entry["run_cpu"].append(run.cpu)
+                if reference == "cpu":
+                    entry["reference_wall"].append(ref.wall)
+                    entry["reference_cpu"].append(ref.cpu)
+    return {"setup_wall": setup.wall, "setup_cpu": setup.cpu, "checks": per_check,
+            "peak_rss_mib": _maxrss_mib(resource.RUSAGE_SELF)}
+
+
+# --------------------------------------------------------------------------------------------
+# (b) plugin
+
+
+_DURATION = re.compile(r"^\s*([0-9.]+)s\s+(setup|call|teardown)\s+(\S+)\s*$")
+
+
+def _node_ids(names: list[str], recipes: list[str], quick: bool) -> list[str]:
+    if not quick:
+        return list(SUITE_FILES)
+    from pytest_npu_parity.aurora import checks
+
+    ids = []
+    for name in names:
+        if name == TRAIN_STEP:
+            ids.append("parity_suites/aurora/test_train_step.py")
+            continue
+        test = ("parity_suites/aurora/test_model.py::test_model" if checks.BY_NAME[name] in checks.MODEL_CHECKS
+                else "parity_suites/aurora/test_submodules.py::test_submodule")
+        ids.extend(f"{test}[{recipe}-{name}]" for recipe in recipes)
+    return ids
+
+
+def _pytest(extra: list[str], node_ids: list[str], recipes: list[str], reference: str) -> dict[str, Any]:
+    """One pytest subprocess: wall and CPU seconds (children's user+system), exit code, durations."""
+    cmd = [sys.executable, "-m", "pytest", "--npu-parity", "-p", "no:cacheprovider", "-q",
+           "--parity-dtypes", ",".join(recipes), "--parity-reference", reference, *extra, *node_ids]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    durations: dict[str, dict[str, float]] = {}
+    for line in proc.stdout.splitlines():
+        m = _DURATION.match(line)
+        if m:
+            durations.setdefault(m.group(3), {})[m.group(2)] = float(m.group(1))
+    tail = "\n".join(proc.stdout.splitlines()[-3:])
+    return {"cmd": " ".join(cmd[1:]), "wall": wall, "cpu": cpu, "rc": proc.returncode, "durations": durations,
+            "tail": tail, "stderr_tail": proc.stderr[-2000:] if proc.returncode not in (0, 5) else ""}
+
+
+def plugin(names: list[str], recipes: list[str], reference: str, repeat: int, quick: bool) -> dict[str, Any]:
+    """(b): pytest startup + collection (``--co``), then the suite run, each ``repeat`` times."""
+    node_ids = _node_ids(names, recipes, quick)
+    pytest_ref = "cpu" if reference == "cpu" else "auto"
+    collect = [_pytest(["--co"], node_ids, recipes, pytest_ref) for _ in range(repeat)]
+    runs = [_pytest(["--durations=0", "--durations-min=0"], node_ids, recipes, pytest_ref) for _ in range(repeat)]
+    return {"collect": collect, "runs": runs, "peak_rss_mib": _maxrss_mib(resource.RUSAGE_CHILDREN)}
+
+
+def _test_key(node_id: str) -> str | None:
+    """``fp32-ffn`` for ``...::test_submodule[fp32-ffn]``; ``fp32-train_step`` for the training step."""
+    m = re.search(r"\[([^\]]+)\]$", node_id)
+    if not m:
+        return None
+    inner = m.group(1)
+    return f"{inner}-{TRAIN_STEP}" if "test_train_step" in node_id else inner
+
+
+# --------------------------------------------------------------------------------------------
+# (d) throughput
+
+
+def throughput(mib: int, repeat: int) -> dict[str, Any]:
+    """Comparison of a ``mib``-MiB float32 pair vs a plain clone; baseline load vs a plain read."""
+    import torch
+
+    from pytest_npu_parity.compare import compare
+    from pytest_npu_parity.policy import default_for_recipe
+
+    n = mib * 1024 * 1024 // 4
+    gen = torch.Generator().manual_seed(0)
+    expected = torch.randn(n, generator=gen)
+    actual = expected + 1e-7 * torch.randn(n, generator=gen)  # differs: the full metric path
+    tol = default_for_recipe("fp32")
+    copies, singles, compares = [], [], []
+    for _ in range(max(3, repeat)):
+        with Clock() as c:
+            expected.clone()
+        singles.append(c.wall)
+        with Clock() as c:  # the data a comparison must read: both tensors
+            actual.clone(), expected.clone()
+        copies.append(c.wall)
+        with Clock() as c:
+            result = compare({"out": actual}, {"out": expected}, tol)
+        compares.append(c.wall)
+    assert result.leaves, "comparison produced no leaf"
+    files = sorted((ROOT / "baselines" / "aurora").rglob("*.safetensors"))
+    total = sum(f.stat().st_size for f in files)
+    loads, reads = [], []
+    for _ in range(max(3, repeat)):
+        with Clock() as c:
+            for f in files:
+                f.read_bytes()
+        reads.append(c.wall)
+        with Clock() as c:
+            for f in files:
+                _load_file(f)
+        loads.append(c.wall)
+    mb = n * 4 / 1e6
+    return {
+        "compare_mib": mib, "copy_pair_s": _summary(copies), "copy_one_s": _summary(singles),
+        "compare_s": _summary(compares),
+        "copy_gb_s": 2 * mb / 1e3 / min(copies), "compare_gb_s": 2 * mb / 1e3 / min(compares),
+        "compare_over_copy": min(compares) / min(copies), "compare_over_copy_one": min(compares) / min(singles),
+        "baseline_files": len(files), "baseline_mb": total / 1e6, "read_s": _summary(reads), "load_s": _summary(loads),
+        "read_gb_s": total / 1e9 / min(reads), "load_gb_s": total / 1e9 / min(loads),
+        "load_over_read": min(loads) / min(reads),
+    }
+
+
+def _load_file(path: Path) -> Any:
+    """``BaselineStore.load``'s reading, validation and checksum of one file (``baselines._read``)."""
+    from pytest_npu_parity.baselines import _read
+
+    return _read(path)
+
+
+# --------------------------------------------------------------------------------------------
+# report
+
+
+def summarize(bare_res: dict, plugin_res: dict | None, recipes: list[str]) -> dict[str, Any]:
+    """Totals and ratios, overall and per check group."""
+    groups: dict[str, dict[str, float]] = {}
+    total = {"build_wall": 0.0, "build_cpu": 0.0, "run_wall": 0.0, "run_cpu": 0.0, "reference_wall": 0.0,
+             "reference_cpu": 0.0}
+    for key, entry in bare_res["checks"].items():
+        g = groups.setdefault(entry["group"], {"checks": 0, **{k: 0.0 for k in total}, "plugin_call_wall": 0.0})
+        g["checks"] += 1
+        for k in total:
+            v = min(entry[k]) if entry[k] else 0.0
+            g[k] += v
+            total[k] += v
+    out: dict[str, Any] = {"bare": {"setup_wall": bare_res["setup_wall"], "setup_cpu": bare_res["setup_cpu"],
+                                    **total}}
+    out["bare"]["compute_wall"] = total["run_wall"] + total["reference_wall"]
+    out["bare"]["compute_cpu"] = total["run_cpu"] + total["reference_cpu"]
+    out["bare"]["total_wall"] = bare_res["setup_wall"] + total["build_wall"] + out["bare"]["compute_wall"]
+    out["bare"]["total_cpu"] = bare_res["setup_cpu"] + total["build_cpu"] + out["bare"]["compute_cpu"]
+    if plugin_res:
+        col_wall = [r["wall"] for r in plugin_res["collect"]]
+        col_cpu = [r["cpu"] for r in plugin_res["collect"]]
+        run_wall = [r["wall"] for r in plugin_res["runs"]]
+        run_cpu = [r["cpu"] for r in plugin_res["runs"]]
+        suite_wall = min(run_wall) - min(col_wall)
+        suite_cpu = min(run_cpu) - min(col_cpu)
+        out["plugin"] = {"collect_wall": _summary(col_wall), "collect_cpu": _summary(col_cpu),
+                         "run_wall": _summary(run_wall), "run_cpu": _summary(run_cpu),
+                         "suite_wall": suite_wall, "suite_cpu": suite_cpu,
+                         "rc": [r["rc"] for r in plugin_res["runs"]], "tail": plugin_res["runs"][-1]["tail"]}
+        out["ratio"] = {"wall": suite_wall / out["bare"]["total_wall"], "cpu": suite_cpu / out["bare"]["total_cpu"]}
+        # per group: pytest call time (min over runs) vs bare build + compute of the same checks
+        calls: dict[str, float] = {}
+        for r in plugin_res["runs"]:
+            for node, phases in r["durations"].items():
+                key = _test_key(node)
+                if key and "call" in phases:
+                    calls[key] = min(calls.get(key, float("inf")), phases["call"])
+        for key, entry in bare_res["checks"].items():
+            if key in calls:
+                groups[entry["group"]]["plugin_call_wall"] += calls[key]
+        for g in groups.values():
+            bare_wall = g["build_wall"] + g["run_wall"] + g["reference_wall"]
+            g["ratio_wall"] = g["plugin_call_wall"] / bare_wall if bare_wall and g["plugin_call_wall"] else None
+        calls_total = sum(g["plugin_call_wall"] for g in groups.values())
+        bare_calls = total["build_wall"] + total["run_wall"] + total["reference_wall"]
+        out["ratio"]["calls_wall"] = calls_total / bare_calls if bare_calls else None
+        out["plugin"]["calls_wall"] = calls_total
+    out["groups"] = groups
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    """The printed table (also the README's)."""
+    s, m = result["summary"], result["machine"]
+    lines = [f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
+             f"load average {result['load_before'][0]:.1f} → {result['load_after'][0]:.1f}",
+             f"checks: {result['n_checks']} ({', '.join(result['recipes'])}), reference {result['reference']}, "
+             f"repeat {result['repeat']}", ""]
+    b = s["bare"]
+    lines.append(f"{'':34}{'wall s':>10}{'CPU s':>10}")
+    lines.append(f"{'bare: model + context (setup)':34}{b['setup_wall']:10.1f}{b['setup_cpu']:10.1f}")
+    lines.append(f"{'bare: check builds':34}{b['build_wall']:10.1f}{b['build_cpu']:10.1f}")
+    lines.append(f"{'bare: target runs':34}{b['run_wall']:10.1f}{b['run_cpu']:10.1f}")
+    if b["reference_wall"]:
+        lines.append(f"{'bare: reference runs':34}{b['reference_wall']:10.1f}{b['reference_cpu']:10.1f}")
+    lines.append(f"{'bare: total':34}{b['total_wall']:10.1f}{b['total_cpu']:10.1f}")
+    if "plugin" in s:
+        p = s["plugin"]
+        lines.append(f"{'pytest startup + collection (--co)':34}{p['collect_wall']['min']:10.1f}"
+                     f"{p['collect_cpu']['min']:10.1f}")
+        lines.append(f"{'pytest run':34}{p['run_wall']['min']:10.1f}{p['run_cpu']['min']:10.1f}")
+        lines.append(f"{'suite = run - collection':34}{p['suite_wall']:10.1f}{p['suite_cpu']:10.1f}")
+        lines.append(f"{'ratio suite / bare':34}{s['ratio']['wall']:10.3f}{s['ratio']['cpu']:10.3f}")
+        lines.append("")
+        lines.append(f"{'group':32}{'checks':>7}{'bare s':>9}{'pytest s':>10}{'ratio':>8}")
+        for name, g in sorted(s["groups"].items()):
+            bare_wall = g["build_wall"] + g["run_wall"] + g["reference_wall"]
+            ratio = f"{g['ratio_wall']:8.2f}" if g.get("ratio_wall") else f"{'-':>8}"
+            lines.append(f"{name[:31]:32}{g['checks']:7d}{bare_wall:9.2f}{g['plugin_call_wall']:10.2f}{ratio}")
+        lines.append(f"{'all (per-test call time)':32}{'':7}{'':9}{p['calls_wall']:10.2f}"
+                     f"{s['ratio']['calls_wall']:8.2f}")
+    t = result.get("throughput")
+    if t:
+        lines.append("")
+        lines.append(f"compare a {t['compare_mib']} MiB float32 pair: {t['compare_gb_s']:.2f} GB/s vs cloning the pair "
+                     f"{t['copy_gb_s']:.2f} GB/s: {t['compare_over_copy']:.2f}× the copy time "
+                     f"({t['compare_over_copy_one']:.2f}× a clone of one tensor)")
+        lines.append(f"baseline load {t['baseline_files']} files, {t['baseline_mb']:.1f} MB: {t['load_gb_s']:.2f} GB/s "
+                     f"vs read {t['read_gb_s']:.2f} GB/s ({t['load_over_read']:.2f}×)")
+    lines.append(f"peak RSS: bare process {result['peak_rss_mib']['bare']:.0f} MiB"
+                 + (f", pytest {result['peak_rss_mib']['pytest']:.0f} MiB" if result['peak_rss_mib'].get('pytest')
+                    else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from pytest_npu_parity.aurora import checks
+
+    names = (QUICK_CHECKS if args.quick else [c.name for c in checks.CHECKS]) + [TRAIN_STEP]
+    result: dict[str, Any] = {"machine": machine(), "load_before": list(os.getloadavg()), "quick": args.quick,
+                              "recipes": args.recipes, "reference": args.reference, "repeat": args.repeat,
+                              "n_checks": len(names) * len(args.recipes)}
+    started = time.perf_counter()
+    bare_res = bare(names, args.recipes, args.reference, args.repeat)
+    throughput_res = throughput(args.compare_mib, args.repeat)
+    plugin_res = None if args.skip_plugin else plugin(names, args.recipes, args.reference, args.repeat, args.quick)
+    result["load_after"] = list(os.getloadavg())
+    result["elapsed_s"] = time.perf_counter() - started
+    result["bare"] = bare_res
+    result["throughput"] = throughput_res
+    result["summary"] = summarize(bare_res, plugin_res, args.recipes)
+    result["peak_rss_mib"] = {"bare": bare_res["peak_rss_mib"],
+                              "pytest": plugin_res["peak_rss_mib"] if plugin_res else None}
+    if plugin_res:
+        result["plugin"] = {"collect": [{k: v for k, v in r.items() if k != "durations"} for r in plugin_res["collect"]],
+                            "runs": plugin_res["runs"]}
+    text = table(result)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result["table"] = text
+    args.out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"\nwritten {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    if plugin_res and any(r["rc"] != 0 for r in plugin_res["runs"]):
+        print("pytest run failed:\n" + plugin_res["runs"][-1]["tail"] + plugin_res["runs"][-1]["stderr_tail"],
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
