@@ -367,6 +367,48 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 _MODULE_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
 
 
+class _PerTensorCache:
+    """Values cached per live tensor object (tensors compare elementwise, so no WeakKeyDictionary):
+    keyed by ``id``, guarded by a weak reference that also drops the entry when the tensor dies."""
+
+    def __init__(self) -> None:
+        self._data: dict[int, tuple[Any, tuple, Any]] = {}
+
+    def get(self, tensor: torch.Tensor, key: tuple) -> Any:
+        entry = self._data.get(id(tensor))
+        if entry is not None and entry[0]() is tensor and entry[1] == key:
+            return entry[2]
+        return None
+
+    def put(self, tensor: torch.Tensor, key: tuple, value: Any) -> None:
+        ident = id(tensor)
+        try:
+            ref = weakref.ref(tensor, lambda _r, ident=ident: self._data.pop(ident, None))
+        except TypeError:  # not weak-referenceable: do not cache
+            return
+        self._data[ident] = (ref, key, value)
+
+
+_TENSOR_CACHE = _PerTensorCache()
+
+
+def _tensor_key(tensor: torch.Tensor) -> tuple:
+    return (tensor.data_ptr() if tensor.device.type != "meta" else 0, getattr(tensor, "_version", 0),
+            tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype), str(tensor.device))
+
+
+def _tensor_digest(tensor: torch.Tensor, path: str) -> bytes:
+    """BLAKE2b digest of one tensor (dtype, shape, bytes), cached per tensor object and version."""
+    key = _tensor_key(tensor)
+    digest = _TENSOR_CACHE.get(tensor, key)
+    if digest is None:
+        hasher = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"npu-parity-ten")
+        _feed_tensor(hasher, b"", tensor, path)
+        digest = hasher.digest()
+        _TENSOR_CACHE.put(tensor, key, digest)
+    return digest
+
+
 def fingerprint_module(module: torch.nn.Module) -> str:
     """BLAKE2b hex digest (64 characters) of a module's class and ``state_dict``.
 
@@ -399,7 +441,10 @@ def fingerprint_module(module: torch.nn.Module) -> str:
     kind = type(module)
     _put(hasher, f"{kind.__module__}.{kind.__qualname__}".encode())
     for name, tensor in state.items():
-        _feed_tensor(hasher, name.encode(), tensor, name)
+        # Per-tensor digests are cached on the tensor object: submodules that share weights with
+        # their model (Aurora's ViT and BERT sit in VisionEncoder, TextEncoder, AuroraModel and
+        # the full model) hash those bytes once, not once per module.
+        _put(hasher, name.encode(), _tensor_digest(tensor, name))
     digest = hasher.hexdigest()
     _MODULE_CACHE[module] = (key, digest)
     return digest
@@ -449,6 +494,18 @@ def summarize_tensors(obj: Any) -> list:
     return out
 
 
+_TENSOR_SUMMARY_CACHE = _PerTensorCache()
+
+
+def _cached_leaf_summary(name: str, tensor: torch.Tensor) -> list:
+    key = _tensor_key(tensor)
+    row = _TENSOR_SUMMARY_CACHE.get(tensor, key)
+    if row is None:
+        row = _leaf_summary(name, tensor)
+        _TENSOR_SUMMARY_CACHE.put(tensor, key, row)
+    return [name, *row[1:]]
+
+
 def summarize_module(module: torch.nn.Module) -> list:
     """One summary row for a module's whole ``state_dict`` (``["<state_dict>", numel, sum, sum of
     squares, max |x|]`` over every entry), cached like ``fingerprint_module``. One row, not one per
@@ -460,7 +517,7 @@ def summarize_module(module: torch.nn.Module) -> list:
     cached = _SUMMARY_CACHE.get(module)
     if cached is not None and cached[0] == key:
         return cached[1]
-    rows = [_leaf_summary(name, t) for name, t in state.items()]
+    rows = [_cached_leaf_summary(name, t) for name, t in state.items()]
     summary = [["<state_dict>", sum(r[1] for r in rows), sum(r[2] for r in rows), sum(r[3] for r in rows),
                 max((r[4] for r in rows), default=0.0)]]
     _SUMMARY_CACHE[module] = (key, summary)
