@@ -53,6 +53,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(default: ini parity_worker_devices, else gwK runs on index K mod device count)")
     group.addoption("--parity-audit", action="store_true", default=False,
                     help="record a device-propagation audit of every target run (costs time)")
+    group.addoption("--parity-selfcheck", action="store_true", default=False,
+                    help="prove every check has teeth: after it passes, perturb the target's output (and, for a "
+                         "module, one weight) beyond the tolerance and require a failure; also require the "
+                         "reference to react to its inputs (about two extra runs per check; see selfcheck)")
 
     parser.addini("parity_device", "default for --parity-device", default="auto")
     parser.addini("parity_reference", "default for --parity-reference", default="auto")
@@ -146,8 +150,9 @@ def pytest_configure(config: pytest.Config) -> None:
     _hypothesis_profiles(config)
     config.addinivalue_line(
         "markers",
-        "parity(rtol=None, atol=None, budget=None, reason=None, recipes=None): tolerance override for every "
-        "check of the test (shown in the report with its reason) and/or the recipes it runs under",
+        "parity(rtol=None, atol=None, budget=None, reason=None, recipes=None, vacuous_ok=None): tolerance "
+        "override for every check of the test (shown in the report with its reason), the recipes it runs under, "
+        "and/or why its checks may be vacuous (constant reference output, no teeth under --parity-selfcheck)",
     )
     config.stash[CASES_KEY] = []
     config.stash[ROWS_KEY] = []
@@ -210,10 +215,13 @@ def _make_session(config: pytest.Config):
         from .runner import target_audit
 
         audit_factory = target_audit  # a CPU target is audited as a logical device
+    from . import localize, selfcheck
+
     return ParitySession(
         target, reference=reference, update_baselines=config.getoption("update_baselines"),
         store=_make_store(config), check_tolerances=per_check, recipe_tolerances=per_recipe, seed=seed,
-        audit_factory=audit_factory,
+        audit_factory=audit_factory, failure_hooks=[localize.failure_hook],
+        check_hooks=[selfcheck.SelfCheck()] if config.getoption("parity_selfcheck") else [],
     )
 
 
@@ -339,8 +347,10 @@ def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, p
     """
     from .runner import ParityCase
 
+    marker = request.node.get_closest_marker("parity")
     case = ParityCase(parity_session, request.node.nodeid, parity_recipe,
-                      marker_tolerance=_marker_tolerance(request.node, parity_recipe), patches=parity_patches)
+                      marker_tolerance=_marker_tolerance(request.node, parity_recipe), patches=parity_patches,
+                      vacuous_ok=marker.kwargs.get("vacuous_ok") if marker else None)
     request.config.stash[CASES_KEY].append(case)
     yield case
     case.finish(failed=request.node.nodeid in request.config.stash[FAILED_KEY])
@@ -476,6 +486,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     else:
         tr.write_line("no parity checks ran")
     _summarize_references(tr, rows)
+    _summarize_teeth(tr, rows)
     _summarize_baseline_problems(tr, rows, session)
     _summarize_writes(tr, session)
     if _full_run(config) and (exitstatus == 0 or not session.update_baselines):
@@ -522,6 +533,22 @@ def _summarize_references(tr: Any, rows: list[dict]) -> None:
             counts[{"cpu": "a live CPU run", "given": "the given expected output"}.get(reference, str(reference))] += 1
     for reference, n in sorted(counts.items()):
         tr.write_line(f"reference: {n} check{'s' * (n != 1)} vs {reference}")
+
+
+def _summarize_teeth(tr: Any, rows: list[dict]) -> None:
+    """``--parity-selfcheck``: the share of checks with teeth, then every check without (and why)."""
+    from .selfcheck import teeth_summary
+
+    with_teeth, measured, without = teeth_summary(rows)
+    if not measured:
+        return
+    share = 100 * with_teeth // measured  # rounded down: "100 %" only when every check has teeth
+    tr.write_line(f"teeth: {with_teeth}/{measured} ({share} %) of the checks fail "
+                  "when their output or a weight is perturbed beyond tolerance")
+    for row in sorted(without, key=lambda r: (r["test_id"], r["check"], r["recipe"])):
+        allowed = f" [vacuous_ok: {row['vacuous_ok']}]" if row.get("vacuous_ok") else ""
+        tr.write_line(f"  no teeth: {row['test_id']} check {row['check']!r} ({row['recipe']}): "
+                      f"{row.get('teeth_problem')}{allowed}")
 
 
 def _summarize_baseline_problems(tr: Any, rows: list[dict], session: Any) -> None:

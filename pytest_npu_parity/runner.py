@@ -52,6 +52,10 @@ class CheckRecord:
     ``audit`` is the device-propagation record (a dict) when the audit ran. A check whose baseline
     could not be used has status ``error`` and ``extra`` holding ``baseline_error`` (``missing``,
     ``stale``, ``corrupt``, ``unsafe`` or ``unreadable``) and ``baseline_file``; both also go into its row.
+    Checks that fail as a whole (every leaf within tolerance) hold the reason in ``extra["check_problem"]``:
+    ``extra["vacuous"]`` (``selfcheck.vacuity_problem``), ``extra["teeth"]``/``teeth_problem``
+    (``--parity-selfcheck``); a failing check's first-divergence table is ``extra["localization"]``
+    (``localize.Localization.to_rows()``, a JSON-able list of dicts).
     """
 
     test_id: str
@@ -91,14 +95,62 @@ class CheckRecord:
             for key in ("baseline_error", "baseline_file"):
                 if key in self.extra:
                     row[key] = self.extra[key]
-            return [row]
+            return [dict(row, **self._extra_columns(first=True))]
         rows = []
-        for leaf in leaves:
+        for i, leaf in enumerate(leaves):
             row = dict(base, **leaf.to_row())
             if self.status == "error":
                 row["verdict"] = "error"
-            rows.append(row)
+            elif self.status == "fail" and self.extra.get("check_problem") and row["verdict"] == "pass":
+                # Every leaf within tolerance, but the check failed as a whole (vacuous, no teeth).
+                row["verdict"], row["problem"] = "fail", self.extra["check_problem"]
+            rows.append(dict(row, **self._extra_columns(first=i == 0)))
         return rows
+
+    def _extra_columns(self, first: bool) -> dict[str, Any]:
+        """Row columns from ``extra``: ``vacuous``/``vacuous_ok``/``teeth``/``teeth_problem`` on every
+        row, the first-divergence table ``localization`` (JSON text) on the check's first row only."""
+        columns = {k: self.extra[k] for k in ("vacuous", "vacuous_ok", "teeth", "teeth_problem") if k in self.extra}
+        if first and self.extra.get("localization") is not None:
+            import json
+
+            columns["localization"] = json.dumps(self.extra["localization"], default=str)
+        return columns
+
+
+@dataclass
+class CheckCall:
+    """How one check computes its output, for hooks that run it again (localization, self-check).
+
+    Attributes:
+        kind: ``check`` (``fn(*args, **kwargs)``) or ``train_step`` (``fn`` is the module; one
+            training step on ``fn(**kwargs)``, ``args`` is empty).
+        fn: a module, a bound method of one, or a function (``check``); the module (``train_step``).
+        args, kwargs: the check's inputs as given (CPU tensors, before placement).
+        seed: seed of the shared random stream both sides ran under.
+        grad: autograd was on (always for a train step).
+        rerun: ``(device, patched, args, kwargs) -> {leaf path: CPU tensor or None}``: the whole
+            check on one side with other inputs (patched: under the case's patch set, as the target).
+        vacuous_ok: why the check may be vacuous (``parity.check(..., vacuous_ok=...)`` or the
+            ``parity`` marker), or None.
+        fault_weight: the parameter of the check's module (a ``named_parameters`` name) that
+            ``--parity-selfcheck`` perturbs, or None for ``selfcheck.sensitive_parameter``'s choice.
+    """
+
+    kind: str
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    seed: int
+    grad: bool
+    rerun: Callable[..., dict]
+    vacuous_ok: str | None = None
+    fault_weight: str | None = None
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        """The module the computation belongs to (``owner_module(fn)``), or None for a function."""
+        return owner_module(self.fn)
 
 
 def _move(obj: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:
@@ -166,15 +218,20 @@ class ParitySession:
             target runs (e.g. :func:`target_audit`), or None (no audit, no cost). An object with
             ``to_target`` places the module and inputs itself; one with ``logical`` True audits an
             extra run (see ``ParityCase._run``).
-        failure_hooks: callables ``(case, name, fn, args, kwargs, result) -> str | None`` whose text
-            is appended to a failure message (e.g. first-divergence localization).
+        failure_hooks: callables ``(case, record, call, result) -> str | None`` (``call`` a
+            ``CheckCall``), run when a check is out of tolerance; their text is appended to the
+            failure message (``localize.failure_hook``: first-divergence localization).
+        check_hooks: callables ``(case, record, call, actual, expected) -> str | None`` run after
+            every comparison (pass or fail; ``actual``/``expected`` the CPU leaves); a returned
+            text fails the check with that text (``selfcheck.SelfCheck``: ``--parity-selfcheck``).
     """
 
     def __init__(self, target: torch.device, *, reference: str = "auto", update_baselines: bool = False,
                  store: Any = None, check_tolerances: dict[str, Tolerance | str] | None = None,
                  recipe_tolerances: dict[str, Tolerance] | None = None, seed: int = 0,
                  audit_factory: Callable[[torch.device], ContextManager[Any]] | None = None,
-                 failure_hooks: list[Callable[..., str | None]] | None = None):
+                 failure_hooks: list[Callable[..., str | None]] | None = None,
+                 check_hooks: list[Callable[..., str | None]] | None = None):
         if reference not in ("auto", "cpu", "baseline"):
             raise ValueError(f"--parity-reference={reference!r}: use auto, cpu or baseline")
         if (reference == "baseline" or update_baselines) and store is None:
@@ -188,6 +245,7 @@ class ParitySession:
         self.seed = seed
         self.audit_factory = audit_factory
         self.failure_hooks = list(failure_hooks or [])
+        self.check_hooks = list(check_hooks or [])
         self.records: list[CheckRecord] = []
         self.baseline_writes: dict[str, str] = {}  # test_id -> created/changed/unchanged/not written
         self.baselines_used: set = set()
@@ -286,10 +344,13 @@ class ParityCase:
         recipe: a recipe name from ``recipes.RECIPES``.
         marker_tolerance: tolerance from ``@pytest.mark.parity(...)``, if any.
         patches: ``(device) -> context manager`` applying the suite's patch set on the target side.
+        vacuous_ok: why every check of the test may be vacuous (``@pytest.mark.parity(vacuous_ok=...)``);
+            a check's own ``vacuous_ok`` takes precedence.
     """
 
     def __init__(self, session: ParitySession, test_id: str, recipe: str = "fp32", *,
-                 marker_tolerance: Tolerance | None = None, patches: PatchFactory | None = None):
+                 marker_tolerance: Tolerance | None = None, patches: PatchFactory | None = None,
+                 vacuous_ok: str | None = None):
         if recipe not in RECIPES:
             raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
         self.session = session
@@ -297,6 +358,7 @@ class ParityCase:
         self.recipe: Recipe = RECIPES[recipe]
         self.marker_tolerance = marker_tolerance
         self.patches = patches
+        self.vacuous_ok = vacuous_ok
         self.records: list[CheckRecord] = []
         self._pending: dict[str, Any] = {}
         self._baseline: Any = None
@@ -310,7 +372,7 @@ class ParityCase:
     def check(self, name: str, fn: Callable[..., Any], *args: Any, submodule: str | None = None,
               group: str | None = None, seed: int | None = None, grad: bool = False, rtol: float | None = None,
               atol: float | None = None, budget: float | None = None, reason: str | None = None,
-              **kwargs: Any) -> CheckRecord:
+              vacuous_ok: str | None = None, fault_weight: str | None = None, **kwargs: Any) -> CheckRecord:
         """Run ``fn(*args, **kwargs)`` on the reference and the target and compare every output leaf.
 
         Args:
@@ -324,12 +386,17 @@ class ParityCase:
             seed: seed of the shared random stream (default: the session's).
             grad: run with autograd enabled (default: ``torch.no_grad()``).
             rtol, atol, budget, reason: per-check tolerance override (``reason`` is shown in the report).
+            vacuous_ok: why this check may be vacuous (its reference output constant, or without
+                teeth under ``--parity-selfcheck``); without it such a check fails.
+            fault_weight: the parameter of ``fn``'s module that ``--parity-selfcheck`` perturbs
+                (default: its largest trainable weight matrix, ``selfcheck.sensitive_parameter``).
 
         Returns:
             The ``CheckRecord`` (also kept for the summary and report).
 
         Raises:
-            ParityError: an output leaf is out of tolerance, or shapes/dtypes/structure differ.
+            ParityError: an output leaf is out of tolerance, or shapes/dtypes/structure differ, or
+                the check is vacuous (``selfcheck.vacuity_problem``).
             baselines.BaselineError: the stored baseline is missing (with ``--parity-reference
                 baseline``), stale or corrupt.
         """
@@ -352,8 +419,13 @@ class ParityCase:
             self._baseline_error(name, exc, tol, submodule, group, start)
             raise
         actual, audit = run(self.target, patched=True, audited=self.session.audit_factory is not None)
+
+        def rerun(device: torch.device, patched: bool, call_args: tuple, call_kwargs: dict) -> dict:
+            return self._run(fn, call_args, call_kwargs, device, seed=seed, patched=patched, grad=grad)[0]
+
+        call = CheckCall("check", fn, args, kwargs, seed, grad, rerun, vacuous_ok, fault_weight)
         return self._judge(name, actual, expected, tol, reference, provenance, submodule, start, audit,
-                           failure_args=(fn, args, kwargs), group=group)
+                           call=call, group=group)
 
     def train_step(self, name: str, module: torch.nn.Module, inputs: dict[str, Any], *,
                    loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -361,7 +433,8 @@ class ParityCase:
                    max_grad_norm: float | None = 1.0, seed: int | None = None, submodule: str | None = None,
                    group: str | None = None,
                    rtol: float | None = None, atol: float | None = None, budget: float | None = None,
-                   reason: str | None = None) -> CheckRecord:
+                   reason: str | None = None, vacuous_ok: str | None = None,
+                   fault_weight: str | None = None) -> CheckRecord:
         """One training step on each side from the same weights, compared leaf by leaf.
 
         Each side deep-copies ``module``, puts it in training mode on its device, runs
@@ -374,6 +447,7 @@ class ParityCase:
         Compared leaves: ``loss``; ``grad.<param>`` for every trainable parameter; ``param.<param>``
         after the step for every trainable parameter; ``buffer.<name>`` for every buffer (e.g.
         BatchNorm running mean/var and num_batches_tracked).
+        ``vacuous_ok`` and ``fault_weight`` are as in ``check``.
 
         Raises:
             ParityError, baselines.BaselineError: as ``check``.
@@ -405,10 +479,10 @@ class ParityCase:
             out.update({f"buffer.{n}": b.detach() for n, b in m.named_buffers()})
             return out
 
-        def run(device: torch.device, patched: bool, audited: bool = False):
+        def run(device: torch.device, patched: bool, audited: bool = False, batch: dict | None = None):
             m = copy.deepcopy(module).to(device)
-            return self._run(step, (m,), inputs, device, seed=seed, patched=patched, grad=True,
-                             audited=audited, recipe_context=False)
+            return self._run(step, (m,), inputs if batch is None else batch, device, seed=seed, patched=patched,
+                             grad=True, audited=audited, recipe_context=False)
 
         if self.session.update_baselines:
             leaves, _ = run(self.target, patched=False)
@@ -419,23 +493,27 @@ class ParityCase:
             self._baseline_error(name, exc, tol, submodule, group, start)
             raise
         actual, audit = run(self.target, patched=True, audited=self.session.audit_factory is not None)
+        call = CheckCall("train_step", module, (), inputs, seed, True,
+                         lambda device, patched, _args, batch: run(device, patched, batch=batch)[0], vacuous_ok,
+                         fault_weight)
         return self._judge(name, actual, expected, tol, reference, provenance, submodule, start, audit,
-                           failure_args=(step, (module,), inputs), group=group)
+                           call=call, group=group)
 
     def compare(self, name: str, actual: Any, expected: Any, *, rtol: float | None = None,
                 atol: float | None = None, budget: float | None = None, reason: str | None = None,
-                submodule: str | None = None, group: str | None = None) -> CheckRecord:
+                submodule: str | None = None, group: str | None = None,
+                vacuous_ok: str | None = None) -> CheckRecord:
         """Judge outputs computed by the caller (``actual`` on the target, ``expected`` the reference).
 
         Raises:
-            ParityError: when a leaf is out of tolerance.
+            ParityError: when a leaf is out of tolerance or ``expected`` is vacuous (constant).
         """
         tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance,
                                      dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
         self._check_name(name)
         start = time.perf_counter()
         return self._judge(name, _to_cpu_leaves(actual), _to_cpu_leaves(expected), tol, "given", None,
-                           submodule, start, None, failure_args=None, group=group)
+                           submodule, start, None, call=None, group=group, vacuous_ok=vacuous_ok)
 
     def finish(self, *, failed: bool = False) -> str | None:
         """End of the test: in record mode write the baseline file.
@@ -607,26 +685,53 @@ class ParityCase:
         return record
 
     def _judge(self, name, actual, expected, tol, reference, provenance, submodule, start, audit,
-               failure_args, group=None) -> CheckRecord:
+               call: CheckCall | None, group=None, vacuous_ok: str | None = None) -> CheckRecord:
+        from .selfcheck import vacuity_problem
+
         result = compare(actual, expected, tol, name=name)
         record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
                              reference, tol, status="pass" if result.passed else "fail", submodule=submodule,
                              group=group, result=result, reference_provenance=provenance, audit=audit,
                              duration_s=time.perf_counter() - start)
         self._keep(record)
-        if not result.passed:
-            ref_text = {"cpu": "a live CPU run", "given": "the given expected output"}.get(
-                reference, f"baseline {provenance}")
-            context = f"recipe {self.recipe.name}, target {self.target} ({self.session.target_name}) vs {ref_text}"
-            message = result.format(context)
-            if failure_args is not None:
-                for hook in self.session.failure_hooks:
-                    extra = hook(self, name, *failure_args, result)
-                    if extra:
-                        message += "\n\n" + extra
-            record.message = message
-            raise ParityError(message, result)
-        return record
+        vacuous_ok = (call.vacuous_ok if call is not None else vacuous_ok) or self.vacuous_ok
+        problems = []
+        vacuous = vacuity_problem(expected)  # cheap: one min/max per floating leaf
+        if vacuous:
+            record.extra["vacuous"] = vacuous
+            if vacuous_ok:
+                record.extra["vacuous_ok"] = vacuous_ok
+            else:
+                problems.append(f"Parity check {name!r} is vacuous: {vacuous}, so no fault on the target could "
+                                "make it fail. Give it inputs/weights that reach the output, or allow it with "
+                                "vacuous_ok='<reason>' (check argument or @pytest.mark.parity).")
+        if call is not None:
+            call.vacuous_ok = vacuous_ok
+            for hook in self.session.check_hooks:  # e.g. --parity-selfcheck
+                text = hook(self, record, call, actual, expected)
+                if text:
+                    problems.append(text)
+        if result.passed and not problems:
+            return record
+        record.status = "fail"
+        ref_text = {"cpu": "a live CPU run", "given": "the given expected output"}.get(
+            reference, f"baseline {provenance}")
+        context = f"recipe {self.recipe.name}, target {self.target} ({self.session.target_name}) vs {ref_text}"
+        if result.passed:
+            record.extra["check_problem"] = " ".join(problems)
+            message = "\n\n".join([f"Parity check {name!r} failed ({context}) with every output leaf within "
+                                    "tolerance:"] + problems)
+        else:
+            message = "\n\n".join([result.format(context)] + problems)
+            for hook in self.session.failure_hooks if call is not None else ():
+                try:
+                    extra = hook(self, record, call, result)
+                except Exception as exc:  # noqa: BLE001 - a diagnosis must never hide the failure itself
+                    extra = f"({getattr(hook, '__name__', type(hook).__name__)} could not run: {type(exc).__name__}: {exc})"
+                if extra:
+                    message += "\n\n" + extra
+        record.message = message
+        raise ParityError(message, result)
 
     def _keep(self, record: CheckRecord) -> None:
         self.records.append(record)

@@ -1,0 +1,666 @@
+"""First-divergence localization: which submodule of a failing check first computes something else.
+
+"Full forward differs by 3e-2" says that a port is wrong, not where. When a check of a module (a
+full forward, ``generate``, a train step) is out of tolerance, ``localize`` runs both sides again
+with forward hooks, compares the outputs of the submodule calls in execution order and separates
+each call's *local* error from the error it *inherited* from its inputs:
+
+* total     — the target's output of the call vs the reference's output;
+* local     — the target's submodule run on the *reference's* inputs of that call (moved to the
+  target; same recipe, patch set, shared random stream — its state restored to what it was when
+  the call began — and the grad/autocast state the call ran under) vs the reference's output;
+* inherited — the target's output vs that local re-run: what the call's different inputs caused.
+
+The first divergence is the earliest call, in completion order, whose *local* comparison fails
+under the check's tolerance (the ``compare`` rule: more than ``budget`` of the elements outside
+``atol + rtol·|expected|``). A call whose inputs are bitwise the reference's needs no re-run: its
+local error is its total error.
+
+Memory stays bounded by descending level by level instead of storing every activation of the
+model: a pass records only the calls made directly inside one *scope* (at first the check's module
+call, or the check's function for a bound method such as ``generate``); the earliest child with a
+local error becomes the next scope, and only that child is run again, on each side from its own
+recorded inputs. A full Aurora forward holds ≈ 2 900 submodule calls and ≈ 1.2 GB of outputs; one
+level of it holds a few MB. The descent stops at a module without submodules, or at a scope none of
+whose children diverges locally: then the divergence starts in that module's own code (e.g. a mask
+its ``forward`` builds and hands to a child), and the table shows which child first inherits it.
+
+The hooks exist only inside ``localize``: a passing check never runs it (``failure_hook`` is a
+``ParitySession`` failure hook), so a passing run pays nothing. Computation done outside
+``nn.Module.__call__`` (a free function, a direct ``.forward`` call) belongs to the calling module.
+
+Where the check's reference was a stored baseline there is nothing live to hook: the reference side
+is then a live CPU run of the upstream computation, and the message says so.
+
+Train steps: the forward of ``module(**inputs)`` in training mode is localized as above (dropout,
+masking and noise replay exactly: the shared random stream is restored per call). Gradients are not
+hooked (no ``register_full_backward_hook``): the step already compares every parameter's gradient,
+so those leaves are ordered by backward order — the reverse of the forward completion order of the
+modules owning them — and the first gradient out of tolerance is named.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from .compare import CompareResult, LeafResult, compare
+from .policy import Tolerance
+from .rng import same_randomness
+
+#: Deepest scope the descent enters (a safety bound; Aurora's deepest module path has 8 parts).
+MAX_LEVELS = 16
+#: Local re-runs per level, at most (each is one submodule run on the target).
+MAX_LOCAL_RUNS = 64
+#: Calls shown after the first divergence in its level, and gradients after the first failing one.
+CONTEXT_ROWS = 2
+
+
+# --------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass
+class Site:
+    """One submodule call, compared between the sides.
+
+    ``path`` is the dotted module path (prefixed with the check's ``submodule``) plus ``#k`` for the
+    k-th call (from 0) when the module ran more than once in its pass; ``depth`` is the level of the
+    descent (0: called directly by the check's module or function). ``total``/``local``/``inherited``
+    are the worst leaves (largest ``err_ratio``) of the three comparisons (module doc); ``local`` and
+    ``inherited`` are None where no local re-run was made. ``verdict``: ``ok``, ``local``,
+    ``inherited``, ``fail`` (out of tolerance, not separated) or ``missing`` (the call happened on one
+    side only).
+    """
+
+    path: str
+    module_type: str
+    depth: int
+    order: tuple
+    total: LeafResult | None
+    local: LeafResult | None = None
+    inherited: LeafResult | None = None
+    verdict: str = "ok"
+    first: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict != "ok"
+
+    def to_row(self) -> dict[str, Any]:
+        """A JSON-able dict (the report's ``localization`` entries)."""
+        row: dict[str, Any] = {"kind": "activation", "submodule": self.path, "module_type": self.module_type,
+                               "depth": self.depth, "verdict": self.verdict, "first_divergence": self.first}
+        for prefix, leaf in (("", self.total), ("local_", self.local), ("inherited_", self.inherited)):
+            for metric in ("max_abs", "rel_l2", "cosine", "err_ratio"):
+                row[prefix + metric] = _num(getattr(leaf, metric)) if leaf is not None else None
+        row["leaf"] = self.total.path if self.total is not None else None
+        return row
+
+
+@dataclass
+class Localization:
+    """The outcome of ``localize`` for one failing check.
+
+    Attributes:
+        check: the check's name.
+        reference: what the reference side was (``"a live CPU run"``; with a note when the check's
+            own reference was a stored baseline).
+        sites: the calls shown in the table, in completion order (descendants before their parent).
+        first: the first divergence (a ``Site``), or None when no submodule call diverges locally.
+        own_code: the module (path) whose own code, outside its submodules, starts the divergence;
+            None when a module without submodules diverges (``first`` itself).
+        gradients: train steps: the gradient rows shown, in backward order (JSON-able dicts).
+        first_gradient: the first gradient leaf out of tolerance in backward order, or None.
+        notes: remarks (non-reproducible re-runs, calls on one side only, limits reached).
+        calls_hooked: submodule calls seen in the first pass; levels: passes made; local_runs:
+            local re-runs made.
+    """
+
+    check: str
+    reference: str
+    sites: list[Site] = field(default_factory=list)
+    first: Site | None = None
+    own_code: str | None = None
+    gradients: list[dict[str, Any]] = field(default_factory=list)
+    first_gradient: str | None = None
+    notes: list[str] = field(default_factory=list)
+    calls_hooked: int = 0
+    levels: int = 0
+    local_runs: int = 0
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """The table as JSON-able dicts (``record.extra["localization"]``): activation rows, then
+        gradient rows; each row also names the reference side."""
+        rows = [dict(site.to_row(), reference=self.reference) for site in self.sites]
+        rows += [dict(row, reference=self.reference) for row in self.gradients]
+        return rows
+
+    def summary(self) -> str:
+        """One line naming the first divergence and its local vs inherited error."""
+        if self.first is None:
+            return (f"First divergence: none of the submodule calls diverges locally; the difference starts in "
+                    f"{self.own_code} itself (outside its submodules)")
+        site = self.first
+        what = f"{site.path} ({site.module_type})"
+        if self.own_code is not None:
+            what += ", in its own code outside its submodules"
+        local, inherited = site.local, site.inherited
+        return (f"First divergence: {what} — local err/tol {_fmt(local.err_ratio if local else None)} "
+                f"(rel-L2 {_fmt(local.rel_l2 if local else None)}) vs inherited err/tol "
+                f"{_fmt(inherited.err_ratio if inherited else None)} "
+                f"(rel-L2 {_fmt(inherited.rel_l2 if inherited else None)})")
+
+    def format(self) -> str:
+        """The text appended to the failure message: summary, how it was measured, the short table."""
+        lines = [self.summary(),
+                 f"Localized against {self.reference}: forward hooks on {self.calls_hooked} submodule calls, "
+                 f"{self.levels} level(s), {self.local_runs} local re-run(s).",
+                 "(local: the target's submodule on the reference's inputs vs the reference; inherited: the "
+                 "target's output vs that re-run; err/tol: max |diff| / (atol + rtol·|reference|), > 1 fails)"]
+        lines += [f"Note: {note}" for note in self.notes]
+        if self.sites:
+            lines.append("")
+            lines += _site_table(self.sites)
+        if self.gradients:
+            lines.append("")
+            lines.append("Gradients in backward order (reverse forward completion of their modules; no backward "
+                         "hooks): first out of tolerance: " + (self.first_gradient or "none"))
+            lines += _gradient_table(self.gradients)
+        return "\n".join(lines)
+
+
+def _num(value: float) -> float | None:
+    return None if value is None else float(value)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3g}"
+
+
+def _site_table(sites: list[Site]) -> list[str]:
+    header = ("submodule", "max_abs", "rel_l2", "cosine", "local err/tol", "inherited err/tol", "verdict")
+    rows = [header]
+    for site in sites:
+        verdict = site.verdict.upper() + " <- first divergence" if site.first else site.verdict
+        total = site.total
+        rows.append(("  " * site.depth + site.path,
+                     _fmt(total.max_abs) if total else "-", _fmt(total.rel_l2) if total else "-",
+                     f"{total.cosine:.7f}" if total and not math.isnan(total.cosine) else "-",
+                     _fmt(site.local.err_ratio) if site.local else "-",
+                     _fmt(site.inherited.err_ratio) if site.inherited else "-", verdict))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _gradient_table(gradients: list[dict[str, Any]]) -> list[str]:
+    header = ("gradient", "max_abs", "rel_l2", "cosine", "err/tol", "verdict")
+    rows = [header] + [(g["leaf"], _fmt(g["max_abs"]), _fmt(g["rel_l2"]), _fmt(g["cosine"]), _fmt(g["err_ratio"]),
+                        g["verdict"] + (" <- first" if g.get("first_divergence") else "")) for g in gradients]
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+# --------------------------------------------------------------------------------------------
+# recording one pass
+
+
+@dataclass
+class _Call:
+    """One submodule call recorded on one side (inputs and outputs as CPU copies)."""
+
+    name: str
+    index: int
+    module_type: str
+    inputs: tuple[tuple, dict] | None = None
+    rng: tuple | None = None
+    state: tuple | None = None
+    output: dict[str, torch.Tensor] | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.name, self.index
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """Detached CPU copies of the tensors in a nested structure (other objects kept as they are)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, tuple):
+        return tuple(_cpu_copy(v) for v in obj)
+    if isinstance(obj, list):
+        return [_cpu_copy(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    return obj
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(_to_device(v, device) for v in obj)
+    if isinstance(obj, list):
+        return [_to_device(v, device) for v in obj]
+    if isinstance(obj, Mapping):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def output_leaves(output: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """``{path: detached CPU copy}`` of every tensor in a module's output.
+
+    Tuples, lists and mappings (also Hugging Face ``ModelOutput``) are walked (``[i]`` and ``.key``
+    paths, as ``compare.flatten`` names them); anything else (None, numbers, strings) is skipped.
+    """
+    leaves: dict[str, torch.Tensor] = {}
+    if isinstance(output, torch.Tensor):
+        leaves[prefix] = output.detach().to("cpu", copy=True)
+    elif isinstance(output, (tuple, list)):
+        for i, value in enumerate(output):
+            leaves.update(output_leaves(value, f"{prefix}[{i}]"))
+    elif isinstance(output, Mapping):
+        for key, value in output.items():
+            leaves.update(output_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+    return leaves
+
+
+def _rng_state() -> tuple:
+    """The shared random stream's state inside ``rng.same_randomness`` (its CPU generator, found as
+    the owner of the installed ``torch.rand``), plus Python's, NumPy's and torch's global states."""
+    generator = getattr(getattr(torch.rand, "__self__", None), "gen", None)
+    return (generator.get_state() if isinstance(generator, torch.Generator) else None,
+            random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+
+
+def _set_rng_state(state: tuple) -> None:
+    shared, py_state, np_state, torch_state = state
+    generator = getattr(getattr(torch.rand, "__self__", None), "gen", None)
+    if shared is not None and isinstance(generator, torch.Generator):
+        generator.set_state(shared)
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+    torch.random.set_rng_state(torch_state)
+
+
+def _mode_state(device_type: str) -> tuple[bool, bool, torch.dtype]:
+    """(grad enabled, autocast enabled on ``device_type``, its autocast dtype) right now (the
+    device-type forms of these autocast queries exist since torch 2.4)."""
+    return (torch.is_grad_enabled(), torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+
+
+class _Recorder:
+    """Forward hooks on every submodule of ``root`` for one pass; records the calls made directly
+    inside ``scope`` (a call key ``(name, k)``, or None: calls made outside any hooked module)."""
+
+    def __init__(self, root: torch.nn.Module, scope: tuple[str, int] | None, device_type: str):
+        self.names: dict[torch.nn.Module, str] = {}
+        for name, module in root.named_modules():
+            self.names.setdefault(module, name)
+        self.scope = scope
+        self.device_type = device_type
+        self.stack: list[tuple[_Call, bool]] = []
+        self.counts: Counter = Counter()
+        self.calls: list[_Call] = []
+        self.last_done: dict[str, int] = {}
+        self.done = 0
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "_Recorder":
+        for module in self.names:
+            self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        name = self.names[module]
+        call = _Call(name, self.counts[name], type(module).__name__)
+        self.counts[name] += 1
+        parent = self.stack[-1][0].key if self.stack else None
+        recorded = parent == self.scope
+        if recorded:
+            call.inputs = _cpu_copy((args, kwargs))
+            call.rng = _rng_state()
+            call.state = _mode_state(self.device_type)
+        self.stack.append((call, recorded))
+
+    def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        call, recorded = self.stack.pop()
+        self.done += 1
+        self.last_done[call.name] = self.done
+        if recorded:
+            call.output = output_leaves(output)
+            self.calls.append(call)
+
+
+# --------------------------------------------------------------------------------------------
+# one side: the reference (CPU, unpatched) or the target (its device, patched)
+
+
+class _Side:
+    """How one side runs: its device, whether the patch set applies, and its (stable) root module."""
+
+    def __init__(self, case: Any, call: Any, device: torch.device, patched: bool):
+        self.case, self.call, self.device, self.patched = case, call, device, patched
+        self._root: torch.nn.Module | None = None
+        if call.kind == "train_step":  # as ParityCase.train_step: a fresh copy, made before patching
+            self._root = copy.deepcopy(call.module).to(device).train()
+
+    def root(self) -> torch.nn.Module:
+        """The module this side runs (placed after the patch set is entered, as ``ParityCase._run``);
+        one object for the whole localization even where placement copies afresh (training mode)."""
+        if self._root is None:
+            self._root = self.case.session.place(self.call.module, self.device, self.case.recipe.weights_dtype)
+        return self._root
+
+    @contextlib.contextmanager
+    def running(self, rng: tuple | None = None, state: tuple | None = None) -> Iterator[torch.nn.Module]:
+        """Patch set (target), placement, recipe, shared randomness (restored to ``rng``), grad mode
+        and autocast state ``state`` — the context of the check's own runs; yields the root module."""
+        with contextlib.ExitStack() as stack:
+            if self.patched and self.case.patches is not None:
+                stack.enter_context(self.case.patches(self.device))
+            root = self.root()
+            stack.enter_context(self.case.recipe.context(self.device))
+            stack.enter_context(same_randomness(self.call.seed))
+            if rng is not None:
+                _set_rng_state(rng)
+            grad = self.call.grad if state is None else state[0]
+            stack.enter_context(torch.set_grad_enabled(grad))
+            if state is not None and (state[1], state[2]) != _mode_state(self.device.type)[1:]:
+                stack.enter_context(torch.autocast(self.device.type, dtype=state[2], enabled=state[1]))
+            yield root
+
+    def run_root(self, root: torch.nn.Module) -> Any:
+        """The check's own call on this side (inputs placed as ``ParityCase._run`` places them)."""
+        from .runner import _move
+
+        dtype = self.case.recipe.weights_dtype
+        args, kwargs = _move(self.call.args, self.device, dtype), _move(self.call.kwargs, self.device, dtype)
+        if self.call.kind == "train_step":
+            return root(**kwargs)
+        if isinstance(self.call.fn, torch.nn.Module):
+            return root(*args, **kwargs)
+        return getattr(root, self.call.fn.__name__)(*args, **kwargs)
+
+    def record(self, scope: _Call | None, scope_key: tuple[str, int] | None) -> tuple[_Recorder, dict]:
+        """One pass with hooks: the check's call (``scope`` None) or the ``scope`` call alone, run
+        again from this side's recorded inputs. Returns the recorder and the pass's output leaves."""
+        with self.running(scope.rng if scope else None, scope.state if scope else None) as root:
+            with _Recorder(root, scope_key, self.device.type) as recorder:
+                if scope is None:
+                    output = self.run_root(root)
+                else:
+                    args, kwargs = _to_device(scope.inputs, self.device)
+                    output = root.get_submodule(scope.name)(*args, **kwargs)
+        return recorder, output_leaves(output)
+
+    def run_call(self, name: str, inputs: tuple[tuple, dict], rng: tuple, state: tuple) -> dict[str, torch.Tensor]:
+        """Submodule ``name`` of this side on ``inputs`` (moved here), in a call's context."""
+        with self.running(rng, state) as root:
+            args, kwargs = _to_device(inputs, self.device)
+            return output_leaves(root.get_submodule(name)(*args, **kwargs))
+
+
+# --------------------------------------------------------------------------------------------
+# comparing
+
+
+def _worst(result: CompareResult) -> LeafResult | None:
+    def severity(leaf: LeafResult) -> float:
+        if leaf.problem is not None or math.isnan(leaf.err_ratio):
+            return math.inf
+        return leaf.err_ratio
+    return max(result.leaves, key=severity, default=None)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bitwise-equal nested inputs (tensors by ``torch.equal``, other objects by ``==``)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and torch.equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - objects without a usable ==: treat as different
+        return False
+
+
+class _Level:
+    """The calls of one scope on both sides, compared, with local re-runs where needed."""
+
+    def __init__(self, depth: int, order_prefix: tuple, ref_rec: _Recorder, tgt_rec: _Recorder):
+        self.depth = depth
+        self.order_prefix = order_prefix
+        self.ref_rec, self.tgt_rec = ref_rec, tgt_rec
+        tgt_by_key = {c.key: c for c in tgt_rec.calls}
+        ref_keys = {c.key for c in ref_rec.calls}
+        self.pairs: list[tuple[_Call, _Call | None]] = [(r, tgt_by_key.get(r.key)) for r in ref_rec.calls]
+        self.only_target = [c for c in tgt_rec.calls if c.key not in ref_keys]
+        self.sites: list[Site] = []
+        self.culprit: int | None = None
+
+    def path(self, prefix: str, call: _Call) -> str:
+        """Display path of ``call``: ``prefix.name`` (``<Type>`` for the root), ``#k`` when repeated."""
+        path = ".".join(p for p in (prefix, call.name) if p) or f"<{call.module_type}>"
+        return f"{path}#{call.index}" if self.ref_rec.counts[call.name] > 1 else path
+
+
+def _scope_key(call: Any) -> tuple[str, int] | None:
+    """The first scope: the module's own call (a module check, a train step's forward), or None for
+    a bound method such as ``generate`` (the calls it makes outside any hooked module)."""
+    return None if call.kind == "check" and not isinstance(call.fn, torch.nn.Module) else ("", 0)
+
+
+def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
+             context_rows: int = CONTEXT_ROWS, max_local_runs: int = MAX_LOCAL_RUNS) -> Localization | None:
+    """Find the first submodule call whose own computation differs between the sides.
+
+    Args:
+        case: the ``runner.ParityCase`` of the failing check (patch set, recipe, session).
+        record: its ``runner.CheckRecord`` (name, tolerance, reference kind, ``submodule`` prefix).
+        call: its ``runner.CheckCall``.
+        result: the failing ``CompareResult`` (a train step's gradient leaves are ordered from it).
+        context_rows: calls shown after the first divergence (and gradients after the first failing).
+        max_local_runs: local re-runs per level, at most.
+
+    Returns:
+        A ``Localization``, or None for a check of a free function (no module to hook).
+
+    Raises:
+        Whatever the computation raises when run again (the failure hook reports it).
+    """
+    if call.module is None:
+        return None
+    tol: Tolerance = record.tolerance
+    reference = "a live CPU run"
+    if record.reference == "baseline":
+        reference += (f" (the check's reference was baseline {record.reference_provenance}; baselines store no "
+                      "per-submodule outputs)")
+    loc = Localization(check=record.check, reference=reference)
+    ref = _Side(case, call, torch.device("cpu"), patched=False)
+    tgt = _Side(case, call, case.target, patched=True)
+    prefix = record.submodule or ""
+
+    scope_pair: tuple[_Call, _Call] | None = None
+    scope_key = _scope_key(call)
+    order_prefix: tuple = ()
+    levels: list[_Level] = []
+    first_pass: _Recorder | None = None
+    while len(levels) < MAX_LEVELS:
+        tgt_rec, tgt_out = tgt.record(scope_pair[1] if scope_pair else None, scope_key)
+        ref_rec, ref_out = ref.record(scope_pair[0] if scope_pair else None, scope_key)
+        if scope_pair is not None:
+            for side, out, rec in (("reference", ref_out, scope_pair[0]), ("target", tgt_out, scope_pair[1])):
+                if not _same(out, rec.output):
+                    loc.notes.append(f"running {rec.name} again on the {side} side from its recorded inputs did not "
+                                     "reproduce its output bitwise; the rows below it may be inexact")
+        if first_pass is None:
+            first_pass = ref_rec
+            loc.calls_hooked = ref_rec.done
+        level = _Level(len(levels), order_prefix, ref_rec, tgt_rec)
+        levels.append(level)
+        loc.local_runs += _judge_level(level, ref, tgt, tol, prefix, context_rows, max_local_runs, loc)
+        if level.culprit is None:
+            break
+        ref_call, tgt_call = level.pairs[level.culprit]
+        module = ref.root().get_submodule(ref_call.name)
+        if not any(True for _ in module.children()):
+            break  # a module without submodules: the divergence is in its own computation
+        scope_pair = (ref_call, tgt_call)
+        scope_key = (ref_call.name, 0)  # in a pass of the scope alone, its call is the first
+        order_prefix = order_prefix + (level.sites[level.culprit].order[-1] - 0.5,)
+        # Keep only what the next pass needs; the rest of this level's tensors can go.
+        for r, t in level.pairs:
+            if r is not ref_call:
+                r.inputs = r.output = None
+                if t is not None:
+                    t.inputs = t.output = None
+    loc.levels = len(levels)
+    root_name = prefix or f"<{type(call.module).__name__}>"
+    if _scope_key(call) is None:
+        root_name = f"{root_name}.{getattr(call.fn, '__name__', 'fn')}()"
+    _conclude(loc, levels, root_name, context_rows)
+    if call.kind == "train_step" and first_pass is not None:
+        _gradients(loc, result, first_pass.last_done, context_rows)
+    return loc
+
+
+def _judge_level(level: _Level, ref: _Side, tgt: _Side, tol: Tolerance, prefix: str, context_rows: int,
+                 max_local_runs: int, loc: Localization) -> int:
+    """Compare every call of ``level``; re-run failing calls locally until the first local failure
+    and ``context_rows`` failing calls after it. Returns the number of local re-runs made."""
+    runs = 0
+    after = 0
+    missing = []
+    for i, (r, t) in enumerate(level.pairs):
+        order = level.order_prefix + (i,)
+        path = level.path(prefix, r)
+        if t is None:
+            level.sites.append(Site(path, r.module_type, level.depth, order, None, verdict="missing"))
+            missing.append(path)
+            continue
+        total_result = compare(t.output, r.output, tol)
+        site = Site(path, r.module_type, level.depth, order, _worst(total_result))
+        level.sites.append(site)
+        if total_result.passed:
+            continue
+        site.verdict = "fail"
+        if level.culprit is not None and after >= context_rows:
+            continue
+        if _same(r.inputs, t.inputs):
+            local_out = t.output  # same inputs: the target's own output is its local output
+        elif runs < max_local_runs:
+            local_out = tgt.run_call(r.name, r.inputs, r.rng, t.state)
+            runs += 1
+        else:
+            loc.notes.append(f"stopped re-running calls locally after {max_local_runs} in one level")
+            continue
+        local = compare(local_out, r.output, tol)
+        site.local = _worst(local)
+        site.inherited = _worst(compare(t.output, local_out, tol))
+        site.verdict = "inherited" if local.passed else "local"
+        if level.culprit is None and not local.passed:
+            level.culprit = i
+        elif level.culprit is not None:
+            after += 1
+    for side, paths in (("reference", missing), ("target", [level.path(prefix, c) for c in level.only_target])):
+        if paths:
+            more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+            loc.notes.append(f"called on the {side} side only: {', '.join(paths[:3])}{more}")
+    return runs
+
+
+def _conclude(loc: Localization, levels: list[_Level], root_name: str, context_rows: int) -> None:
+    """Name the first divergence and pick the rows of the short table (``root_name``: the check's
+    module or method, named where the divergence starts in its own code)."""
+    last = levels[-1]
+    culprits = [lv.sites[lv.culprit] for lv in levels if lv.culprit is not None]
+    if last.culprit is not None:
+        loc.first = last.sites[last.culprit]
+        loc.first.first = True
+        loc.own_code = None
+    elif culprits:  # the deepest scope diverges, none of its children does: its own code
+        loc.first = culprits[-1]
+        loc.first.first = True
+        loc.own_code = loc.first.path
+    else:
+        loc.first = None
+        loc.own_code = root_name
+
+    shown: dict[int, Site] = {}
+    for lv in levels:
+        sites = lv.sites
+        if not sites:
+            continue
+        final = lv is last
+        if lv.culprit is not None:
+            center = lv.culprit
+        else:
+            failing = [i for i, s in enumerate(sites) if s.failed]
+            center = failing[0] if failing else None
+        if center is None:
+            continue
+        start = max(0, center - 1)
+        stop = center + 1 + (context_rows if final else 1)
+        for site in sites[start:stop]:
+            shown[id(site)] = site
+    everything = [s for lv in levels for s in lv.sites if s.total is not None]
+    if everything:
+        worst = max(everything, key=lambda s: s.total.err_ratio if not math.isnan(s.total.err_ratio) else math.inf)
+        if worst.failed:
+            shown[id(worst)] = worst
+    loc.sites = sorted(shown.values(), key=lambda s: s.order)
+
+
+def _gradients(loc: Localization, result: CompareResult, last_done: dict[str, int], context_rows: int) -> None:
+    """Order a train step's ``grad.<param>`` leaves by backward order and name the first failing one."""
+    grads = [leaf for leaf in result.leaves if leaf.path.startswith("grad.")]
+    if not grads:
+        return
+
+    def done(leaf: LeafResult) -> int:
+        owner = leaf.path[len("grad."):].rpartition(".")[0]
+        return last_done.get(owner, -1)
+
+    ordered = sorted(grads, key=lambda leaf: (-done(leaf), leaf.path))
+    failing = [i for i, leaf in enumerate(ordered) if not leaf.passed]
+    if not failing:
+        return
+    first = failing[0]
+    loc.first_gradient = ordered[first].path
+    picked = list(range(max(0, first - 1), min(len(ordered), first + 1 + context_rows)))
+    worst = max(failing, key=lambda i: ordered[i].err_ratio if not math.isnan(ordered[i].err_ratio) else math.inf)
+    if worst not in picked:
+        picked.append(worst)
+    for i in picked:
+        leaf = ordered[i]
+        loc.gradients.append({"kind": "gradient", "leaf": leaf.path, "backward_rank": i,
+                              "max_abs": _num(leaf.max_abs), "rel_l2": _num(leaf.rel_l2),
+                              "cosine": _num(leaf.cosine), "err_ratio": _num(leaf.err_ratio),
+                              "verdict": "pass" if leaf.passed else "fail", "first_divergence": i == first})
+
+
+def failure_hook(case: Any, record: Any, call: Any, result: CompareResult) -> str | None:
+    """``ParitySession`` failure hook: localize, keep the table in ``record.extra["localization"]``
+    and return the text for the failure message (None for a check of a free function)."""
+    loc = localize(case, record, call, result)
+    if loc is None:
+        return None
+    record.extra["localization"] = loc.to_rows()
+    return loc.format()

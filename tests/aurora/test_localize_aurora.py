@@ -1,0 +1,122 @@
+"""First-divergence localization on the full seeded Aurora: a fault in decoder layer 4 is named.
+
+Three port bugs are injected into ``model.dec_layers.4`` on the target side only (inside the patch
+factory, on top of the NPU patch set), and the full-model eval forward (``forward_eval``) must fail
+with a message whose first divergence is that layer (or a submodule of it), with a local error
+larger than the inherited one:
+
+* a scaled weight: the layer's largest trainable matrix (``checks.sensitive_weight``) × (1 + 1e-4);
+* a dropped mask: inside layer 4 only, ``causal_attention_mask`` builds an all-zero mask (the layer's
+  own code, outside its submodules, hands the wrong mask to its self-attention);
+* a wrong attention scale: layer 4's self-attention divides its scores by head_dim^(1/4) instead of
+  sqrt(head_dim).
+
+The reference is a live CPU run of the unpatched upstream model. Each localization re-runs the full
+model a few times (about 5 full forwards), so this module takes a minute or two on 2 cores.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+
+import pytest
+import torch
+
+from pytest_npu_parity.aurora import checks, factory, patches
+from pytest_npu_parity.compare import ParityError
+from pytest_npu_parity.localize import failure_hook
+from pytest_npu_parity.runner import ParityCase, ParitySession
+
+LAYER = "model.dec_layers.4"
+
+
+@pytest.fixture(scope="module")
+def ctx() -> checks.AuroraContext:
+    return checks.build_context(factory.get_model("full"), checks.suite_batch())
+
+
+@pytest.fixture(scope="module")
+def session() -> ParitySession:
+    return ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[failure_hook])
+
+
+def _scaled_weight(layer: torch.nn.Module):
+    return checks.scaled_parameter(layer, checks.sensitive_weight(layer), 1 + 1e-4)
+
+
+@contextlib.contextmanager
+def _dropped_mask(layer: torch.nn.Module):
+    import aurora.modeling_aurora as modeling
+
+    saved = []
+
+    def no_mask(seq_length, *args, **kwargs):
+        device = kwargs.get("device") or (args[0] if args else None)
+        return torch.zeros(1, 1, seq_length, seq_length, device=device)
+
+    def swap(module, args):
+        saved.append(modeling.causal_attention_mask)  # the patch set's version, on the target
+        modeling.causal_attention_mask = no_mask
+
+    def restore(module, args, output):
+        modeling.causal_attention_mask = saved.pop()
+
+    handles = [layer.register_forward_pre_hook(swap), layer.register_forward_hook(restore)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _wrong_scale(layer: torch.nn.Module):
+    attention = layer.self_attn
+    upstream = type(attention)._scaled_dot_product_attention
+
+    def scores_scaled_by_fourth_root(self, Q, K, V, bias=None, attn_mask=None):
+        # upstream divides Q·Kᵀ by sqrt(d); this divides by d ** 0.25
+        return upstream(self, Q * Q.size(-1) ** 0.25, K, V, bias=bias, attn_mask=attn_mask)
+
+    attention._scaled_dot_product_attention = types.MethodType(scores_scaled_by_fourth_root, attention)
+    try:
+        yield
+    finally:
+        del attention._scaled_dot_product_attention
+
+
+FAULTS = {"scaled_weight": _scaled_weight, "dropped_mask": _dropped_mask, "wrong_scale": _wrong_scale}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_full_forward_failure_names_the_faulty_decoder_layer(ctx, session, fault):
+    layer = ctx.submodule(LAYER)
+
+    @contextlib.contextmanager
+    def target_patches(device):
+        with patches.patched(device), FAULTS[fault](layer):
+            yield
+
+    check = checks.BY_NAME["forward_eval"]
+    fn, args, kwargs = check.build(ctx)
+    case = ParityCase(session, f"tests/aurora/test_localize_aurora.py::{fault}", "fp32", patches=target_patches)
+    with pytest.raises(ParityError) as info:
+        case.check(check.name, fn, *args, submodule=check.submodule or None, **kwargs)
+    message = str(info.value)
+    rows = case.records[-1].extra["localization"]
+    first = [row for row in rows if row.get("first_divergence")]
+    assert len(first) == 1, message
+    first = first[0]
+    assert first["submodule"] == LAYER or first["submodule"].startswith(LAYER + "."), message
+    assert first["local_err_ratio"] > 1, message
+    assert first["local_err_ratio"] > first["inherited_err_ratio"], message
+    assert first["local_rel_l2"] > first["inherited_rel_l2"], message
+    assert f"First divergence: {first['submodule']}" in message
+    # The layers before it agree; the one after only inherits the error.
+    by_path = {row["submodule"]: row for row in rows}
+    assert by_path["model.dec_layers.3"]["verdict"] == "ok"
+    assert by_path["model.dec_layers.5"]["verdict"] == "inherited"
+    if fault == "dropped_mask":  # the mask is built in the layer's own forward, not in a child
+        assert first["submodule"] == LAYER and "in its own code outside its submodules" in message
+    assert math.isfinite(first["local_max_abs"])

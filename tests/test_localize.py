@@ -1,0 +1,290 @@
+"""First-divergence localization on small seeded models: which call, local vs inherited, the table.
+
+Faults are injected on the target side only, through the case's patch factory, as a port bug would
+be: a scaled weight (the divergence starts in that Linear), a change in a module's own code outside
+its submodules, a fault in training mode with dropout (the shared random stream must replay exactly
+for local re-runs), and in a train step.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+
+from pytest_npu_parity.baselines import BaselineStore
+from pytest_npu_parity.compare import ParityError
+from pytest_npu_parity.localize import Localization, _Recorder, failure_hook, localize, output_leaves
+from pytest_npu_parity.runner import ParityCase, ParitySession
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.a = torch.nn.Linear(width, width)
+        self.drop = torch.nn.Dropout(0.3)
+        self.b = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(self.drop(self.a(x))))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, depth: int = 4, width: int = 8):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(width) for _ in range(depth)])
+        self.head = torch.nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def rollout(self, x: torch.Tensor, steps: int = 3) -> torch.Tensor:
+        """A generate-like method: the model's forward called several times."""
+        outs = []
+        for _ in range(steps):
+            y = self(x)
+            outs.append(y)
+            x = x + y.sum(-1, keepdim=True)
+        return torch.stack(outs)
+
+
+@pytest.fixture
+def net() -> Net:
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+@pytest.fixture
+def x() -> torch.Tensor:
+    return torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _session(**kwargs) -> ParitySession:
+    return ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[failure_hook], **kwargs)
+
+
+def _scaled(param: torch.nn.Parameter, factor: float = 1.001):
+    @contextlib.contextmanager
+    def patch(device):
+        saved = param.detach().clone()
+        with torch.no_grad():
+            param.mul_(factor)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                param.copy_(saved)
+    return patch
+
+
+def _own_code_fault(index: int):
+    """Block ``index`` scales its result in its own forward (none of its children changes)."""
+    @contextlib.contextmanager
+    def patch(device):
+        original = Block.forward
+
+        def forward(self, x):
+            y = original(self, x)
+            return y * 1.001 if getattr(self, "index", None) == index else y
+        Block.forward = forward
+        try:
+            yield
+        finally:
+            Block.forward = original
+    return patch
+
+
+def _fail(case: ParityCase, *args, **kwargs) -> tuple[str, dict]:
+    with pytest.raises(ParityError) as info:
+        case.check(*args, **kwargs)
+    return str(info.value), case.records[-1].extra
+
+
+def _first(extra: dict) -> dict:
+    rows = [r for r in extra["localization"] if r.get("first_divergence")]
+    assert len(rows) == 1, extra["localization"]
+    return rows[0]
+
+
+def test_scaled_weight_is_the_first_divergence_with_local_error(net, x):
+    case = ParityCase(_session(), "t::scaled", patches=_scaled(net.blocks[2].b.weight))
+    message, extra = _fail(case, "net", net, x)
+    assert "First divergence: blocks.2.b (Linear)" in message
+    first = _first(extra)
+    assert first["submodule"] == "blocks.2.b" and first["verdict"] == "local"
+    assert first["local_err_ratio"] > 1 >= first["inherited_err_ratio"]
+    assert first["local_rel_l2"] > first["inherited_rel_l2"]
+    rows = {r["submodule"]: r for r in extra["localization"]}
+    assert rows["blocks.1"]["verdict"] == "ok"  # the call before it still agrees
+    assert rows["blocks.2"]["verdict"] == "local"  # its parent contains the fault
+    assert rows["blocks.3"]["verdict"] == "inherited"  # later calls only inherit the error
+    assert rows["blocks.3"]["inherited_err_ratio"] > 1 >= rows["blocks.3"]["local_err_ratio"]
+    json.dumps(extra["localization"])  # JSON-able for the report
+    # The failure table is in the message, below the usual comparison table.
+    assert message.index("Greatest absolute difference") < message.index("LOCAL <- first divergence")
+
+
+def test_fault_in_a_modules_own_code_names_that_module(net, x):
+    for i, block in enumerate(net.blocks):
+        block.index = i
+    case = ParityCase(_session(), "t::own", patches=_own_code_fault(1))
+    message, extra = _fail(case, "net", net, x)
+    assert "First divergence: blocks.1 (Block), in its own code outside its submodules" in message
+    first = _first(extra)
+    assert first["submodule"] == "blocks.1" and first["local_err_ratio"] > 1
+
+
+def test_training_mode_replays_dropout_for_local_reruns(net, x):
+    net.train()  # dropout draws from the shared stream; a local re-run must see the same mask
+    case = ParityCase(_session(), "t::train", patches=_scaled(net.blocks[1].b.weight))
+    _, extra = _fail(case, "net", net, x)
+    rows = {r["submodule"]: r for r in extra["localization"]}
+    assert _first(extra)["submodule"] == "blocks.1.b"
+    # blocks.2 runs dropout on inherited inputs: exactly zero local error means the mask replayed.
+    assert rows["blocks.2"]["verdict"] == "inherited" and rows["blocks.2"]["local_max_abs"] == 0.0
+
+
+def test_bound_method_names_repeated_calls(net, x):
+    case = ParityCase(_session(), "t::rollout", patches=_scaled(net.head.weight))
+    message, extra = _fail(case, "rollout", net.rollout, x)
+    first = _first(extra)
+    assert first["submodule"] == "head"  # inside the first forward call, <module>#0
+    paths = [r["submodule"] for r in extra["localization"]]
+    assert "<Net>#0" in paths  # the model's forward ran three times: calls are numbered
+    assert "Localized against a live CPU run" in message
+
+
+def test_baseline_reference_is_localized_against_a_live_cpu_run(net, x, tmp_path):
+    store = BaselineStore(tmp_path, "toy")
+    recorder = ParitySession(torch.device("cpu"), reference="cpu", update_baselines=True, store=store)
+    case = ParityCase(recorder, "tests/test_toy.py::test_net")
+    case.check("net", net, x)
+    assert case.finish() == "created"
+    session = ParitySession(torch.device("cpu"), reference="baseline", store=store, failure_hooks=[failure_hook])
+    case = ParityCase(session, "tests/test_toy.py::test_net", patches=_scaled(net.blocks[0].a.weight))
+    message, extra = _fail(case, "net", net, x)
+    assert "Localized against a live CPU run (the check's reference was baseline" in message
+    assert _first(extra)["submodule"] == "blocks.0.a"
+    assert all("baseline" in row["reference"] for row in extra["localization"])
+
+
+def test_train_step_orders_gradients_by_backward_order(net, x):
+    for i, block in enumerate(net.blocks):
+        block.index = i
+    case = ParityCase(_session(), "t::step", patches=_own_code_fault(2))
+    with pytest.raises(ParityError) as info:
+        case.train_step("step", net, {"x": x}, loss_fn=lambda out: out.square().mean())
+    message, extra = str(info.value), case.records[-1].extra
+    assert "First divergence: blocks.2 (Block), in its own code" in message
+    grads = [r for r in extra["localization"] if r["kind"] == "gradient"]
+    first = [r for r in grads if r["first_divergence"]]
+    # Backward reaches the head first: its gradient is the first one computed, and out of tolerance.
+    assert first and first[0]["leaf"] == "grad.head.bias"
+    assert "Gradients in backward order" in message
+
+
+def test_function_check_gets_no_localization():
+    @contextlib.contextmanager
+    def wrong(device):
+        original = torch.nn.functional.gelu
+        torch.nn.functional.gelu = lambda t, **kw: original(t, **kw) * 1.001
+        try:
+            yield
+        finally:
+            torch.nn.functional.gelu = original
+    case = ParityCase(_session(), "t::fn", patches=wrong)
+    message, extra = _fail(case, "gelu", lambda t: torch.nn.functional.gelu(t), torch.linspace(-2, 2, 9))
+    assert "First divergence" not in message and "localization" not in extra
+
+
+def test_no_hooks_stay_behind_and_passing_checks_never_localize(net, x):
+    calls = []
+
+    def counting(*args):
+        calls.append(args)
+        return failure_hook(*args)
+    session = ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[counting])
+    ParityCase(session, "t::clean").check("net", net, x)  # passes
+    assert calls == []
+    with pytest.raises(ParityError):
+        ParityCase(session, "t::bad", patches=_scaled(net.head.weight)).check("net", net, x)
+    assert len(calls) == 1
+    for module in net.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks
+
+
+def test_a_broken_failure_hook_never_hides_the_failure(net, x):
+    def broken(*args):
+        raise RuntimeError("diagnosis exploded")
+    session = ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[broken])
+    message, _ = _fail(ParityCase(session, "t::broken", patches=_scaled(net.head.weight)), "net", net, x)
+    assert "Mismatched elements" in message and "broken could not run: RuntimeError: diagnosis exploded" in message
+
+
+def test_recorder_keeps_only_the_calls_of_its_scope(net, x):
+    with _Recorder(net, ("", 0), "cpu") as recorder, torch.no_grad():
+        net(x)
+    assert [c.name for c in recorder.calls] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+    assert recorder.done == 1 + 4 * 4 + 1  # every call was seen (for ordering), few were kept
+    with _Recorder(net, ("blocks.1", 0), "cpu") as recorder, torch.no_grad():
+        net(x)
+    assert [c.name for c in recorder.calls] == ["blocks.1.a", "blocks.1.drop", "blocks.1.b"]
+    assert all(c.inputs is not None and c.output for c in recorder.calls)
+
+
+def test_output_leaves_walks_tuples_and_mappings():
+    t = torch.ones(2)
+    leaves = output_leaves((t, None, {"a": t, "n": 3}, [t]))
+    assert sorted(leaves) == ["[0]", "[2].a", "[3][0]"]
+    assert leaves["[0]"] is not t  # a copy: later in-place edits of the activation do not leak in
+
+
+def test_localization_summary_without_any_local_divergence():
+    loc = Localization(check="c", reference="a live CPU run", own_code="<Net>")
+    assert "starts in <Net> itself" in loc.summary()
+    assert loc.to_rows() == []
+
+
+def test_localize_returns_none_for_functions():
+    class Call:
+        module = None
+    assert localize(None, None, Call(), None) is None
+
+
+class Gated(torch.nn.Module):
+    """Runs an extra layer when ``gate`` is set: control flow that differs between the sides."""
+
+    gate = False
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.extra = torch.nn.Linear(8, 8)
+        self.last = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = self.first(x)
+        if self.gate:
+            x = self.extra(x)
+        return self.last(x)
+
+
+def test_calls_made_on_one_side_only_are_named(x):
+    torch.manual_seed(0)
+    model = Gated().eval()
+
+    @contextlib.contextmanager
+    def open_gate(device):
+        Gated.gate = True
+        try:
+            yield
+        finally:
+            Gated.gate = False
+    message, extra = _fail(ParityCase(_session(), "t::gated", patches=open_gate), "gated", model, x)
+    assert "Note: called on the target side only: extra" in message
+    rows = {r["submodule"]: r for r in extra["localization"]}
+    assert rows["first"]["verdict"] == "ok" and rows["last"]["verdict"] == "inherited"
+    assert "starts in <Gated> itself" in message  # the gate is Gated's own code
