@@ -555,15 +555,20 @@ class ParityCase:
         if any(r.check == name for r in self.records):
             raise ValueError(f"check name {name!r} is used twice in {self.test_id}; names must be unique per test")
 
-    def _hashes(self, fn: Any, args: tuple, kwargs: dict) -> dict[str, str]:
-        from .provenance import fingerprint_module, fingerprint_tensors
+    def _hashes(self, fn: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """Bitwise fingerprints of the input and the module, plus summaries that tell a real change
+        from last-bit differences of the same data recomputed on another machine (see
+        ``BaselineStore.check_fresh``)."""
+        from .provenance import fingerprint_module, fingerprint_tensors, summarize_module, summarize_tensors
 
         module = owner_module(fn)
         if module is not None:
-            config = fingerprint_module(module)
+            config, config_summary = fingerprint_module(module), summarize_module(module)
         else:
             config = fingerprint_tensors(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}")
-        return {"input_hash": fingerprint_tensors((args, kwargs)), "config_hash": config}
+            config_summary = []
+        return {"input_hash": fingerprint_tensors((args, kwargs)), "config_hash": config,
+                "input_summary": summarize_tensors((args, kwargs)), "config_summary": config_summary}
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device, *, seed: int,
              patched: bool, grad: bool, audited: bool = False, recipe_context: bool = True):

@@ -50,11 +50,11 @@ def parity_patches():
     return corrupt
 
 def test_broken(parity):
-    parity.check("doubler", Doubler(), torch.ones(3, 4))
+    parity.check("doubler", Doubler(), torch.linspace(1, 2, 12).reshape(3, 4))
 
 @pytest.mark.parity(rtol=1e-3, atol=1e-3, reason="documented: tolerance widened on purpose")
 def test_broken_but_widened(parity):
-    record = parity.check("doubler", Doubler(), torch.ones(3, 4))
+    record = parity.check("doubler", Doubler(), torch.linspace(1, 2, 12).reshape(3, 4))
     assert record.tolerance.source == "marker"
     assert record.tolerance.reason == "documented: tolerance widened on purpose"
 """
@@ -196,8 +196,8 @@ def test_junit_xml_carries_parity_metrics_per_test(pytester: pytest.Pytester) ->
 
 def test_per_check_override_with_reason(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(BROKEN_TARGET.replace(
-        'parity.check("doubler", Doubler(), torch.ones(3, 4))\n\n@pytest.mark.parity',
-        'parity.check("doubler", Doubler(), torch.ones(3, 4), rtol=1e-3, atol=1e-3, reason="why")\n'
+        'parity.check("doubler", Doubler(), torch.linspace(1, 2, 12).reshape(3, 4))\n\n@pytest.mark.parity',
+        'parity.check("doubler", Doubler(), torch.linspace(1, 2, 12).reshape(3, 4), rtol=1e-3, atol=1e-3, reason="why")\n'
         '    assert parity.records[-1].tolerance.reason == "why"\n'
         '    assert parity.records[-1].tolerance.source == "check"\n\n@pytest.mark.parity'))
     result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32")

@@ -162,7 +162,8 @@ def test_changed_input_makes_the_baseline_stale_with_the_reason(pytester: pytest
     out = result.stdout.str()
     result.stdout.fnmatch_lines([
         f"E *StaleBaselineError: baseline {LINEAR_FILE} is stale for check 'linear': input hash changed "
-        f"(recorded *, now *). It was recorded on {PROVENANCE}. Re-record it on a trusted machine with: "
+        f"(recorded *, now *): sum of squares of * differs: recorded *, now *. It was recorded on {PROVENANCE}. "
+        f"Re-record it on a trusted machine with: "
         f"pytest --update-baselines {_esc(shlex.quote(LINEAR_ID))}",
         "baselines not usable: 1 stale",
         _esc(f"  stale  {LINEAR_ID} check 'linear' ({LINEAR_FILE})"),

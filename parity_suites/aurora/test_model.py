@@ -7,4 +7,5 @@ from pytest_npu_parity.aurora.checks import MODEL_CHECKS
 @pytest.mark.parametrize("check", MODEL_CHECKS, ids=str)
 def test_model(parity, aurora, check):
     fn, args, kwargs = check.build(aurora)
-    parity.check(check.name, fn, *args, submodule=check.submodule or None, group=check.group, **kwargs)
+    parity.check(check.name, fn, *args, submodule=check.submodule or None, group=check.group,
+                 fault_weight=check.fault_weight, **kwargs)

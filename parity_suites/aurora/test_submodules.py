@@ -7,4 +7,5 @@ from pytest_npu_parity.aurora.checks import SUBMODULE_CHECKS
 @pytest.mark.parametrize("check", SUBMODULE_CHECKS, ids=str)
 def test_submodule(parity, aurora, check):
     fn, args, kwargs = check.build(aurora)
-    parity.check(check.name, fn, *args, submodule=check.submodule or None, group=check.group, **kwargs)
+    parity.check(check.name, fn, *args, submodule=check.submodule or None, group=check.group,
+                 fault_weight=check.fault_weight, **kwargs)

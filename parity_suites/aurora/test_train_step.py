@@ -5,10 +5,10 @@ baseline — loss, every trainable gradient, every parameter after the step and 
 buffer — stays small enough for git. Dropout, frequency masking and flow-matching noise are active
 and identical on both sides.
 """
-from pytest_npu_parity.aurora.checks import HORIZON, suite_batch
+from pytest_npu_parity.aurora.checks import HORIZON, TRAIN_STEP_FAULT, suite_batch
 
 
 def test_train_step(parity, aurora_tiny):
     batch = suite_batch()
     parity.train_step("train_step", aurora_tiny, batch.forward_kwargs(HORIZON, train=True),
-                      group="training step")
+                      group="training step", fault_weight=TRAIN_STEP_FAULT)
