@@ -745,22 +745,10 @@ def precision_flags() -> dict[str, bool | str]:
     Raises:
         ImportError / RuntimeError: torch cannot be imported.
     """
-    import warnings
+    import_torch()  # safely, before recipes imports torch
+    from .recipes import precision_flags as _flags
 
-    torch = import_torch()
-    with warnings.catch_warnings():  # newer torch deprecates allow_tf32 in favour of fp32_precision
-        warnings.simplefilter("ignore")
-        flags: dict[str, bool | str] = {
-            "float32_matmul_precision": str(torch.get_float32_matmul_precision()),
-            "cuda.matmul.allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-            "cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-        }
-    if npu_status().available:
-        for name in ("matmul", "conv"):
-            holder = getattr(getattr(torch, "npu", None), name, None)
-            if holder is not None and hasattr(holder, "allow_hf32"):
-                flags[f"npu.{name}.allow_hf32"] = bool(holder.allow_hf32)
-    return flags
+    return _flags()
 
 
 _DIST_BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}

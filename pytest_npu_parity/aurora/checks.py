@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..selfcheck import scaled_parameter, sensitive_parameter  # noqa: F401 - re-exported
 from . import inputs as aurora_inputs
 
 #: Forecast horizon of the whole-model checks (two 48-step tokens) and a non-multiple of 48.
@@ -362,36 +363,16 @@ SUBMODULE_CHECKS = [c for c in CHECKS if c not in MODEL_CHECKS]
 
 
 def sensitive_weight(module: torch.nn.Module) -> str:
-    """Name of the parameter a weight perturbation should scale: the largest trainable floating
-    weight matrix of ``module`` (frozen ViT/BERT weights only if nothing is trainable); among equals
-    the first registered one.
-
-    The first of equals matters: a weight whose output goes straight into a normalization with batch
-    statistics (an FFN's last linear before a training-mode BatchNorm) is scale-invariant by design,
-    so scaling it is not a fault the check could or should see.
+    """Name of the parameter a weight perturbation should scale (``selfcheck.sensitive_parameter``:
+    the largest trainable weight matrix, the first of equals).
 
     Raises:
-        ValueError: the module has no floating parameter with two or more dimensions.
+        ValueError: the module has no floating parameter to perturb.
     """
-    candidates = [(p.requires_grad, p.numel(), -i, n) for i, (n, p) in enumerate(module.named_parameters())
-                  if p.is_floating_point() and p.dim() >= 2]
-    if not candidates:
-        raise ValueError(f"{type(module).__name__} has no weight matrix to perturb")
-    return max(candidates)[3]
-
-
-@contextlib.contextmanager
-def scaled_parameter(module: torch.nn.Module, name: str, factor: float) -> Iterator[None]:
-    """Multiply parameter ``name`` of ``module`` by ``factor`` inside the block (restored bit-exactly)."""
-    param = module.get_parameter(name)
-    saved = param.detach().clone()
-    with torch.no_grad():
-        param.mul_(factor)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            param.copy_(saved)
+    name = sensitive_parameter(module)
+    if name is None:
+        raise ValueError(f"{type(module).__name__} has no weight to perturb")
+    return name
 
 
 @contextlib.contextmanager
