@@ -329,8 +329,12 @@ def test_user_properties_reach_the_testcase_under_default_xunit2(pytester):
             request.node.user_properties.extend(junit_properties(ROWS))
     """)
     pytester.makepyfile("def test_one(parity_like):\n    assert False, 'out of tolerance'\n")
-    result = pytester.runpytest("-p", "no:npu_parity", "-p", "no:cacheprovider", "--junitxml=out.xml", "-W", "error::pytest.PytestWarning")
+    # No `-W error::pytest.PytestWarning`: in a long in-process session the package is already
+    # imported, and pytest's "cannot be rewritten" warning would then abort the inner run. The
+    # warning that matters (record_property under xunit2) is checked for by text instead.
+    result = pytester.runpytest("-p", "no:npu_parity", "-p", "no:cacheprovider", "--junitxml=out.xml")
     result.assert_outcomes(failed=1)
+    assert "incompatible with junit_family" not in result.stdout.str()
     tree = ET.parse(pytester.path / "out.xml")
     case = tree.find(".//testcase")
     props = {p.get("name"): p.get("value") for p in case.find("properties")}
