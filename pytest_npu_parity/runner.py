@@ -410,22 +410,11 @@ class ParityCase:
         def run(device: torch.device, patched: bool, audited: bool = False):
             return self._run(fn, args, kwargs, device, seed=seed, patched=patched, grad=grad, audited=audited)
 
-        if self.session.update_baselines:
-            leaves, _ = run(self.target, patched=False)
-            return self._record_pending(name, leaves, hashes, seed, submodule, tol, start, group)
-        try:
-            expected, reference, provenance = self._reference(name, run, hashes)
-        except BaselineError as exc:
-            self._baseline_error(name, exc, tol, submodule, group, start)
-            raise
-        actual, audit = run(self.target, patched=True, audited=self.session.audit_factory is not None)
-
         def rerun(device: torch.device, patched: bool, call_args: tuple, call_kwargs: dict) -> dict:
             return self._run(fn, call_args, call_kwargs, device, seed=seed, patched=patched, grad=grad)[0]
 
         call = CheckCall("check", fn, args, kwargs, seed, grad, rerun, vacuous_ok, fault_weight)
-        return self._judge(name, actual, expected, tol, reference, provenance, submodule, start, audit,
-                           call=call, group=group)
+        return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start)
 
     def train_step(self, name: str, module: torch.nn.Module, inputs: dict[str, Any], *,
                    loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -484,18 +473,24 @@ class ParityCase:
             return self._run(step, (m,), inputs if batch is None else batch, device, seed=seed, patched=patched,
                              grad=True, audited=audited, recipe_context=False)
 
+        call = CheckCall("train_step", module, (), inputs, seed, True,
+                         lambda device, patched, _args, batch: run(device, patched, batch=batch)[0], vacuous_ok,
+                         fault_weight)
+        return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start)
+
+    def _record_or_compare(self, name: str, run: Callable, hashes: dict[str, Any], call: "CheckCall",
+                           tol: Tolerance, submodule: str | None, group: str | None, start: float) -> CheckRecord:
+        """The tail shared by ``check`` and ``train_step``: record the reference run in record mode;
+        else get the reference (baseline or live CPU), run the target under the patch set, judge."""
         if self.session.update_baselines:
             leaves, _ = run(self.target, patched=False)
-            return self._record_pending(name, leaves, hashes, seed, submodule, tol, start, group)
+            return self._record_pending(name, leaves, hashes, call.seed, submodule, tol, start, group)
         try:
             expected, reference, provenance = self._reference(name, run, hashes)
         except BaselineError as exc:
             self._baseline_error(name, exc, tol, submodule, group, start)
             raise
         actual, audit = run(self.target, patched=True, audited=self.session.audit_factory is not None)
-        call = CheckCall("train_step", module, (), inputs, seed, True,
-                         lambda device, patched, _args, batch: run(device, patched, batch=batch)[0], vacuous_ok,
-                         fault_weight)
         return self._judge(name, actual, expected, tol, reference, provenance, submodule, start, audit,
                            call=call, group=group)
 

@@ -16,6 +16,7 @@ import torch
 from pytest_npu_parity.baselines import BaselineStore
 from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.localize import Localization, _Recorder, failure_hook, localize, output_leaves
+from pytest_npu_parity.selfcheck import scaled_parameter
 from pytest_npu_parity.runner import ParityCase, ParitySession
 
 
@@ -66,18 +67,9 @@ def _session(**kwargs) -> ParitySession:
     return ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[failure_hook], **kwargs)
 
 
-def _scaled(param: torch.nn.Parameter, factor: float = 1.001):
-    @contextlib.contextmanager
-    def patch(device):
-        saved = param.detach().clone()
-        with torch.no_grad():
-            param.mul_(factor)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                param.copy_(saved)
-    return patch
+def _scaled(module: torch.nn.Module, name: str, factor: float = 1.001):
+    """A patch factory scaling parameter ``name`` of ``module`` on the target side."""
+    return lambda device: scaled_parameter(module, name, factor)
 
 
 def _own_code_fault(index: int):
@@ -110,7 +102,7 @@ def _first(extra: dict) -> dict:
 
 
 def test_scaled_weight_is_the_first_divergence_with_local_error(net, x):
-    case = ParityCase(_session(), "t::scaled", patches=_scaled(net.blocks[2].b.weight))
+    case = ParityCase(_session(), "t::scaled", patches=_scaled(net, "blocks.2.b.weight"))
     message, extra = _fail(case, "net", net, x)
     assert "First divergence: blocks.2.b (Linear)" in message
     first = _first(extra)
@@ -139,7 +131,7 @@ def test_fault_in_a_modules_own_code_names_that_module(net, x):
 
 def test_training_mode_replays_dropout_for_local_reruns(net, x):
     net.train()  # dropout draws from the shared stream; a local re-run must see the same mask
-    case = ParityCase(_session(), "t::train", patches=_scaled(net.blocks[1].b.weight))
+    case = ParityCase(_session(), "t::train", patches=_scaled(net, "blocks.1.b.weight"))
     _, extra = _fail(case, "net", net, x)
     rows = {r["submodule"]: r for r in extra["localization"]}
     assert _first(extra)["submodule"] == "blocks.1.b"
@@ -148,7 +140,7 @@ def test_training_mode_replays_dropout_for_local_reruns(net, x):
 
 
 def test_bound_method_names_repeated_calls(net, x):
-    case = ParityCase(_session(), "t::rollout", patches=_scaled(net.head.weight))
+    case = ParityCase(_session(), "t::rollout", patches=_scaled(net, "head.weight"))
     message, extra = _fail(case, "rollout", net.rollout, x)
     first = _first(extra)
     assert first["submodule"] == "head"  # inside the first forward call, <module>#0
@@ -164,7 +156,7 @@ def test_baseline_reference_is_localized_against_a_live_cpu_run(net, x, tmp_path
     case.check("net", net, x)
     assert case.finish() == "created"
     session = ParitySession(torch.device("cpu"), reference="baseline", store=store, failure_hooks=[failure_hook])
-    case = ParityCase(session, "tests/test_toy.py::test_net", patches=_scaled(net.blocks[0].a.weight))
+    case = ParityCase(session, "tests/test_toy.py::test_net", patches=_scaled(net, "blocks.0.a.weight"))
     message, extra = _fail(case, "net", net, x)
     assert "Localized against a live CPU run (the check's reference was baseline" in message
     assert _first(extra)["submodule"] == "blocks.0.a"
@@ -210,7 +202,7 @@ def test_no_hooks_stay_behind_and_passing_checks_never_localize(net, x):
     ParityCase(session, "t::clean").check("net", net, x)  # passes
     assert calls == []
     with pytest.raises(ParityError):
-        ParityCase(session, "t::bad", patches=_scaled(net.head.weight)).check("net", net, x)
+        ParityCase(session, "t::bad", patches=_scaled(net, "head.weight")).check("net", net, x)
     assert len(calls) == 1
     for module in net.modules():
         assert not module._forward_hooks and not module._forward_pre_hooks
@@ -220,7 +212,7 @@ def test_a_broken_failure_hook_never_hides_the_failure(net, x):
     def broken(*args):
         raise RuntimeError("diagnosis exploded")
     session = ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[broken])
-    message, _ = _fail(ParityCase(session, "t::broken", patches=_scaled(net.head.weight)), "net", net, x)
+    message, _ = _fail(ParityCase(session, "t::broken", patches=_scaled(net, "head.weight")), "net", net, x)
     assert "Mismatched elements" in message and "broken could not run: RuntimeError: diagnosis exploded" in message
 
 
