@@ -241,6 +241,38 @@ def parse_golden_spec(text: str, *, source: str, base: GoldenPolicy = DEFAULT_GO
         raise ValueError(f"{exc} (in {text!r})") from None
 
 
+#: The verdict policies a check can be judged by (see ``parse_policy_spec``).
+POLICIES = ("allclose", "golden")
+
+
+def parse_policy_spec(text: str, *, source: str, recipe: str) -> GoldenPolicy | None:
+    """Parse a verdict-policy choice: ``"allclose"`` or ``"golden [rmse=3 max_rel=10 …] [# reason]"``.
+
+    This is what ``--parity-policy``, the ini keys ``parity_<recipe>_policy`` and ``parity_policies``,
+    the marker's ``policy=`` and ``parity.check(..., policy=...)`` accept. Golden limits not given
+    keep ``default_golden_for_recipe(recipe)``'s (msprobe's benchmark limits, small-value
+    thresholds of the recipe's work dtype).
+
+    Returns:
+        None for ``allclose`` (judge by the tolerance), else the ``GoldenPolicy``.
+
+    Raises:
+        ValueError: on anything else (naming the text and the accepted forms), or bad limits (as
+            ``parse_golden_spec``), or an unknown recipe.
+    """
+    body = text.partition("#")[0].strip()
+    word = body.split()[0] if body else ""
+    if word == "allclose" and body == "allclose":
+        return None
+    if word != "golden":
+        raise ValueError(f"verdict policy {text!r}: expected 'allclose' or 'golden [rmse=… max_rel=… "
+                         "mean_rel=… small=…] [# reason]'")
+    base = default_golden_for_recipe(recipe)
+    if body == "golden" and not text.partition("#")[2].strip():
+        return base  # the default limits: nothing overridden, nothing to attribute
+    return parse_golden_spec(text, source=source, base=base)
+
+
 def default_golden_for_recipe(recipe: str) -> GoldenPolicy:
     """The default golden policy of a recipe, with small-value thresholds of its work dtype filled in
     (a bf16 recipe's fp32 outputs carry bf16 error, so they are judged by bf16's thresholds).

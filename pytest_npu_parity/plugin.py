@@ -51,6 +51,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--parity-worker-devices", default=None, metavar="INDICES",
                     help="pytest-xdist: comma-separated device indices, worker gwK runs on entry K mod n "
                          "(default: ini parity_worker_devices, else gwK runs on index K mod device count)")
+    group.addoption("--parity-policy", default=None, choices=("allclose", "golden"),
+                    help="verdict policy of every recipe: allclose (rtol/atol/budget; default) or golden (target and "
+                         "reference errors against a higher-precision CPU golden run, msprobe's benchmark ratio "
+                         "limits); replaces ini parity_<recipe>_policy, while ini parity_policies lines, the "
+                         "marker's policy= and parity.check(policy=...) still choose per check")
     group.addoption("--parity-audit", action="store_true", default=False,
                     help="record a device-propagation audit of every target run (costs time)")
     group.addoption("--parity-selfcheck", action="store_true", default=False,
@@ -72,6 +77,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     for recipe in ("fp32", "bf16"):
         parser.addini(f"parity_{recipe}_tolerance", default="",
                       help=f"override of the {recipe} default tolerance, e.g. 'rtol=1e-5 atol=1e-5 # reason'")
+        parser.addini(f"parity_{recipe}_policy", default="",
+                      help=f"verdict policy of {recipe} checks: 'allclose' (default) or 'golden [rmse=2 max_rel=10 "
+                           "mean_rel=2 small=2] [# reason]'")
+    parser.addini("parity_policies", type="linelist", default=[],
+                  help="per-check verdict policy, one per line: '<check name or glob>: golden [rmse=3 …] # reason' "
+                       "or '<check name or glob>: allclose'")
 
 
 def _opt(config: pytest.Config, name: str, ini: str) -> Any:
@@ -114,6 +125,37 @@ def _tolerance_overrides(config: pytest.Config) -> tuple[dict, dict]:
     return per_check, per_recipe
 
 
+def _policy_overrides(config: pytest.Config) -> tuple[dict, dict]:
+    """``(per recipe, per check)`` verdict policy specs from ``--parity-policy`` and the ini keys,
+    validated now (a bad spec is a usage error naming the key)."""
+    from .golden import parse_policy_spec
+
+    per_recipe: dict = {}
+    per_check: dict = {}
+    option = config.getoption("parity_policy")
+    for recipe in ("fp32", "bf16"):
+        key = f"parity_{recipe}_policy"
+        spec = option or config.getini(key).strip()
+        if spec:
+            where = "--parity-policy" if option else f"ini {key}"
+            try:
+                per_recipe[recipe] = parse_policy_spec(spec, source="ini", recipe=recipe)
+            except ValueError as exc:
+                raise pytest.UsageError(f"{where}: {exc}") from None
+    if option:
+        per_recipe.setdefault("bf16-weights", per_recipe["bf16"])
+    for line in config.getini("parity_policies"):
+        pattern, sep, spec = line.partition(":")
+        try:
+            if not sep or not pattern.strip():
+                raise ValueError(f"line {line!r} needs '<check or glob>: golden …' or '<check or glob>: allclose'")
+            parse_policy_spec(spec.strip(), source="ini", recipe="fp32")
+        except ValueError as exc:
+            raise pytest.UsageError(f"ini parity_policies: {exc}") from None
+        per_check[pattern.strip()] = spec.strip()
+    return per_recipe, per_check
+
+
 def _hypothesis_profiles(config: pytest.Config) -> None:
     """Register the ``npu-parity-ci`` and ``nightly`` hypothesis profiles (``strategies.register_profiles``)
     and, in a parity session whose user chose no profile, load ``npu-parity-ci`` (bounded, derandomized).
@@ -150,9 +192,10 @@ def pytest_configure(config: pytest.Config) -> None:
     _hypothesis_profiles(config)
     config.addinivalue_line(
         "markers",
-        "parity(rtol=None, atol=None, budget=None, reason=None, recipes=None, vacuous_ok=None): tolerance "
-        "override for every check of the test (shown in the report with its reason), the recipes it runs under, "
-        "and/or why its checks may be vacuous (constant reference output, no teeth under --parity-selfcheck)",
+        "parity(rtol=None, atol=None, budget=None, reason=None, recipes=None, vacuous_ok=None, policy=None): "
+        "tolerance override for every check of the test (shown in the report with its reason), the recipes it "
+        "runs under, why its checks may be vacuous (constant reference output, no teeth under "
+        "--parity-selfcheck), and/or their verdict policy ('allclose' or 'golden [rmse=… # reason]')",
     )
     config.stash[CASES_KEY] = []
     config.stash[ROWS_KEY] = []
@@ -205,6 +248,7 @@ def _make_session(config: pytest.Config):
     if reference not in ("auto", "cpu", "baseline"):
         raise pytest.UsageError(f"ini parity_reference={reference!r}: use auto, cpu or baseline")
     per_check, per_recipe = _tolerance_overrides(config)
+    recipe_policies, check_policies = _policy_overrides(config)
     seed = _opt(config, "parity_seed", "parity_seed")
     try:
         seed = int(seed)
@@ -222,6 +266,7 @@ def _make_session(config: pytest.Config):
         store=_make_store(config), check_tolerances=per_check, recipe_tolerances=per_recipe, seed=seed,
         audit_factory=audit_factory, failure_hooks=[localize.failure_hook],
         check_hooks=[selfcheck.SelfCheck()] if config.getoption("parity_selfcheck") else [],
+        recipe_policies=recipe_policies, check_policies=check_policies,
     )
 
 
@@ -273,8 +318,18 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"CANN {status.cann_version or '-'} · precision flags "
         + " ".join(f"{k}={v}" for k, v in flags.items()),
     ]
+    lines.append("npu-parity: verdicts " + " · ".join(
+        f"{recipe} {_policy_text(session.verdict_policy(recipe, ''), session.tolerance(recipe, ''))}"
+        for recipe in _recipe_names(config)) + (" (per-check choices in parity_policies)" if session.check_policies else ""))
     pinning = _worker_pinning_line(config)
     return lines + [pinning] if pinning else lines
+
+
+def _policy_text(golden_policy: Any, tolerance: Any) -> str:
+    """``allclose rtol=1e-05 atol=1e-05 budget=0`` or the golden policy's description."""
+    if golden_policy is not None:
+        return golden_policy.describe()
+    return f"allclose rtol={tolerance.rtol:g} atol={tolerance.atol:g} budget={tolerance.budget:g}"
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -348,9 +403,13 @@ def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, p
     from .runner import ParityCase
 
     marker = request.node.get_closest_marker("parity")
-    case = ParityCase(parity_session, request.node.nodeid, parity_recipe,
-                      marker_tolerance=_marker_tolerance(request.node, parity_recipe), patches=parity_patches,
-                      vacuous_ok=marker.kwargs.get("vacuous_ok") if marker else None)
+    try:
+        case = ParityCase(parity_session, request.node.nodeid, parity_recipe,
+                          marker_tolerance=_marker_tolerance(request.node, parity_recipe), patches=parity_patches,
+                          vacuous_ok=marker.kwargs.get("vacuous_ok") if marker else None,
+                          marker_policy=marker.kwargs.get("policy") if marker else None)
+    except ValueError as exc:  # a bad policy= in the marker
+        raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.parity: {exc}") from None
     request.config.stash[CASES_KEY].append(case)
     yield case
     case.finish(failed=request.node.nodeid in request.config.stash[FAILED_KEY])
@@ -486,6 +545,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     else:
         tr.write_line("no parity checks ran")
     _summarize_references(tr, rows)
+    _summarize_policies(tr, rows)
     _summarize_teeth(tr, rows)
     _summarize_baseline_problems(tr, rows, session)
     _summarize_writes(tr, session)
@@ -533,6 +593,21 @@ def _summarize_references(tr: Any, rows: list[dict]) -> None:
             counts[{"cpu": "a live CPU run", "given": "the given expected output"}.get(reference, str(reference))] += 1
     for reference, n in sorted(counts.items()):
         tr.write_line(f"reference: {n} check{'s' * (n != 1)} vs {reference}")
+
+
+def _summarize_policies(tr: Any, rows: list[dict]) -> None:
+    """When any check was judged by the golden policy: how many checks each verdict policy judged,
+    then every check that asked for the golden and fell back to allclose (and why)."""
+    judged = [row for row in _per_check(rows).values() if row.get("verdict") not in ("recorded", "error")]
+    notes = [row for row in judged if row.get("policy_note")]
+    if not any(row.get("policy") == "golden" for row in judged) and not notes:
+        return
+    counts = Counter(row.get("golden_policy") or "allclose" for row in judged if row.get("policy") == "golden")
+    n_allclose = sum(1 for row in judged if row.get("policy") != "golden")
+    tr.write_line("verdicts: " + ", ".join([f"{n} by {text}" for text, n in sorted(counts.items())]
+                                           + [f"{n_allclose} by allclose"] * bool(n_allclose)))
+    for row in sorted(notes, key=lambda r: (r["test_id"], r["check"], r["recipe"])):
+        tr.write_line(f"  {row['test_id']} check {row['check']!r} ({row['recipe']}): {row['policy_note']}")
 
 
 def _summarize_teeth(tr: Any, rows: list[dict]) -> None:

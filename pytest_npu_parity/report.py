@@ -74,6 +74,12 @@ COLUMNS: dict[str, str] = {
     "budget": "allowed fraction of mismatched elements",
     "tolerance_source": "where the tolerance came from: default, ini, marker or check",
     "tolerance_reason": "why a non-default tolerance is justified (empty for defaults)",
+    "policy": "verdict policy the check was judged by: allclose (rtol/atol/budget) or golden",
+    "golden_policy": "the golden policy's ratio limits (+ [source: reason] when not the default); empty for allclose",
+    "policy_note": "why a check that asked for the golden verdict was judged by allclose (no golden run possible)",
+    "golden_dtype": "dtype of the golden run (float64 for fp32 work, float32 for bf16)",
+    "golden_worst_metric": "golden policy: the metric (rmse, max_rel, mean_rel, small_share) nearest its limit",
+    "golden_worst_margin": "golden policy: that metric's target/reference error ratio divided by its limit; > 1 fails",
     "problem": "structural failure (missing leaf, shape or dtype mismatch, exception); metrics NaN then",
     "verdict": "pass, fail (out of tolerance or structural problem), error (the check did not run) or recorded",
     "audit_mixed_device": "ops on the target that mixed devices",
@@ -117,7 +123,8 @@ FAILING = ("fail", "error")
 #: A leaf is "the same comparison" across runs when these match (plus the target's device type).
 HISTORY_KEY = ("test_id", "check", "leaf", "recipe")
 
-_FLOAT = {"max_abs", "max_rel", "rel_l2", "cosine", "err_ratio", "mismatched_frac", "rtol", "atol", "budget", "duration_s"}
+_FLOAT = {"max_abs", "max_rel", "rel_l2", "cosine", "err_ratio", "mismatched_frac", "rtol", "atol", "budget", "duration_s",
+          "golden_worst_margin"}
 _INT = {"numel", "mismatched", "nonfinite_mismatched", "audit_mixed_device", "audit_h2d", "audit_d2h",
         "audit_host_sync", "audit_cpu_fallback", "audit_fp64"}
 _JSON_META = {"recipes", "precision_flags", "patch_set", "pytest_args"}
@@ -614,7 +621,10 @@ def check_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def tolerance_text(row: Mapping[str, Any]) -> str:
-    """``rtol=1e-05 atol=1e-05 budget=0`` (plus ``[source: reason]`` for overrides) from a row."""
+    """``rtol=1e-05 atol=1e-05 budget=0`` (plus ``[source: reason]`` for overrides) from a row; the
+    golden policy's description (``golden rmse<=2 …``) for a row judged by the golden policy."""
+    if row.get("policy") == "golden" and not _isna(row.get("golden_policy")):
+        return str(row["golden_policy"])
     parts = [f"{k}={_num(row.get(k))}" for k in ("rtol", "atol", "budget") if not _isna(row.get(k))]
     source = row.get("tolerance_source")
     text = " ".join(parts) or "–"

@@ -41,6 +41,13 @@ from .rng import same_randomness
 
 PatchFactory = Callable[[torch.device], ContextManager[Any]]
 
+#: Verdict policy per recipe when nothing else is configured: allclose with the user's tolerances
+#: (1e-5 for fp32, 1e-3 for bf16). Calibration (README, "Verdict accuracy") shows that for bf16 no
+#: verdict both passes every legitimate variant and fails every fault, so the choice is left to
+#: the user: ``--parity-policy golden`` or ini ``parity_bf16_policy = golden``.
+DEFAULT_POLICIES: dict[str, str] = {"fp32": "allclose", "bf16": "allclose", "bf16-weights": "allclose",
+                                    "fp16": "allclose"}
+
 
 @dataclass
 class CheckRecord:
@@ -56,6 +63,9 @@ class CheckRecord:
     ``extra["vacuous"]`` (``selfcheck.vacuity_problem``), ``extra["teeth"]``/``teeth_problem``
     (``--parity-selfcheck``); a failing check's first-divergence table is ``extra["localization"]``
     (``localize.Localization.to_rows()``, a JSON-able list of dicts).
+    ``golden_policy`` is the ``golden.GoldenPolicy`` the check was judged by, or None for the
+    allclose tolerance; a check that asked for the golden but could not get one (``GoldenRunner``
+    raised ``GoldenUnavailableError``) is judged by allclose and says why in ``extra["policy_note"]``.
     """
 
     test_id: str
@@ -74,6 +84,12 @@ class CheckRecord:
     duration_s: float = 0.0
     message: str | None = None
     extra: dict = field(default_factory=dict)
+    golden_policy: Any = None
+
+    @property
+    def policy(self) -> str:
+        """The verdict policy the check was judged by: ``allclose`` or ``golden``."""
+        return "allclose" if self.golden_policy is None else "golden"
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per compared leaf (the report's row schema); one row with no metrics otherwise."""
@@ -82,7 +98,9 @@ class CheckRecord:
             "group": self.group or self.submodule or self.check,
             "recipe": self.recipe, "target": self.target, "target_name": self.target_name,
             "reference": self.reference, "reference_provenance": self.reference_provenance,
-            "duration_s": self.duration_s,
+            "duration_s": self.duration_s, "policy": self.policy,
+            "golden_policy": self.golden_policy.describe() if self.golden_policy is not None else None,
+            "policy_note": self.extra.get("policy_note"),
         }
         counts = (self.audit or {}).get("counts", {})
         for kind in ("mixed_device", "h2d", "d2h", "host_sync", "cpu_fallback", "fp64"):
@@ -224,6 +242,11 @@ class ParitySession:
         check_hooks: callables ``(case, record, call, actual, expected) -> str | None`` run after
             every comparison (pass or fail; ``actual``/``expected`` the CPU leaves); a returned
             text fails the check with that text (``selfcheck.SelfCheck``: ``--parity-selfcheck``).
+        recipe_policies: verdict policy per recipe (``"allclose"``, ``"golden"``, ``"golden rmse=3 …"``
+            or a ``golden.GoldenPolicy``); recipes not named use ``DEFAULT_POLICIES``.
+        check_policies: per check name (exact or ``fnmatch`` pattern): a policy spec string as above.
+        golden_runner: computes golden outputs (``golden.GoldenRunner``; default: a new one). A suite
+            may set its ``root`` (share one golden copy of a model) and ``shims``.
     """
 
     def __init__(self, target: torch.device, *, reference: str = "auto", update_baselines: bool = False,
@@ -231,7 +254,11 @@ class ParitySession:
                  recipe_tolerances: dict[str, Tolerance] | None = None, seed: int = 0,
                  audit_factory: Callable[[torch.device], ContextManager[Any]] | None = None,
                  failure_hooks: list[Callable[..., str | None]] | None = None,
-                 check_hooks: list[Callable[..., str | None]] | None = None):
+                 check_hooks: list[Callable[..., str | None]] | None = None,
+                 recipe_policies: dict[str, Any] | None = None, check_policies: dict[str, str] | None = None,
+                 golden_runner: Any = None):
+        from .golden import GoldenRunner, parse_policy_spec
+
         if reference not in ("auto", "cpu", "baseline"):
             raise ValueError(f"--parity-reference={reference!r}: use auto, cpu or baseline")
         if (reference == "baseline" or update_baselines) and store is None:
@@ -246,6 +273,13 @@ class ParitySession:
         self.audit_factory = audit_factory
         self.failure_hooks = list(failure_hooks or [])
         self.check_hooks = list(check_hooks or [])
+        self.recipe_policies: dict[str, Any] = {}
+        for recipe, spec in (recipe_policies or {}).items():
+            self.recipe_policies[recipe] = (parse_policy_spec(spec, source="ini", recipe=recipe)
+                                            if isinstance(spec, str) else spec)
+        self.check_policies = dict(check_policies or {})
+        self.golden_runner = golden_runner if golden_runner is not None else GoldenRunner()
+        self._golden_memo: dict[tuple, Any] = {}
         self.records: list[CheckRecord] = []
         self.baseline_writes: dict[str, str] = {}  # test_id -> created/changed/unchanged/not written
         self.baselines_used: set = set()
@@ -316,6 +350,43 @@ class ParitySession:
         """Drop cached device copies of ``module`` (after editing its weights)."""
         self._copies.pop(module, None)
 
+    def verdict_policy(self, recipe: str, check: str, marker: str | None = None,
+                       explicit: str | None = None) -> Any:
+        """The verdict policy of ``check`` under ``recipe``: None (allclose, by ``tolerance()``) or a
+        ``golden.GoldenPolicy``. Precedence: ``DEFAULT_POLICIES`` < ``recipe_policies`` (ini
+        ``parity_<recipe>_policy``, ``--parity-policy``) < ``check_policies`` (ini ``parity_policies``)
+        < ``marker`` (``@pytest.mark.parity(policy=...)``) < ``explicit`` (``check(..., policy=...)``).
+
+        Raises:
+            ValueError: a policy spec that ``golden.parse_policy_spec`` rejects.
+        """
+        import fnmatch
+
+        from .golden import parse_policy_spec
+
+        policy = self.recipe_policies.get(recipe, parse_policy_spec(DEFAULT_POLICIES.get(recipe, "allclose"),
+                                                                    source="default", recipe=recipe))
+        for pattern, spec in self.check_policies.items():
+            if pattern == check or fnmatch.fnmatchcase(check, pattern):
+                policy = parse_policy_spec(spec, source="ini", recipe=recipe)
+                break
+        if marker is not None:
+            policy = parse_policy_spec(marker, source="marker", recipe=recipe)
+        if explicit is not None:
+            policy = parse_policy_spec(explicit, source="check", recipe=recipe)
+        return policy
+
+    def golden(self, key: tuple, run: Callable[[], dict]) -> dict[str, torch.Tensor | None]:
+        """The golden leaves of one check: ``run()`` once per session per ``key`` (check, recipe,
+        input and config fingerprints), then reused.
+
+        Raises:
+            golden.GoldenUnavailableError: as ``run`` (not memoized: it is raised again).
+        """
+        if key not in self._golden_memo:
+            self._golden_memo[key] = run()
+        return self._golden_memo[key]
+
     def tolerance(self, recipe: str, check: str, marker: Tolerance | None = None,
                   explicit: dict[str, Any] | None = None) -> Tolerance:
         """The tolerance for ``check`` under ``recipe``: default < ini recipe < ini per-check < marker < explicit."""
@@ -346,11 +417,13 @@ class ParityCase:
         patches: ``(device) -> context manager`` applying the suite's patch set on the target side.
         vacuous_ok: why every check of the test may be vacuous (``@pytest.mark.parity(vacuous_ok=...)``);
             a check's own ``vacuous_ok`` takes precedence.
+        marker_policy: verdict policy spec from ``@pytest.mark.parity(policy=...)`` (``"golden"``,
+            ``"golden rmse=3 # reason"``, ``"allclose"``), or None.
     """
 
     def __init__(self, session: ParitySession, test_id: str, recipe: str = "fp32", *,
                  marker_tolerance: Tolerance | None = None, patches: PatchFactory | None = None,
-                 vacuous_ok: str | None = None):
+                 vacuous_ok: str | None = None, marker_policy: str | None = None):
         if recipe not in RECIPES:
             raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
         self.session = session
@@ -359,6 +432,8 @@ class ParityCase:
         self.marker_tolerance = marker_tolerance
         self.patches = patches
         self.vacuous_ok = vacuous_ok
+        self.marker_policy = marker_policy
+        self.session.verdict_policy(recipe, "", marker_policy)  # a bad marker spec fails before any run
         self.records: list[CheckRecord] = []
         self._pending: dict[str, Any] = {}
         self._baseline: Any = None
@@ -372,7 +447,8 @@ class ParityCase:
     def check(self, name: str, fn: Callable[..., Any], *args: Any, submodule: str | None = None,
               group: str | None = None, seed: int | None = None, grad: bool = False, rtol: float | None = None,
               atol: float | None = None, budget: float | None = None, reason: str | None = None,
-              vacuous_ok: str | None = None, fault_weight: str | None = None, **kwargs: Any) -> CheckRecord:
+              vacuous_ok: str | None = None, fault_weight: str | None = None, policy: str | None = None,
+              **kwargs: Any) -> CheckRecord:
         """Run ``fn(*args, **kwargs)`` on the reference and the target and compare every output leaf.
 
         Args:
@@ -390,6 +466,11 @@ class ParityCase:
                 teeth under ``--parity-selfcheck``); without it such a check fails.
             fault_weight: the parameter of ``fn``'s module that ``--parity-selfcheck`` perturbs
                 (default: its largest trainable weight matrix, ``selfcheck.sensitive_parameter``).
+            policy: verdict policy of this check: ``"allclose"`` (the tolerance) or ``"golden"``
+                (``"golden rmse=3 … # reason"`` for other limits): both sides are then compared
+                with a CPU golden run of ``fn`` in ``golden.golden_dtype(recipe)`` (fp64 for fp32
+                work, fp32 for bf16) and judged by ``golden.judge_golden``. Default: the session's
+                ``verdict_policy``.
 
         Returns:
             The ``CheckRecord`` (also kept for the summary and report).
@@ -403,6 +484,7 @@ class ParityCase:
         seed = self.session.seed if seed is None else seed
         tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance,
                                      dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
+        golden_policy = self.session.verdict_policy(self.recipe.name, name, self.marker_policy, policy)
         self._check_name(name)
         start = time.perf_counter()
         hashes = self._hashes(fn, args, kwargs)
@@ -413,8 +495,12 @@ class ParityCase:
         def rerun(device: torch.device, patched: bool, call_args: tuple, call_kwargs: dict) -> dict:
             return self._run(fn, call_args, call_kwargs, device, seed=seed, patched=patched, grad=grad)[0]
 
+        def golden() -> dict:
+            return self.session.golden_runner.run(fn, args, kwargs, recipe=self.recipe.name, seed=seed, grad=grad)
+
         call = CheckCall("check", fn, args, kwargs, seed, grad, rerun, vacuous_ok, fault_weight)
-        return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start)
+        return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
+                                       golden_policy, golden)
 
     def train_step(self, name: str, module: torch.nn.Module, inputs: dict[str, Any], *,
                    loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -423,7 +509,7 @@ class ParityCase:
                    group: str | None = None,
                    rtol: float | None = None, atol: float | None = None, budget: float | None = None,
                    reason: str | None = None, vacuous_ok: str | None = None,
-                   fault_weight: str | None = None) -> CheckRecord:
+                   fault_weight: str | None = None, policy: str | None = None) -> CheckRecord:
         """One training step on each side from the same weights, compared leaf by leaf.
 
         Each side deep-copies ``module``, puts it in training mode on its device, runs
@@ -436,7 +522,9 @@ class ParityCase:
         Compared leaves: ``loss``; ``grad.<param>`` for every trainable parameter; ``param.<param>``
         after the step for every trainable parameter; ``buffer.<name>`` for every buffer (e.g.
         BatchNorm running mean/var and num_batches_tracked).
-        ``vacuous_ok`` and ``fault_weight`` are as in ``check``.
+        ``vacuous_ok``, ``fault_weight`` and ``policy`` are as in ``check``; the golden of a
+        training step is the same step on a CPU copy of ``module`` in the golden dtype, without
+        autocast.
 
         Raises:
             ParityError, baselines.BaselineError: as ``check``.
@@ -444,17 +532,18 @@ class ParityCase:
         seed = self.session.seed if seed is None else seed
         tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance,
                                      dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
+        golden_policy = self.session.verdict_policy(self.recipe.name, name, self.marker_policy, policy)
         self._check_name(name)
         start = time.perf_counter()
         optimizer = optimizer or default_optimizer
         hashes = self._hashes(module, (), inputs)
 
-        def step(m: torch.nn.Module, **batch: Any) -> dict[str, torch.Tensor]:
+        def step(m: torch.nn.Module, _recipe_context: bool = True, **batch: Any) -> dict[str, torch.Tensor]:
             m.train()
             params = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
             opt = optimizer([p for _, p in params])
             opt.zero_grad(set_to_none=True)
-            with self.recipe.context(_device_of(m)):
+            with self.recipe.context(_device_of(m)) if _recipe_context else contextlib.nullcontext():
                 output = m(**batch)
                 loss = loss_fn(output) if loss_fn else _default_loss(output)
             loss.backward()
@@ -473,15 +562,25 @@ class ParityCase:
             return self._run(step, (m,), inputs if batch is None else batch, device, seed=seed, patched=patched,
                              grad=True, audited=audited, recipe_context=False)
 
+        def golden() -> dict:
+            from .golden import golden_dtype
+
+            m = copy.deepcopy(module).to(golden_dtype(self.recipe.name))
+            return self.session.golden_runner.run(step, (m, False), inputs, recipe=self.recipe.name, seed=seed,
+                                                  grad=True)
+
         call = CheckCall("train_step", module, (), inputs, seed, True,
                          lambda device, patched, _args, batch: run(device, patched, batch=batch)[0], vacuous_ok,
                          fault_weight)
-        return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start)
+        return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
+                                       golden_policy, golden)
 
     def _record_or_compare(self, name: str, run: Callable, hashes: dict[str, Any], call: "CheckCall",
-                           tol: Tolerance, submodule: str | None, group: str | None, start: float) -> CheckRecord:
+                           tol: Tolerance, submodule: str | None, group: str | None, start: float,
+                           golden_policy: Any = None, golden_run: Callable[[], dict] | None = None) -> CheckRecord:
         """The tail shared by ``check`` and ``train_step``: record the reference run in record mode;
-        else get the reference (baseline or live CPU), run the target under the patch set, judge."""
+        else get the reference (baseline or live CPU), run the target under the patch set, judge
+        (under ``golden_policy`` with the golden from ``golden_run``, when given)."""
         if self.session.update_baselines:
             leaves, _ = run(self.target, patched=False)
             return self._record_pending(name, leaves, hashes, call.seed, submodule, tol, start, group)
@@ -491,24 +590,44 @@ class ParityCase:
             self._baseline_error(name, exc, tol, submodule, group, start)
             raise
         actual, audit = run(self.target, patched=True, audited=self.session.audit_factory is not None)
+        golden, note = None, None
+        if golden_policy is not None and golden_run is not None:
+            from .golden import GoldenUnavailableError
+
+            key = (name, self.recipe.name, hashes["input_hash"], hashes["config_hash"])
+            try:
+                golden = self.session.golden(key, golden_run)
+            except GoldenUnavailableError as exc:
+                note = f"golden unavailable, judged by allclose: {exc}"
         return self._judge(name, actual, expected, tol, reference, provenance, submodule, start, audit,
-                           call=call, group=group)
+                           call=call, group=group, golden_policy=golden_policy if golden is not None else None,
+                           golden=golden, policy_note=note)
 
     def compare(self, name: str, actual: Any, expected: Any, *, rtol: float | None = None,
                 atol: float | None = None, budget: float | None = None, reason: str | None = None,
                 submodule: str | None = None, group: str | None = None,
-                vacuous_ok: str | None = None) -> CheckRecord:
+                vacuous_ok: str | None = None, golden: Any = None, policy: str | None = None) -> CheckRecord:
         """Judge outputs computed by the caller (``actual`` on the target, ``expected`` the reference).
+
+        ``golden``: the caller's golden output (same structure, higher precision); under a golden
+        verdict policy (``policy`` or the session's) the check is judged by ``golden.judge_golden``
+        when it is given, else by allclose with a note saying the golden was missing.
 
         Raises:
             ParityError: when a leaf is out of tolerance or ``expected`` is vacuous (constant).
         """
         tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance,
                                      dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
+        golden_policy = self.session.verdict_policy(self.recipe.name, name, self.marker_policy, policy)
         self._check_name(name)
         start = time.perf_counter()
+        note = None
+        if golden_policy is not None and golden is None:
+            golden_policy, note = None, "golden unavailable, judged by allclose: parity.compare was given no golden="
         return self._judge(name, _to_cpu_leaves(actual), _to_cpu_leaves(expected), tol, "given", None,
-                           submodule, start, None, call=None, group=group, vacuous_ok=vacuous_ok)
+                           submodule, start, None, call=None, group=group, vacuous_ok=vacuous_ok,
+                           golden_policy=golden_policy,
+                           golden=_to_cpu_leaves(golden) if golden_policy is not None else None, policy_note=note)
 
     def finish(self, *, failed: bool = False) -> str | None:
         """End of the test: in record mode write the baseline file.
@@ -685,14 +804,22 @@ class ParityCase:
         return record
 
     def _judge(self, name, actual, expected, tol, reference, provenance, submodule, start, audit,
-               call: CheckCall | None, group=None, vacuous_ok: str | None = None) -> CheckRecord:
+               call: CheckCall | None, group=None, vacuous_ok: str | None = None, golden_policy: Any = None,
+               golden: dict | None = None, policy_note: str | None = None) -> CheckRecord:
         from .selfcheck import vacuity_problem
 
-        result = compare(actual, expected, tol, name=name)
+        if golden_policy is not None:
+            from .golden import judge_golden
+
+            result = judge_golden(actual, expected, golden, golden_policy, tolerance=tol, name=name)
+        else:
+            result = compare(actual, expected, tol, name=name)
         record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
                              reference, tol, status="pass" if result.passed else "fail", submodule=submodule,
                              group=group, result=result, reference_provenance=provenance, audit=audit,
-                             duration_s=time.perf_counter() - start)
+                             duration_s=time.perf_counter() - start, golden_policy=golden_policy)
+        if policy_note:
+            record.extra["policy_note"] = policy_note
         self._keep(record)
         vacuous_ok = (call.vacuous_ok if call is not None else vacuous_ok) or self.vacuous_ok
         problems = []

@@ -95,7 +95,8 @@ def _simple(test, check, verdict, err_ratio, recipe="fp32", target="npu:0", leaf
 def test_columns_are_the_documented_contract():
     expected = ("run_id test_id check leaf submodule suite recipe dtype shape numel target target_name reference "
                 "reference_provenance max_abs max_rel rel_l2 cosine err_ratio mismatched mismatched_frac "
-                "nonfinite_mismatched rtol atol budget tolerance_source tolerance_reason problem verdict "
+                "nonfinite_mismatched rtol atol budget tolerance_source tolerance_reason policy golden_policy policy_note "
+                "golden_dtype golden_worst_metric golden_worst_margin problem verdict "
                 "audit_mixed_device audit_h2d audit_d2h audit_host_sync audit_cpu_fallback audit_fp64 duration_s").split()
     assert list(report.COLUMNS) == expected
     for name, text in {**report.COLUMNS, **report.META_COLUMNS}.items():

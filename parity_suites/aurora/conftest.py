@@ -12,6 +12,7 @@ import os
 
 import pytest
 
+from pytest_npu_parity import calibration
 from pytest_npu_parity.aurora import checks, factory, patches
 
 
@@ -29,6 +30,10 @@ def aurora(parity_session) -> checks.AuroraContext:
         npu.set_npu_options()
     model = factory.get_model("full", seed=int(os.environ.get("NPU_PARITY_AURORA_SEED", "0")),
                               checkpoint=os.environ.get("NPU_PARITY_AURORA_CHECKPOINT") or None)
+    # Golden verdicts (--parity-policy golden): one golden copy of the model serves every submodule,
+    # and the flow head's hard-coded float32 timestep embedding follows a float64 golden.
+    parity_session.golden_runner.root = model
+    parity_session.golden_runner.shims = calibration.aurora_golden_shims
     return checks.build_context(model, checks.suite_batch())
 
 

@@ -85,3 +85,34 @@ def test_scaled_decoder_weight_fails_the_full_model_checks(ctx, session, check):
     fault = lambda: checks.scaled_parameter(module, name, 1 + 1e-4)  # noqa: E731
     with pytest.raises(ParityError, match=rf"Parity check '{check.name}' failed"):
         _run(session, check, fn, args, kwargs, _faulty(fault), "scaled-decoder")
+
+
+# The golden verdict (--parity-policy golden) on the same port: clean passes, faults fail.
+GOLDEN_CASES = [
+    ("fp32", "decoder_layer_0", "scaled weight"),  # fp64 golden: a 1e-4 weight error is ~1e9 fp32 roundings
+    ("fp32", "forward_eval", "scaled decoder weight"),  # the whole sampled forecast, fp64 golden
+    ("bf16", "decoder_layer_0", "no mask"),  # fp32 golden: a fault larger than bf16's own error
+    ("bf16", "prototype_retriever", "no mask"),
+]
+
+
+@pytest.mark.parametrize("recipe, name, fault", GOLDEN_CASES, ids=["-".join(c) for c in GOLDEN_CASES])
+def test_golden_verdict_passes_the_clean_port_and_fails_faults(ctx, recipe, name, fault):
+    from pytest_npu_parity import calibration
+
+    check = next(c for c in checks.CHECKS if c.name == name)
+    fn, args, kwargs = check.build(ctx)
+    session = ParitySession(torch.device("cpu"), reference="cpu", recipe_policies={recipe: "golden"})
+    session.golden_runner.root, session.golden_runner.shims = ctx.model, calibration.aurora_golden_shims
+    clean = ParityCase(session, "clean", recipe, patches=_faulty()).check(check.name, fn, *args, **kwargs)
+    assert clean.status == "pass" and clean.policy == "golden"
+    module = _perturbed_module(ctx, check, fn)
+    if fault == "no mask":
+        faults = [checks.dropped_causal_mask]
+    elif fault == "scaled weight":
+        weight = check.fault_weight or checks.sensitive_weight(module)
+        faults = [lambda: checks.scaled_parameter(module, weight, 1 + 1e-4)]
+    else:
+        faults = [lambda: checks.scaled_parameter(module, "model.dec_layers.4.ffn_layer.ffn.0.weight", 1 + 1e-4)]
+    with pytest.raises(ParityError, match=rf"Parity check '{check.name}' failed under the golden policy"):
+        ParityCase(session, fault, recipe, patches=_faulty(*faults)).check(check.name, fn, *args, **kwargs)

@@ -1,0 +1,174 @@
+"""The runner's verdict policies: allclose by default, the golden verdict when chosen (engine only, no pytest glue)."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from pytest_npu_parity import golden as G
+from pytest_npu_parity.compare import ParityError
+from pytest_npu_parity.runner import DEFAULT_POLICIES, ParityCase, ParitySession
+
+CPU = torch.device("cpu")
+
+
+class Proj(torch.nn.Module):
+    """``x @ w`` (K = 256). Class switches let a "patch set" change the target side only:
+    ``split`` computes it as two half-K products (a reordered reduction: a legitimate variant),
+    ``scale`` multiplies the weight (a real fault)."""
+
+    split = False
+    scale = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(256, 64, generator=g) / 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.w * Proj.scale
+        if Proj.split:
+            return x[:, :128] @ w[:128] + x[:, 128:] @ w[128:]
+        return x @ w
+
+
+def target_patch(split: bool = False, scale: float = 1.0):
+    @contextlib.contextmanager
+    def patches(device: torch.device):
+        Proj.split, Proj.scale = split, scale
+        try:
+            yield
+        finally:
+            Proj.split, Proj.scale = False, 1.0
+    return patches
+
+
+X = torch.randn(32, 256, generator=torch.Generator().manual_seed(1))
+
+
+def case(recipe: str, patches=None, **session_kwargs) -> ParityCase:
+    session = ParitySession(CPU, reference="cpu", **session_kwargs)
+    return ParityCase(session, "tests/test_runner.py::t", recipe, patches=patches)
+
+
+def test_default_policy_is_allclose_for_every_recipe():
+    assert set(DEFAULT_POLICIES.values()) == {"allclose"}
+    record = case("fp32").check("proj", Proj(), X)
+    assert record.golden_policy is None and record.policy == "allclose"
+    assert {row["policy"] for row in record.rows()} == {"allclose"}
+
+
+def test_golden_passes_a_bf16_split_k_variant_that_allclose_1e3_fails():
+    # Two half-K products, each rounded to bf16, then summed: 29 % of the elements move by a bf16 step.
+    with pytest.raises(ParityError, match="Mismatched elements"):
+        case("bf16", target_patch(split=True)).check("proj", Proj(), X)
+    record = case("bf16", target_patch(split=True), recipe_policies={"bf16": "golden"}).check("proj", Proj(), X)
+    assert record.status == "pass" and record.policy == "golden"
+    leaf = record.result.leaves[0]
+    assert leaf.golden_dtype == "float32"
+    assert 0 < leaf.worst_ratio[1] <= 1  # within the limits, but the target did differ
+    assert leaf.mismatched > 0  # the informative allclose metrics still show the difference
+
+
+@pytest.mark.parametrize("recipe, scale", [("fp32", 1 + 1e-4), ("bf16", 1 + 3e-2)])
+def test_golden_fails_a_scaled_weight(recipe, scale):
+    with pytest.raises(ParityError, match="golden policy") as info:
+        case(recipe, target_patch(scale=scale), recipe_policies={recipe: "golden"}).check("proj", Proj(), X)
+    leaf = info.value.result.leaves[0]
+    assert leaf.over_limit  # at least one ratio above its limit
+    assert leaf.golden_dtype == ("float64" if recipe == "fp32" else "float32")
+
+
+def test_fp32_golden_catches_a_fault_allclose_misses():
+    # A 3e-7 relative scale moves the output far below rtol=1e-5, yet far above the fp32 rounding error.
+    patches = target_patch(scale=1 + 3e-6)
+    assert case("fp32", patches).check("proj", Proj(), X).status == "pass"
+    with pytest.raises(ParityError):
+        case("fp32", patches, recipe_policies={"fp32": "golden"}).check("proj", Proj(), X)
+
+
+def test_policy_precedence_default_recipe_check_marker_explicit():
+    session = ParitySession(CPU, reference="cpu", recipe_policies={"bf16": "golden"},
+                            check_policies={"attn_*": "golden rmse=3 # noisy fused kernel", "mlp": "allclose"})
+    assert session.verdict_policy("fp32", "x") is None
+    assert session.verdict_policy("bf16", "x") == G.default_golden_for_recipe("bf16")
+    per_check = session.verdict_policy("fp32", "attn_self")
+    assert per_check.rmse_ratio == 3 and per_check.source == "ini" and per_check.reason == "noisy fused kernel"
+    assert per_check.small_value_threshold == 1e-6  # fp32 work keeps fp32's small-value thresholds
+    assert session.verdict_policy("bf16", "mlp") is None
+    assert session.verdict_policy("bf16", "mlp", marker="golden max_rel=20").source == "marker"
+    assert session.verdict_policy("bf16", "mlp", marker="golden", explicit="allclose") is None
+    explicit = session.verdict_policy("fp32", "x", explicit="golden mean_rel=4 # why")
+    assert (explicit.mean_rel_ratio, explicit.source, explicit.reason) == (4, "check", "why")
+
+
+@pytest.mark.parametrize("spec", ["goldne", "golden rtol=1e-3", "allclose rtol=1", "", "golden rmse=0.5"])
+def test_bad_policy_specs_are_rejected_before_any_run(spec):
+    with pytest.raises(ValueError):
+        ParitySession(CPU, recipe_policies={"fp32": spec})
+    session = ParitySession(CPU)
+    with pytest.raises(ValueError):
+        ParityCase(session, "t", "fp32", marker_policy=spec)
+
+
+def test_golden_unavailable_falls_back_to_allclose_and_says_why():
+    def hard_coded_float32(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).to(torch.float32)
+
+    record = case("fp32", recipe_policies={"fp32": "golden"}).check("f", hard_coded_float32, X)
+    assert record.policy == "allclose" and record.status == "pass"
+    assert "golden unavailable" in record.extra["policy_note"] and "float32" in record.extra["policy_note"]
+    assert record.rows()[0]["policy_note"] == record.extra["policy_note"]
+
+
+def test_golden_runs_once_per_check_and_input():
+    calls = []
+
+    class Counting(G.GoldenRunner):
+        def run(self, fn, args=(), kwargs=None, **kw):
+            calls.append(1)
+            return super().run(fn, args, kwargs, **kw)
+
+    session = ParitySession(CPU, reference="cpu", recipe_policies={"fp32": "golden"}, golden_runner=Counting())
+    module = Proj()
+    ParityCase(session, "a", "fp32").check("proj", module, X)
+    ParityCase(session, "b", "fp32").check("proj", module, X)
+    ParityCase(session, "c", "fp32").check("proj", module, X * 2)
+    assert len(calls) == 2
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = Proj()
+        self.head = torch.nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        return torch.nn.functional.mse_loss(self.head(torch.tanh(self.proj(x))).squeeze(-1), y)
+
+
+def test_train_step_under_golden_passes_unchanged_and_fails_a_fault():
+    y = torch.linspace(-1, 1, 32)
+    inputs = {"x": X, "y": y}
+    record = case("fp32", recipe_policies={"fp32": "golden"}).train_step("step", TinyNet(), inputs)
+    assert record.policy == "golden" and record.status == "pass"
+    assert {"loss", "grad.proj.w", "param.head.weight"} <= {leaf.path for leaf in record.result.leaves}
+    assert {leaf.golden_dtype for leaf in record.result.leaves} == {"float64"}
+    with pytest.raises(ParityError, match="golden policy"):
+        case("fp32", target_patch(scale=1 + 1e-4), recipe_policies={"fp32": "golden"}).train_step(
+            "step", TinyNet(), inputs)
+
+
+def test_compare_uses_a_given_golden_and_notes_a_missing_one():
+    golden = torch.linspace(0, 1, 100, dtype=torch.float64)
+    expected = golden.float() + 1e-7
+    good, bad = golden.float() + 1.5e-7, golden.float() + 1e-5
+    c = case("fp32", recipe_policies={"fp32": "golden"})
+    assert c.compare("good", good, expected, golden=golden).policy == "golden"
+    with pytest.raises(ParityError, match="golden policy"):
+        c.compare("bad", bad, expected, golden=golden)
+    record = c.compare("no_golden", good, expected)
+    assert record.policy == "allclose" and "no golden=" in record.extra["policy_note"]
+
