@@ -17,8 +17,10 @@ reference comes from, the recipes, tolerance overrides and the baseline store, a
     judges outputs the user computed.
 
 Modules are moved to the target once per session (a cached deep copy keyed by the module object);
-a module with any submodule in training mode is deep-copied afresh for every run so that BatchNorm
-running statistics or other state changed by one side never leak into the other.
+a module with any submodule in training mode gets a fresh copy for every run so that BatchNorm
+running statistics or other state changed by one side never leak into the other (``fresh_copy``:
+buffers and module objects are copied, parameters — which a forward does not change — are shared
+when they already sit on the run's device in the run's dtype).
 """
 from __future__ import annotations
 
@@ -209,6 +211,18 @@ def _on_device(module: torch.nn.Module, device: torch.device, dtype: torch.dtype
     return True
 
 
+def fresh_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` whose buffers and submodule objects (their ``training`` flags, cached
+    attributes) are new, sharing the parameter tensors with ``module``.
+
+    For a forward in training mode: BatchNorm running statistics, ``num_batches_tracked`` and other
+    buffers change in the copy only, while the weights — up to 210 M parameters for Aurora, which a
+    forward does not modify — are not duplicated. Not for a training step: an optimizer updates
+    the shared parameters in place (``ParityCase.train_step`` deep-copies).
+    """
+    return copy.deepcopy(module, memo={id(p): p for p in module.parameters()})
+
+
 def owner_module(fn: Any) -> torch.nn.Module | None:
     """The module that ``fn`` is (a module) or belongs to (a bound method of a module), else None."""
     if isinstance(fn, torch.nn.Module):
@@ -299,8 +313,8 @@ class ParitySession:
         copy: call ``forget(module)`` after editing.
         """
         if _any_training(module):
-            if _on_device(module, device, dtype) and dtype is None:
-                return copy.deepcopy(module)
+            if _on_device(module, device, dtype):
+                return fresh_copy(module)  # buffers new, weights shared (a forward does not change them)
             return copy.deepcopy(module).to(device=device, dtype=dtype)
         if _on_device(module, device, dtype):
             return module

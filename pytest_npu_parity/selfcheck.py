@@ -237,8 +237,9 @@ def scaled_parameter(module: torch.nn.Module, name: str, factor: float) -> Itera
 def target_module(case: Any, module: torch.nn.Module, kind: str = "check") -> torch.nn.Module:
     """The module object whose weights the target side actually computes with.
 
-    A module in training mode, and a train step's module, are deep-copied for every run
-    (``ParitySession.place``, ``ParityCase.train_step``): the copy is made from ``module`` itself.
+    A module in training mode, and a train step's module, are copied for every run
+    (``ParitySession.place``: ``runner.fresh_copy``, which shares the weights; ``ParityCase.train_step``:
+    a deep copy): the copy is made from ``module`` itself, so editing ``module``'s weights reaches it.
     An eval module on a CPU target is run as it is; on another device (or in another weights dtype)
     the session's cached copy runs (``session.place``), so that copy is what a fault must edit.
     """

@@ -172,3 +172,17 @@ def test_compare_uses_a_given_golden_and_notes_a_missing_one():
     record = c.compare("no_golden", good, expected)
     assert record.policy == "allclose" and "no golden=" in record.extra["policy_note"]
 
+
+def test_training_mode_runs_get_fresh_buffers_but_share_the_weights():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train()
+    session = ParitySession(CPU, reference="cpu")
+    first, second = session.place(module, CPU), session.place(module, CPU)
+    assert first is not module and second is not first
+    assert first[0].weight is module[0].weight  # no copy of the weights
+    first(torch.randn(8, 4))
+    assert not torch.equal(first[1].running_mean, module[1].running_mean)  # statistics moved in the copy only
+    assert torch.equal(second[1].running_mean, module[1].running_mean)
+    assert int(module[1].num_batches_tracked) == 0
+    record = ParityCase(session, "t", "fp32").check("bn", module, torch.randn(8, 4))
+    assert record.status == "pass" and int(module[1].num_batches_tracked) == 0

@@ -236,10 +236,13 @@ class Intermediates(torch.nn.Module):
 
 
 def _maybe_train(module: torch.nn.Module, train: bool) -> torch.nn.Module:
+    """``module`` itself, or (``train``) a training-mode copy that shares its weights
+    (``runner.fresh_copy``): the shared model's mode and buffers never change."""
     if not train:
         return module
-    module = copy.deepcopy(module)  # never flip the shared model's mode
-    return module.train()
+    from ..runner import fresh_copy
+
+    return fresh_copy(module).train()
 
 
 def _catalogue() -> list[AuroraCheck]:
