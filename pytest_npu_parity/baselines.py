@@ -58,11 +58,11 @@ Guarantees
 * **Loud failures.** Every :class:`BaselineError` names the file; stale and missing baselines
   say what changed and give the exact command to re-record.
 
-Size and speed: a baseline holds only the leaves its checks compare. Loading reads the whole
-file through one descriptor (so a concurrent replace cannot mix two versions, see :func:`_read`),
-decodes it with ``safetensors.torch.load`` and verifies the checksum: about 25 ms for a 4.8 MB
-file on a 2-core x86 CPU, most of it the BLAKE2b pass — negligible beside one Aurora forward
-(~0.6 s). Loading lazily would only defer that work, since a test compares every check of its file.
+Size and speed: a baseline holds only the leaves its checks compare. Loading validates the header
+through one descriptor and memory-maps the tensors through the same descriptor with
+``safetensors.safe_open`` (so a concurrent replace cannot mix two versions, see :func:`_read`), then
+verifies the checksum, which touches every byte once: ``benchmarks/bench_suite.py`` measures the load
+throughput of the committed Aurora baselines against reading the same bytes (README, Performance).
 """
 from __future__ import annotations
 
@@ -674,19 +674,36 @@ def _kind(head: bytes) -> str:
 def _read(path: Path) -> Baseline:
     """Read, validate and decode one baseline file (see :meth:`BaselineStore.load`).
 
-    The file is read through one open file descriptor, so a concurrent ``os.replace`` by another
-    writer yields either the old or the new version, never a header of one and data of the other
-    (``safetensors.safe_open`` re-opens the file by name to map tensors, which can mix them).
+    The header is read and validated through one open file descriptor, and the tensors are
+    memory-mapped by ``safetensors.safe_open`` through that same descriptor (``/proc/self/fd/N``,
+    ``/dev/fd/N``), so a concurrent ``os.replace`` by another writer yields either the old or the
+    new version, never a header of one and data of the other. Tensors are views of a private
+    (copy-on-write) mapping of the file: pages are read when the checksum or a comparison touches
+    them and can be dropped by the OS, instead of holding the file's bytes plus a decoded copy.
     """
     shown = _show(path)
     try:
         with open(path, "rb") as fh:
-            data = fh.read()
+            return _read_open(path, shown, fh)
     except IsADirectoryError:
         raise CorruptBaselineError(f"baseline {shown} is a directory, not a file", path) from None
     except OSError as exc:
         raise CorruptBaselineError(f"baseline {shown} cannot be read: {exc}", path) from None
-    kind = _kind(data[:9])
+
+
+def _fd_path(fh: Any, path: Path) -> str:
+    """A name that opens the very file behind ``fh`` (Linux ``/proc/self/fd``, BSD/macOS ``/dev/fd``);
+    ``path`` itself where neither exists (then a concurrent replace can be seen as a checksum error)."""
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        candidate = f"{folder}/{fh.fileno()}"
+        if os.path.exists(candidate):
+            return candidate
+    return str(path)
+
+
+def _read_open(path: Path, shown: str, fh: Any) -> Baseline:
+    size = os.fstat(fh.fileno()).st_size
+    kind = _kind(fh.read(9))
     if kind == "pickle":
         raise UnsafeBaselineError(
             f"refusing {shown}: it is a pickle / torch.save file, which can run code when loaded; "
@@ -694,17 +711,18 @@ def _read(path: Path) -> Baseline:
             path,
         )
     if kind != "safetensors":
-        what = f"truncated ({len(data)} bytes)" if kind == "short" else "not a safetensors file (bad header)"
+        what = f"truncated ({size} bytes)" if kind == "short" else "not a safetensors file (bad header)"
         raise CorruptBaselineError(f"baseline {shown} is corrupt: {what}; delete it and re-record", path)
-    header_len = int.from_bytes(data[:8], "little")
-    if 8 + header_len > len(data):
+    fh.seek(0)
+    header_len = int.from_bytes(fh.read(8), "little")
+    if 8 + header_len > size:
         raise CorruptBaselineError(
             f"baseline {shown} is truncated: its header needs {8 + header_len} bytes, the file has "
-            f"{len(data)}; delete it and re-record",
+            f"{size}; delete it and re-record",
             path,
         )
     try:
-        header = json.loads(data[8 : 8 + header_len])
+        header = json.loads(fh.read(header_len))
         metadata = header.get("__metadata__") or {}
     except (ValueError, AttributeError) as exc:
         raise CorruptBaselineError(f"baseline {shown} has a corrupt header ({exc}); delete it and re-record", path) from None
@@ -732,10 +750,11 @@ def _read(path: Path) -> Baseline:
         raise CorruptBaselineError(f"baseline {shown} has unreadable metadata ({exc!r}); re-record it", path) from None
     if not isinstance(records, dict) or not isinstance(provenance, dict):
         raise CorruptBaselineError(f"baseline {shown} has malformed metadata; re-record it", path)
-    from safetensors.torch import load as decode
+    from safetensors import safe_open
 
     try:
-        stored = decode(data)
+        with safe_open(_fd_path(fh, path), framework="pt") as handle:
+            stored = {key: handle.get_tensor(key) for key in handle.keys()}
     except Exception as exc:  # safetensors raises its own SafetensorError
         raise CorruptBaselineError(f"baseline {shown} is corrupt or truncated: {exc}; delete it and re-record", path) from None
     used: set[str] = set()

@@ -654,3 +654,29 @@ def test_last_bit_differences_are_fresh_but_real_changes_are_stale(tmp_path):
     with pytest.raises(StaleBaselineError, match=r"input hash changed \(recorded .*\): sum of .* differs"):
         store.check_fresh(baseline, "chk", input_hash=fingerprint_tensors(other), config_hash="c",
                           input_summary=summarize_tensors(other), config_summary=[])
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux)")
+def test_loaded_tensors_are_memory_mapped_views_of_the_file(store):
+    store.write(TEST_ID, make_checks(), PROV)
+    path = store.path_for(TEST_ID).resolve()
+    baseline = store.load(TEST_ID)
+    spans = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].strip() == str(path):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((lo, hi))
+    assert spans, f"{path} is not mapped"
+    tensors = [t for check in baseline.checks.values() for t in check.tensors.values() if t.numel()]
+    assert tensors and all(any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in tensors)
+
+
+def test_replacing_a_loaded_file_leaves_the_loaded_tensors_intact(store):
+    store.write(TEST_ID, make_checks(seed=0), PROV)
+    before = {leaf: t.clone() for leaf, t in store.load(TEST_ID).checks["dec_layer_0"].tensors.items()}
+    loaded = store.load(TEST_ID)
+    store.write(TEST_ID, make_checks(seed=1), PROV)  # atomic replace while the old file is mapped
+    for leaf, tensor in loaded.checks["dec_layer_0"].tensors.items():
+        assert torch.equal(tensor, before[leaf])
+    assert not torch.equal(store.load(TEST_ID).checks["dec_layer_0"].tensors["[0]"], before["[0]"])
