@@ -74,7 +74,7 @@ import shlex
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -337,8 +337,8 @@ class BaselineStore:
         config_hash: str,
         shapes: dict[str, tuple] | None = None,
         dtypes: dict[str, torch.dtype | str] | None = None,
-        input_summary: list | None = None,
-        config_summary: list | None = None,
+        input_summary: list | Callable[[], list] | None = None,
+        config_summary: list | Callable[[], list] | None = None,
     ) -> CheckBaseline:
         """Return the stored check if it was recorded for this input and configuration.
 
@@ -355,6 +355,7 @@ class BaselineStore:
                 within ``provenance.SUMMARY_RTOL`` (the same data recomputed on another machine,
                 differing in last bits), the baseline is fresh and ``meta["bitwise_input"]`` /
                 ``meta["bitwise_config"]`` of the returned entry say it was not bit-identical.
+                Either may be a callable returning the summary: it is called only when its hash differs.
 
         Raises:
             MissingBaselineError: the file has no entry for ``check``.
@@ -380,6 +381,8 @@ class BaselineStore:
             if before == now:
                 continue
             change = f"{label} hash changed (recorded {_short(before)}, now {_short(now)})"
+            if callable(summary):
+                summary = summary()
             if summary is None:
                 changes.append(change)
                 continue

@@ -686,17 +686,20 @@ class ParityCase:
     def _hashes(self, fn: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         """Bitwise fingerprints of the input and the module, plus summaries that tell a real change
         from last-bit differences of the same data recomputed on another machine (see
-        ``BaselineStore.check_fresh``)."""
+        ``BaselineStore.check_fresh``). The summaries are callables, computed only where needed:
+        when recording, or when a hash differs from the recorded one (a full pass over Aurora's
+        weights costs about a second)."""
         from .provenance import fingerprint_module, fingerprint_tensors, summarize_module, summarize_tensors
 
         module = owner_module(fn)
         if module is not None:
-            config, config_summary = fingerprint_module(module), summarize_module(module)
+            config = fingerprint_module(module)
+            config_summary: Callable[[], list] = lambda: summarize_module(module)  # noqa: E731
         else:
             config = fingerprint_tensors(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}")
-            config_summary = []
+            config_summary = list
         return {"input_hash": fingerprint_tensors((args, kwargs)), "config_hash": config,
-                "input_summary": summarize_tensors((args, kwargs)), "config_summary": config_summary}
+                "input_summary": lambda: summarize_tensors((args, kwargs)), "config_summary": config_summary}
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device, *, seed: int,
              patched: bool, grad: bool, audited: bool = False, recipe_context: bool = True):
@@ -806,7 +809,8 @@ class ParityCase:
         from .baselines import CheckBaseline
 
         tensors = {p: t.contiguous() for p, t in leaves.items() if t is not None}
-        meta = dict(hashes, seed=seed, submodule=submodule, recipe=self.recipe.name,
+        meta = dict({k: v() if callable(v) else v for k, v in hashes.items()}, seed=seed, submodule=submodule,
+                    recipe=self.recipe.name,
                     shapes={p: list(t.shape) for p, t in tensors.items()},
                     dtypes={p: str(t.dtype).removeprefix("torch.") for p, t in tensors.items()})
         self._pending[name] = CheckBaseline(name=name, tensors=tensors,

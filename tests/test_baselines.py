@@ -680,3 +680,26 @@ def test_replacing_a_loaded_file_leaves_the_loaded_tensors_intact(store):
     for leaf, tensor in loaded.checks["dec_layer_0"].tensors.items():
         assert torch.equal(tensor, before[leaf])
     assert not torch.equal(store.load(TEST_ID).checks["dec_layer_0"].tensors["[0]"], before["[0]"])
+
+
+def test_summaries_are_computed_only_when_a_hash_differs(tmp_path):
+    from pytest_npu_parity.provenance import fingerprint_tensors, summarize_tensors
+
+    x = torch.linspace(-3, 3, 1000)
+    store = BaselineStore(tmp_path, "suite")
+    meta = {"input_hash": fingerprint_tensors(x), "config_hash": "c", "input_summary": summarize_tensors(x),
+            "config_summary": []}
+    store.write("t.py::test", {"chk": CheckBaseline("chk", {"out": x * 2}, [], meta)}, {"device_type": "cpu"})
+    baseline = store.load("t.py::test")
+    calls = []
+
+    def summary_of(t):
+        return lambda: calls.append(1) or summarize_tensors(t)
+
+    store.check_fresh(baseline, "chk", input_hash=fingerprint_tensors(x), config_hash="c",
+                      input_summary=summary_of(x), config_summary=summary_of(x))
+    assert calls == []  # both hashes match: no pass over the data
+    ulp = torch.nextafter(x, torch.full_like(x, float("inf")))
+    entry = store.check_fresh(baseline, "chk", input_hash=fingerprint_tensors(ulp), config_hash="c",
+                              input_summary=summary_of(ulp), config_summary=summary_of(x))
+    assert calls == [1] and entry.meta["bitwise_input"] is False
