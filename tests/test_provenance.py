@@ -347,3 +347,18 @@ def test_module_cache_does_not_keep_models_alive():
 def test_module_fingerprint_rejects_non_modules():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         fingerprint_module({"weight": torch.ones(1)})
+
+
+def test_parallel_module_hashing_gives_the_serial_digest(monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
+    monkeypatch.setattr(prov_mod, "PARALLEL_HASH_BYTES", 1)  # force the thread pool
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    parallel = fingerprint_module(model)
+    prov_mod._TENSOR_CACHE._data.clear()
+    prov_mod._MODULE_CACHE.pop(model)
+    monkeypatch.setattr(prov_mod, "PARALLEL_HASH_BYTES", 1 << 60)  # serial
+    assert fingerprint_module(model) == parallel
+    with torch.no_grad():
+        model[3].weight[0, 0] += 1
+    assert fingerprint_module(model) != parallel
