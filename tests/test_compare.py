@@ -214,6 +214,7 @@ def test_first_index_wins_on_ties():
 def test_blocks_and_threads_give_the_same_metrics(monkeypatch, block, threads):
     # Small blocks and forced threads exercise the block-merge logic on a small tensor.
     monkeypatch.setattr(compare_mod, "BLOCK", block)
+    monkeypatch.setattr(compare_mod, "WORKER_BLOCK", block)
     monkeypatch.setattr(compare_mod, "PARALLEL_MIN_BLOCKS", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     a, e = _pair(6, (13, 17))
@@ -243,9 +244,39 @@ def test_large_tensor_runs_on_threads_and_matches_numpy(monkeypatch):
     assert leaf.abs_index == (n - 5,)
 
 
+@pytest.mark.parametrize("pinned", [True, False])
+def test_worker_threads_pin_only_their_own_intra_op_threads(monkeypatch, pinned):
+    # Pinned workers (OpenMP backend) take WORKER_BLOCKs; unpinned ones keep BLOCKs. Same metrics.
+    monkeypatch.setattr(compare_mod, "_per_thread_intra_op", lambda: pinned)
+    monkeypatch.setattr(compare_mod, "BLOCK", 16)
+    monkeypatch.setattr(compare_mod, "WORKER_BLOCK", 48)
+    monkeypatch.setattr(compare_mod, "PARALLEL_MIN_BLOCKS", 2)
+    before = torch.get_num_threads()
+    sizes = []
+    real = compare_mod._Accumulator
+    monkeypatch.setattr(compare_mod, "_Accumulator", lambda tol, block, dtype: sizes.append(block) or real(tol, block, dtype))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    a, e = _pair(21, (1000,))
+    leaf = compare_tensors(a, e, FP32)
+    assert set(sizes) == {48 if pinned else 16} and len(sizes) == 2
+    assert_matches_numpy(leaf, a, e, FP32)
+    monkeypatch.undo()
+    assert torch.get_num_threads() == before  # the caller's intra-op threads are untouched
+
+
+def test_per_thread_probe_leaves_the_callers_thread_count(monkeypatch):
+    monkeypatch.setattr(compare_mod, "_PER_THREAD", None)
+    before = torch.get_num_threads()
+    result = compare_mod._per_thread_intra_op()
+    assert torch.get_num_threads() == before
+    if before >= 2 and "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        assert result is True
+
+
 def test_thread_count_is_capped(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 192)  # a large Ascend host
     monkeypatch.setattr(compare_mod, "BLOCK", 4)
+    monkeypatch.setattr(compare_mod, "WORKER_BLOCK", 4)
     monkeypatch.setattr(compare_mod, "PARALLEL_MIN_BLOCKS", 1)
     calls = []
     real = compare_mod.ThreadPoolExecutor
