@@ -240,17 +240,19 @@ def test_proj(parity):
 
 
 def test_parity_policy_golden_passes_a_legitimate_bf16_variant(pytester: pytest.Pytester) -> None:
+    import pandas as pd
+
     pytester.makepyfile(SPLIT_K)
     failed = pytester.runpytest("--npu-parity", "--parity-dtypes", "bf16")
     failed.assert_outcomes(failed=1)
     failed.stdout.fnmatch_lines(["*verdicts bf16 allclose rtol=0.001 atol=0.001 budget=0.001*"])
-    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "bf16", "--parity-policy", "golden",
-                                "--parity-report", "out")
+    # In a subprocess: pytester drops the modules first imported by an in-process run, and pandas
+    # imported again would register its pyarrow extension types twice (ArrowKeyError).
+    result = pytester.runpytest_subprocess("--npu-parity", "--parity-dtypes", "bf16", "--parity-policy", "golden",
+                                           "--parity-report", "out", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*verdicts bf16 golden rmse<=2 max_rel<=10 mean_rel<=2 small<=2*",
                                  "verdicts: 1 by golden rmse<=2 max_rel<=10*"])
-    import pandas as pd
-
     rows = pd.read_csv(pytester.path / "out" / "results.csv")
     assert list(rows["policy"]) == ["golden"] and rows["golden_worst_margin"].iloc[0] <= 1
 
