@@ -632,10 +632,8 @@ def test_safetensors_header_length_starting_with_pickle_opcode_is_not_refused(tm
     assert _kind(b"\x80\x05\x95\x10\x00\x00\x00\x00\x00") == "pickle"
 
 
-def test_last_bit_differences_are_fresh_but_real_changes_are_stale(tmp_path):
-    """Seeded weights or activations recomputed on another CPU differ in last bits: not stale.
-    Another input (a different window) is stale, and the message says which summary moved."""
-    from pytest_npu_parity.baselines import BaselineStore, CheckBaseline, StaleBaselineError
+def _recorded_with_summaries(tmp_path):
+    """``(x, store, baseline)``: one check recorded for input ``x`` with its hash and summary."""
     from pytest_npu_parity.provenance import fingerprint_tensors, summarize_tensors
 
     x = torch.linspace(-3, 3, 1000)
@@ -643,8 +641,16 @@ def test_last_bit_differences_are_fresh_but_real_changes_are_stale(tmp_path):
     meta = {"input_hash": fingerprint_tensors(x), "config_hash": "c", "input_summary": summarize_tensors(x),
             "config_summary": []}
     store.write("t.py::test", {"chk": CheckBaseline("chk", {"out": x * 2}, [], meta)}, {"device_type": "cpu"})
-    baseline = store.load("t.py::test")
+    return x, store, store.load("t.py::test")
 
+
+def test_last_bit_differences_are_fresh_but_real_changes_are_stale(tmp_path):
+    """Seeded weights or activations recomputed on another CPU differ in last bits: not stale.
+    Another input (a different window) is stale, and the message says which summary moved."""
+    from pytest_npu_parity.baselines import StaleBaselineError
+    from pytest_npu_parity.provenance import fingerprint_tensors, summarize_tensors
+
+    x, store, baseline = _recorded_with_summaries(tmp_path)
     ulp = torch.nextafter(x, torch.full_like(x, float("inf")))  # every element moved by one ULP
     entry = store.check_fresh(baseline, "chk", input_hash=fingerprint_tensors(ulp), config_hash="c",
                               input_summary=summarize_tensors(ulp), config_summary=[])
@@ -685,12 +691,7 @@ def test_replacing_a_loaded_file_leaves_the_loaded_tensors_intact(store):
 def test_summaries_are_computed_only_when_a_hash_differs(tmp_path):
     from pytest_npu_parity.provenance import fingerprint_tensors, summarize_tensors
 
-    x = torch.linspace(-3, 3, 1000)
-    store = BaselineStore(tmp_path, "suite")
-    meta = {"input_hash": fingerprint_tensors(x), "config_hash": "c", "input_summary": summarize_tensors(x),
-            "config_summary": []}
-    store.write("t.py::test", {"chk": CheckBaseline("chk", {"out": x * 2}, [], meta)}, {"device_type": "cpu"})
-    baseline = store.load("t.py::test")
+    x, store, baseline = _recorded_with_summaries(tmp_path)
     calls = []
 
     def summary_of(t):
