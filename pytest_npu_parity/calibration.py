@@ -42,8 +42,8 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import torch
 
 from .compare import compare
-from .golden import GoldenPolicy, GoldenRunner, GoldenUnavailableError, default_golden_for_recipe, golden_dtype, \
-    judge_golden
+from .golden import WORK_DTYPES, GoldenPolicy, GoldenRunner, GoldenUnavailableError, default_golden_for_recipe, \
+    golden_dtype, judge_golden
 from .policy import FP32, LOW_PRECISION, Tolerance
 
 #: Checks of the default run (≈ 10 min on 2 shared cores): attention, a decoder layer in eval and
@@ -833,7 +833,7 @@ def _judge(policies: Sequence[PolicySpec], recipe: str, target: dict, reference:
             if golden is None:
                 verdicts[policy.name] = "n/a"
                 continue
-            result = judge_golden(target, reference, golden, setting, name=name)
+            result = judge_golden(target, reference, golden, setting, name=name, work_dtype=WORK_DTYPES.get(recipe))
             verdicts[policy.name] = "pass" if result.passed else "fail"
             worst = max(result.leaves, key=_golden_margin, default=None)
             if worst is not None:

@@ -189,7 +189,7 @@ class GoldenPolicy:
         """Short text such as ``golden rmse<=2 max_rel<=10 mean_rel<=2 small<=2`` (+ source/reason)."""
         text = (f"golden rmse<={self.rmse_ratio:g} max_rel<={self.max_rel_ratio:g} "
                 f"mean_rel<={self.mean_rel_ratio:g} small<={self.small_value_ratio:g}")
-        if self.small_value_threshold is not None or self.small_value_atol is not None:
+        if self.is_override and (self.small_value_threshold is not None or self.small_value_atol is not None):
             text += f" small_thr={self.small_value_threshold} small_atol={self.small_value_atol}"
         if self.is_override:
             text += f" [{self.source}" + (f": {self.reason}]" if self.reason else "]")
@@ -245,7 +245,7 @@ def parse_golden_spec(text: str, *, source: str, base: GoldenPolicy = DEFAULT_GO
 POLICIES = ("allclose", "golden")
 
 
-def parse_policy_spec(text: str, *, source: str, recipe: str) -> GoldenPolicy | None:
+def parse_policy_spec(text: "str | GoldenPolicy", *, source: str, recipe: str) -> GoldenPolicy | None:
     """Parse a verdict-policy choice: ``"allclose"`` or ``"golden [rmse=3 max_rel=10 …] [# reason]"``.
 
     This is what ``--parity-policy``, the ini keys ``parity_<recipe>_policy`` and ``parity_policies``,
@@ -256,10 +256,18 @@ def parse_policy_spec(text: str, *, source: str, recipe: str) -> GoldenPolicy | 
     Returns:
         None for ``allclose`` (judge by the tolerance), else the ``GoldenPolicy``.
 
+    A ``GoldenPolicy`` is returned as it is.
+
     Raises:
         ValueError: on anything else (naming the text and the accepted forms), or bad limits (as
             ``parse_golden_spec``), or an unknown recipe.
+        TypeError: ``text`` is neither a string nor a ``GoldenPolicy``.
     """
+    if isinstance(text, GoldenPolicy):
+        return text
+    if not isinstance(text, str):
+        raise TypeError(f"verdict policy {text!r} is a {type(text).__name__}: give 'allclose', 'golden' or "
+                        "'golden rmse=… # reason' (or a golden.GoldenPolicy)")
     body = text.partition("#")[0].strip()
     word = body.split()[0] if body else ""
     if word == "allclose" and body == "allclose":
@@ -510,7 +518,7 @@ def _same_kind(a: torch.dtype, b: torch.dtype) -> bool:
 
 def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: torch.Tensor,
                          policy: GoldenPolicy, *, tolerance: Tolerance | None = None,
-                         path: str = "") -> GoldenLeafResult:
+                         path: str = "", work_dtype: torch.dtype | None = None) -> GoldenLeafResult:
     """Judge one leaf: the target ``actual`` and the reference ``expected`` against ``golden``.
 
     Args:
@@ -521,19 +529,28 @@ def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: t
         tolerance: allclose tolerance for the informative target-vs-reference metrics
             (default: ``policy.default_for_dtype`` of ``expected``).
         path: the leaf's name.
+        work_dtype: the precision the recipe computes in (``WORK_DTYPES[recipe]``: bfloat16 for
+            bf16 work), or None to judge by the leaf's own dtype. Under a 16-bit work dtype the
+            rounding floor is the golden rounded to the coarser of the leaf's dtype and the work
+            dtype: an op that one device's autocast keeps in fp32 (layer_norm, softmax, sums) may
+            legitimately run in bf16 on another, so its reference can be exact to fp32 while a
+            correct target is only exact to bf16.
 
     Returns:
         A ``GoldenLeafResult`` (its ``passed`` is the verdict). A shape mismatch between target and
         reference, a dtype mismatch of another kind (float vs integer, real vs complex), or a golden
         of another shape fail with ``problem`` set. Two floating dtypes may differ (``note`` says
-        so): the golden judges accuracy, and autocast's op lists differ between devices and kernels.
-        Integer and bool leaves are judged exactly.
+        so) under a 16-bit work dtype (or none given): the golden judges accuracy, and autocast's op
+        lists differ between devices and kernels. Under fp32/fp64 work a dtype change is a failure
+        (a target that returns bf16 where fp32 was computed lost precision). Integer and bool
+        leaves are judged exactly.
     """
     tol = tolerance if tolerance is not None else default_for_dtype(expected.dtype)
     exact = not (expected.dtype.is_floating_point or expected.dtype.is_complex)
     coarse = expected.dtype
     note = None
-    if actual.dtype != expected.dtype and _same_kind(actual.dtype, expected.dtype) and not exact:
+    lenient = work_dtype is None or (work_dtype.is_floating_point and torch.finfo(work_dtype).bits <= 16)
+    if actual.dtype != expected.dtype and _same_kind(actual.dtype, expected.dtype) and not exact and lenient:
         # Autocast op lists differ between devices and kernels (measured: under CPU bf16 autocast
         # nn.TransformerEncoder's fast path returns bf16, its slow path fp32): the golden judges
         # accuracy, not the dtype. Informative metrics are taken in the finer dtype, the rounding
@@ -557,6 +574,9 @@ def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: t
         leaf.problem = f"golden shape {tuple(golden.shape)} differs from the outputs' {tuple(expected.shape)}"
         return leaf
 
+    if (lenient and work_dtype is not None and coarse.is_floating_point
+            and torch.finfo(work_dtype).eps > torch.finfo(coarse).eps):
+        coarse = work_dtype  # see work_dtype above
     a, e, g = _real64(actual), _real64(expected), _real64(golden)
     threshold, small_atol = policy.small_values_for(coarse)
     mask = torch.isfinite(a) & torch.isfinite(e) & torch.isfinite(g)
@@ -578,7 +598,8 @@ def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: t
 
 
 def judge_golden(actual: Any, expected: Any, golden: Any, policy: GoldenPolicy = DEFAULT_GOLDEN, *,
-                 tolerance: Tolerance | None = None, name: str = "") -> GoldenCompareResult:
+                 tolerance: Tolerance | None = None, name: str = "",
+                 work_dtype: torch.dtype | None = None) -> GoldenCompareResult:
     """Judge nested outputs under the golden policy, leaf by leaf.
 
     Args:
@@ -588,6 +609,7 @@ def judge_golden(actual: Any, expected: Any, golden: Any, policy: GoldenPolicy =
         policy: the ratio limits (see ``GoldenPolicy``; ``default_golden_for_recipe`` for a recipe's).
         tolerance: allclose tolerance for the informative metrics (default: by dtype).
         name: the check's name, for messages.
+        work_dtype: the recipe's work dtype (``WORK_DTYPES``), see ``judge_golden_tensors``.
 
     Returns:
         A ``GoldenCompareResult``: passed when every leaf passes. A leaf missing on either side, a
@@ -617,7 +639,7 @@ def judge_golden(actual: Any, expected: Any, golden: Any, policy: GoldenPolicy =
             continue
         if g is None:  # integer leaf without golden: exact comparison needs none
             g = e
-        result.leaves.append(judge_golden_tensors(a, e, g, policy, tolerance=tol, path=path))
+        result.leaves.append(judge_golden_tensors(a, e, g, policy, tolerance=tol, path=path, work_dtype=work_dtype))
     return result
 
 
@@ -779,7 +801,7 @@ class GoldenRunner:
                 stack.enter_context(same_randomness(seed))
                 stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
                 output = call(*args_g, **kwargs_g)
-        except (RuntimeError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the golden dtype breaks, the check falls back
             raise GoldenUnavailableError(f"the {str(dtype).removeprefix('torch.')} golden run failed: "
                                          f"{type(exc).__name__}: {exc}") from exc
         leaves = {p: (t.detach().to("cpu") if t is not None else None) for p, t in flatten(output)}
@@ -788,6 +810,6 @@ class GoldenRunner:
         if lower:
             kinds = sorted({str(leaves[p].dtype).removeprefix("torch.") for p in lower})
             raise GoldenUnavailableError(
-                f"the golden run returned {', '.join(kinds)} for {', '.join(repr(p) for p in lower[:3])}"
+                f"the golden run returned {', '.join(kinds)} for {', '.join(repr(p or '<output>') for p in lower[:3])}"
                 f" instead of {str(dtype).removeprefix('torch.')}: the computation hard-codes a lower precision")
         return leaves

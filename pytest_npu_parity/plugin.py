@@ -78,8 +78,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         parser.addini(f"parity_{recipe}_tolerance", default="",
                       help=f"override of the {recipe} default tolerance, e.g. 'rtol=1e-5 atol=1e-5 # reason'")
         parser.addini(f"parity_{recipe}_policy", default="",
-                      help=f"verdict policy of {recipe} checks: 'allclose' (default) or 'golden [rmse=2 max_rel=10 "
-                           "mean_rel=2 small=2] [# reason]'")
+                      help=f"verdict policy of {recipe} checks{' (and bf16-weights)' if recipe == 'bf16' else ''}: "
+                           "'allclose' (default) or 'golden [rmse=2 max_rel=10 mean_rel=2 small=2] [# reason]'")
     parser.addini("parity_policies", type="linelist", default=[],
                   help="per-check verdict policy, one per line: '<check name or glob>: golden [rmse=3 …] # reason' "
                        "or '<check name or glob>: allclose'")
@@ -142,7 +142,7 @@ def _policy_overrides(config: pytest.Config) -> tuple[dict, dict]:
                 per_recipe[recipe] = parse_policy_spec(spec, source="ini", recipe=recipe)
             except ValueError as exc:
                 raise pytest.UsageError(f"{where}: {exc}") from None
-    if option:
+    if "bf16" in per_recipe:  # bf16-weights is bf16 work too
         per_recipe.setdefault("bf16-weights", per_recipe["bf16"])
     for line in config.getini("parity_policies"):
         pattern, sep, spec = line.partition(":")
@@ -408,7 +408,7 @@ def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, p
                           marker_tolerance=_marker_tolerance(request.node, parity_recipe), patches=parity_patches,
                           vacuous_ok=marker.kwargs.get("vacuous_ok") if marker else None,
                           marker_policy=marker.kwargs.get("policy") if marker else None)
-    except ValueError as exc:  # a bad policy= in the marker
+    except (ValueError, TypeError) as exc:  # a bad policy= in the marker
         raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.parity: {exc}") from None
     request.config.stash[CASES_KEY].append(case)
     yield case

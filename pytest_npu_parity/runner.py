@@ -361,8 +361,11 @@ class ParitySession:
         }
 
     def forget(self, module: torch.nn.Module) -> None:
-        """Drop cached device copies of ``module`` (after editing its weights)."""
+        """Drop cached device copies of ``module`` and every cached golden copy and result (after
+        editing its weights)."""
         self._copies.pop(module, None)
+        self.golden_runner.forget()
+        self._golden_memo.clear()
 
     def verdict_policy(self, recipe: str, check: str, marker: str | None = None,
                        explicit: str | None = None) -> Any:
@@ -390,16 +393,17 @@ class ParitySession:
             policy = parse_policy_spec(explicit, source="check", recipe=recipe)
         return policy
 
-    def golden(self, key: tuple, run: Callable[[], dict]) -> dict[str, torch.Tensor | None]:
-        """The golden leaves of one check: ``run()`` once per session per ``key`` (check, recipe,
-        input and config fingerprints), then reused.
+    def golden(self, key: tuple, owner: Any, run: Callable[[], dict]) -> dict[str, torch.Tensor | None]:
+        """The golden leaves of one check: ``run()`` once per session per ``key`` (see
+        ``ParityCase._memo_key``), then reused; ``owner`` (the check's function or module, whose
+        ``id`` is in the key) is kept alive with the result so that no other object takes its id.
 
         Raises:
             golden.GoldenUnavailableError: as ``run`` (not memoized: it is raised again).
         """
         if key not in self._golden_memo:
-            self._golden_memo[key] = run()
-        return self._golden_memo[key]
+            self._golden_memo[key] = (owner, run())
+        return self._golden_memo[key][1]
 
     def tolerance(self, recipe: str, check: str, marker: Tolerance | None = None,
                   explicit: dict[str, Any] | None = None) -> Tolerance:
@@ -498,7 +502,7 @@ class ParityCase:
         seed = self.session.seed if seed is None else seed
         tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance,
                                      dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
-        golden_policy = self.session.verdict_policy(self.recipe.name, name, self.marker_policy, policy)
+        golden_policy = self._verdict_policy(name, policy)
         self._check_name(name)
         start = time.perf_counter()
         hashes = self._hashes(fn, args, kwargs)
@@ -546,7 +550,7 @@ class ParityCase:
         seed = self.session.seed if seed is None else seed
         tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance,
                                      dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
-        golden_policy = self.session.verdict_policy(self.recipe.name, name, self.marker_policy, policy)
+        golden_policy = self._verdict_policy(name, policy)
         self._check_name(name)
         start = time.perf_counter()
         optimizer = optimizer or default_optimizer
@@ -599,7 +603,7 @@ class ParityCase:
             leaves, _ = run(self.target, patched=False)
             return self._record_pending(name, leaves, hashes, call.seed, submodule, tol, start, group)
         try:
-            expected, reference, provenance = self._reference(name, run, hashes)
+            expected, reference, provenance = self._reference(name, run, hashes, call)
         except BaselineError as exc:
             self._baseline_error(name, exc, tol, submodule, group, start)
             raise
@@ -608,9 +612,8 @@ class ParityCase:
         if golden_policy is not None and golden_run is not None:
             from .golden import GoldenUnavailableError
 
-            key = (name, self.recipe.name, hashes["input_hash"], hashes["config_hash"])
             try:
-                golden = self.session.golden(key, golden_run)
+                golden = self.session.golden(self._memo_key(name, hashes, call), call.fn, golden_run)
             except GoldenUnavailableError as exc:
                 note = f"golden unavailable, judged by allclose: {exc}"
         return self._judge(name, actual, expected, tol, reference, provenance, submodule, start, audit,
@@ -632,16 +635,26 @@ class ParityCase:
         """
         tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance,
                                      dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
-        golden_policy = self.session.verdict_policy(self.recipe.name, name, self.marker_policy, policy)
+        golden_policy = self._verdict_policy(name, policy)
         self._check_name(name)
         start = time.perf_counter()
         note = None
         if golden_policy is not None and golden is None:
             golden_policy, note = None, "golden unavailable, judged by allclose: parity.compare was given no golden="
+        if golden_policy is not None:
+            golden = _to_cpu_leaves(golden)
+            expected_leaves = _to_cpu_leaves(expected)
+            for path, g in golden.items():
+                e = expected_leaves.get(path)
+                if (g is not None and e is not None and g.is_floating_point() and e.is_floating_point()
+                        and torch.finfo(g.dtype).bits < torch.finfo(e.dtype).bits):
+                    raise ValueError(f"parity check {name!r}: golden leaf {path or '<output>'!r} is "
+                                     f"{str(g.dtype).removeprefix('torch.')}, coarser than the expected "
+                                     f"{str(e.dtype).removeprefix('torch.')}; a golden must be at least as precise")
         return self._judge(name, _to_cpu_leaves(actual), _to_cpu_leaves(expected), tol, "given", None,
                            submodule, start, None, call=None, group=group, vacuous_ok=vacuous_ok,
-                           golden_policy=golden_policy,
-                           golden=_to_cpu_leaves(golden) if golden_policy is not None else None, policy_note=note)
+                           golden_policy=golden_policy, golden=golden if golden_policy is not None else None,
+                           policy_note=note)
 
     def finish(self, *, failed: bool = False) -> str | None:
         """End of the test: in record mode write the baseline file.
@@ -773,7 +786,21 @@ class ParityCase:
             raise self._baseline
         return self._baseline
 
-    def _reference(self, name: str, run: Callable, hashes: dict[str, str]):
+    def _verdict_policy(self, name: str, policy: Any) -> Any:
+        """``session.verdict_policy`` for this check; a bad ``policy=`` names the check."""
+        try:
+            return self.session.verdict_policy(self.recipe.name, name, self.marker_policy, policy)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"parity check {name!r}: policy={policy!r}: {exc}") from None
+
+    def _memo_key(self, name: str, hashes: dict[str, Any], call: "CheckCall") -> tuple:
+        """What makes two runs of a check the same computation: name, recipe, seed, autograd, kind,
+        the very function or module object (a closure or a module attribute that is not a tensor
+        is not in the fingerprints), the input and the weights."""
+        return (name, self.recipe.name, call.seed, call.grad, call.kind, id(call.fn),
+                hashes["input_hash"], hashes["config_hash"])
+
+    def _reference(self, name: str, run: Callable, hashes: dict[str, str], call: "CheckCall"):
         """(expected leaves, reference kind, provenance line) for a check."""
         mode = self.session.reference
         if mode in ("auto", "baseline"):
@@ -786,11 +813,11 @@ class ParityCase:
                 expected: dict[str, torch.Tensor | None] = dict(entry.tensors)
                 expected.update({p: None for p in entry.none_leaves})
                 return expected, "baseline", baseline.describe()  # "<file> — <device, date, versions>"
-        key = (name, self.recipe.name, hashes["input_hash"], hashes["config_hash"])
+        key = self._memo_key(name, hashes, call)
         memo = self.session._reference_memo
-        if key not in memo:
-            memo[key] = run(torch.device("cpu"), patched=False)[0]
-        return memo[key], "cpu", None
+        if key not in memo:  # the function/module is kept with the result: its id stays unique
+            memo[key] = (call.fn, run(torch.device("cpu"), patched=False)[0])
+        return memo[key][1], "cpu", None
 
     def _baseline_error(self, name: str, exc: BaselineError, tol: Tolerance, submodule: str | None,
                         group: str | None, start: float) -> CheckRecord:
@@ -829,7 +856,10 @@ class ParityCase:
         if golden_policy is not None:
             from .golden import judge_golden
 
-            result = judge_golden(actual, expected, golden, golden_policy, tolerance=tol, name=name)
+            from .golden import WORK_DTYPES
+
+            result = judge_golden(actual, expected, golden, golden_policy, tolerance=tol, name=name,
+                                  work_dtype=WORK_DTYPES.get(self.recipe.name))
         else:
             result = compare(actual, expected, tol, name=name)
         record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
@@ -868,7 +898,14 @@ class ParityCase:
                                     "tolerance:"] + problems)
         else:
             message = "\n\n".join([result.format(context)] + problems)
-            for hook in self.session.failure_hooks if call is not None else ():
+            hooks = self.session.failure_hooks if call is not None else ()
+            if golden_policy is not None and hooks:
+                # First-divergence localization judges submodule outputs by the allclose tolerance,
+                # which says nothing about a golden verdict: not run (its claims would mislead).
+                hooks = ()
+                message += ("\n\n(First-divergence localization is by allclose tolerance and is not run "
+                            "under the golden verdict; rerun with --parity-policy allclose to localize.)")
+            for hook in hooks:
                 try:
                     extra = hook(self, record, call, result)
                 except Exception as exc:  # noqa: BLE001 - a diagnosis must never hide the failure itself

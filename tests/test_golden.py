@@ -314,7 +314,7 @@ class _ReturnsFloat32(torch.nn.Module):
 def test_runner_reports_computations_that_cannot_run_in_the_golden_dtype():
     with pytest.raises(G.GoldenUnavailableError, match="float64 golden run failed: RuntimeError"):
         G.GoldenRunner().run(_HardCodedFloat32(), (torch.ones(2, 4),), recipe="fp32")
-    with pytest.raises(G.GoldenUnavailableError, match=r"returned float32 for '' instead of float64"):
+    with pytest.raises(G.GoldenUnavailableError, match=r"returned float32 for '<output>' instead of float64"):
         G.GoldenRunner().run(_ReturnsFloat32(), (torch.ones(2),), recipe="fp32")
 
 
@@ -368,3 +368,28 @@ def test_floating_dtypes_may_differ_and_the_floor_uses_the_coarser_one():
     assert (leaf.dtype, leaf.expected_dtype) == ("bfloat16", "float32")
     assert G.judge_golden_tensors(torch.tensor([1, 2]), f32(1.0, 2.0), f64(1.0, 2.0),
                                   G.DEFAULT_GOLDEN).problem.startswith("dtype mismatch")
+
+
+def test_bf16_work_floors_fp32_outputs_at_bf16_rounding():
+    # An op autocast keeps in fp32 (layer_norm): the fp32 reference equals the fp32 golden, a correct
+    # target differs by 1e-6. Floor in the leaf's dtype: 0.3's fp32 rounding only (rmse 1.19e-8/2),
+    # so the ratio explodes; floor in bf16: 0.3 -> 0.30078125 (error 7.8125e-4, rmse 3.90625e-4).
+    g = torch.tensor([1.0, 1.5, 3.0, 0.3], dtype=torch.float64)
+    e = g.float()
+    a = e + 1e-6
+    policy = G.default_golden_for_recipe("bf16")
+    strict = G.judge_golden_tensors(a, e, g, policy)
+    assert not strict.passed and strict.ratios["rmse"] > 100
+    floored = G.judge_golden_tensors(a, e, g, policy, work_dtype=torch.bfloat16)
+    assert floored.floor.rmse == pytest.approx(7.8125e-4 / 2, rel=1e-6)
+    assert floored.ratios["rmse"] == pytest.approx(floored.target.rmse / (7.8125e-4 / 2), rel=1e-6)
+    assert floored.passed and floored.ratios["rmse"] < 0.01
+
+
+def test_fp32_work_refuses_a_dtype_change_bf16_work_allows_it():
+    g = torch.linspace(-1, 1, 64, dtype=torch.float64)
+    e, a = g.float(), g.to(torch.bfloat16)
+    fp32 = G.judge_golden_tensors(a, e, g, G.default_golden_for_recipe("fp32"), work_dtype=torch.float32)
+    assert not fp32.passed and "dtype mismatch" in fp32.problem
+    bf16 = G.judge_golden_tensors(a, e, g, G.default_golden_for_recipe("bf16"), work_dtype=torch.bfloat16)
+    assert bf16.problem is None and "dtype differs" in bf16.note

@@ -309,3 +309,25 @@ def test_f(parity):
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["verdicts: 1 by allclose",
                                  "*check 'f' (fp32): golden unavailable, judged by allclose: the golden run returned float32*"])
+
+
+def test_ini_bf16_policy_also_covers_bf16_weights(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nparity_bf16_policy = golden\n")
+    pytester.makepyfile(LINEAR_TEST)
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32,bf16,bf16-weights")
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["*verdicts fp32 allclose rtol=1e-05 atol=1e-05 budget=0 · bf16 golden rmse<=2 "
+                                 "max_rel<=10 mean_rel<=2 small<=2 · bf16-weights golden rmse<=2*"])
+
+
+def test_marker_policy_of_the_wrong_type_is_an_error_naming_the_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("""
+import pytest, torch
+
+@pytest.mark.parity(policy=True)
+def test_x(parity):
+    parity.check("x", lambda t: t * 2, torch.ones(3))
+""")
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32")
+    result.stdout.fnmatch_lines(["*test_x*@pytest.mark.parity: verdict policy True is a bool*"])
+    assert result.ret != 0

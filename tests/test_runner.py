@@ -186,3 +186,121 @@ def test_training_mode_runs_get_fresh_buffers_but_share_the_weights():
     assert int(module[1].num_batches_tracked) == 0
     record = ParityCase(session, "t", "fp32").check("bn", module, torch.randn(8, 4))
     assert record.status == "pass" and int(module[1].num_batches_tracked) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# golden verdict edge cases
+
+
+class HandNorm(torch.nn.Module):
+    """LayerNorm over the last dim; the target side computes it by hand (another legitimate kernel)."""
+
+    by_hand = False
+    eps = 1e-5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if HandNorm.by_hand:
+            x = x.float()
+            mean = x.mean(-1, keepdim=True)
+            return (x - mean) / torch.sqrt(((x - mean) ** 2).mean(-1, keepdim=True) + HandNorm.eps)
+        return torch.nn.functional.layer_norm(x, x.shape[-1:])
+
+
+def hand_norm_with(eps: float):
+    @contextlib.contextmanager
+    def patches(device):
+        HandNorm.by_hand, HandNorm.eps = True, eps
+        try:
+            yield
+        finally:
+            HandNorm.by_hand, HandNorm.eps = False, 1e-5
+    return patches
+
+
+hand_norm = hand_norm_with(1e-5)
+
+
+def test_bf16_golden_passes_another_kernel_for_an_op_autocast_keeps_in_fp32():
+    # The CPU reference of layer_norm under bf16 autocast is fp32 and equal to the fp32 golden; a
+    # correct target kernel differs in last fp32 bits. The floor is the golden rounded to bf16.
+    record = case("bf16", hand_norm, recipe_policies={"bf16": "golden"}).check("norm", HandNorm(), X)
+    leaf = record.result.leaves[0]
+    assert record.status == "pass" and leaf.dtype == "float32" and leaf.max_abs > 0
+    with pytest.raises(ParityError):  # a real fault in the same op still fails: a wrong epsilon
+        case("bf16", hand_norm_with(0.1), recipe_policies={"bf16": "golden"}).check("norm", HandNorm(), X)
+
+
+def test_fp32_golden_fails_a_target_that_returns_bf16():
+    class Down(torch.nn.Module):
+        down = False
+
+        def forward(self, x):
+            y = x * 3
+            return y.to(torch.bfloat16) if Down.down else y
+
+    @contextlib.contextmanager
+    def downcast(device):
+        Down.down = True
+        try:
+            yield
+        finally:
+            Down.down = False
+
+    with pytest.raises(ParityError, match="dtype mismatch: actual bfloat16 vs expected float32"):
+        case("fp32", downcast, recipe_policies={"fp32": "golden"}).check("down", Down(), X)
+
+
+def test_localization_is_not_run_under_the_golden_verdict():
+    hook_calls = []
+    session = ParitySession(CPU, reference="cpu", recipe_policies={"fp32": "golden"},
+                            failure_hooks=[lambda *args: hook_calls.append(1) or "LOCALIZED"])
+    with pytest.raises(ParityError) as info:
+        ParityCase(session, "t", "fp32", patches=target_patch(scale=1 + 1e-4)).check("proj", Proj(), X)
+    assert hook_calls == [] and "LOCALIZED" not in str(info.value)
+    assert "not run under the golden verdict" in str(info.value)
+
+
+def test_forget_drops_golden_copies_after_a_weight_edit():
+    session = ParitySession(CPU, reference="cpu", recipe_policies={"fp32": "golden"})
+    module = Proj()
+    ParityCase(session, "a", "fp32").check("proj", module, X)
+    with torch.no_grad():
+        module.w.mul_(2)
+    session.forget(module)
+    with pytest.raises(ParityError, match="golden policy"):  # judged against the edited weights' golden
+        ParityCase(session, "b", "fp32", patches=target_patch(scale=1 + 1e-5)).check("proj", module, X)
+
+
+@pytest.mark.parametrize("policy", ["allclose", "golden"])
+def test_same_check_name_on_different_closures_is_not_memoized_together(policy):
+    session = ParitySession(CPU, reference="cpu", recipe_policies={"fp32": policy})
+    for k in (2.0, 3.0):  # a parametrized test: same check name, same input, other closure
+        record = ParityCase(session, f"t[{k}]", "fp32").check("scale", lambda x, k=k: x * k, X)
+        assert record.status == "pass"
+
+
+def test_any_exception_of_the_golden_run_falls_back_to_allclose():
+    def no_fp64(x):
+        if x.dtype == torch.float64:
+            raise ValueError("no fp64 here")
+        return x * 2
+
+    record = case("fp32", recipe_policies={"fp32": "golden"}).check("f", no_fp64, X)
+    assert record.policy == "allclose" and "ValueError: no fp64 here" in record.extra["policy_note"]
+
+
+@pytest.mark.parametrize("policy, error", [("golden rmse=0.5", ValueError), (True, TypeError)])
+def test_bad_policy_argument_names_the_check(policy, error):
+    with pytest.raises(error, match=r"parity check 'proj': policy="):
+        case("fp32").check("proj", Proj(), X, policy=policy)
+
+
+def test_a_golden_policy_object_is_accepted_as_argument():
+    record = case("fp32").check("proj", Proj(), X, policy=G.GoldenPolicy(rmse_ratio=3, source="check"))
+    assert record.golden_policy.rmse_ratio == 3
+
+
+def test_compare_refuses_a_golden_coarser_than_the_outputs():
+    c = case("fp32", recipe_policies={"fp32": "golden"})
+    with pytest.raises(ValueError, match="golden leaf '<output>' is bfloat16, coarser than the expected float32"):
+        c.compare("x", X, X, golden=X.to(torch.bfloat16))
