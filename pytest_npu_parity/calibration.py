@@ -6,7 +6,7 @@ shared seeded randomness, NPU patch set on the target side):
 
 * the **reference** — the upstream computation on the CPU, as the suite's live reference;
 * the **golden** — the same computation on the CPU at higher precision (``golden.GoldenRunner``:
-  fp64 for fp32 work, fp32 for bf16 work);
+  fp64, for bf16 work fp32 where fp64 cannot run);
 * one **target** run per **scenario**, the scenario entered on the target side after the patch set:
 
   - *legitimate variants* (a correct port may differ this way): the patch set alone; PyTorch's

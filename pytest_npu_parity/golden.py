@@ -9,11 +9,18 @@ reference's error, within a documented multiple?", both errors measured against 
 same computation on the CPU at higher precision.
 
 =============================  ============================  ================================
-work (recipe)                  golden                        ``golden_dtype(recipe)``
+work (recipe)                  golden                        ``golden_dtypes(recipe)``
 =============================  ============================  ================================
-``fp32``                       fp64 run on the CPU           ``torch.float64``
-``bf16``, ``bf16-weights``     fp32 run on the CPU           ``torch.float32``
+``fp32``                       fp64 run on the CPU           ``(torch.float64,)``
+``bf16``, ``bf16-weights``     fp64 run on the CPU, else     ``(torch.float64, torch.float32)``
+                               fp32 where fp64 cannot run
 =============================  ============================  ================================
+
+For bf16 work the golden is fp64 as well where the computation runs in fp64: under bf16 autocast
+some outputs stay fp32 (layer_norm, softmax, sums; the fp32 op list), and an fp32 golden is no finer
+than those outputs — the CPU reference would equal it exactly and any other correct fp32 kernel
+would look infinitely worse. Where only an fp32 golden is possible, outputs at least as fine as
+the golden are floored at the work dtype's rounding (``judge_golden_tensors``' ``work_dtype``).
 
 This is msprobe's "benchmark" comparison (标杆比对法, PyPI ``mindstudio-probe``; documented in
 ``msprobe/pytorch/doc/api_accuracy_checker.md`` and implemented in
@@ -61,8 +68,8 @@ measured): 38 as they are. The 8 through the flow head (``simple_mlp_adaln``, ``
 ``TimestepEmbedder.timestep_embedding`` hard-codes float32; with the golden shim
 ``calibration.aurora_golden_shims`` (the same embedding computed in float64) they get one too.
 ``sinusoidal_position_embedding`` builds its table in float32 whatever the input, so its output is
-float32 and ``GoldenRunner`` refuses it (``GoldenUnavailableError``). Every check gets its fp32
-golden for bf16 work.
+float32 and ``GoldenRunner`` refuses it (``GoldenUnavailableError``) for fp32 work; for bf16 work it
+gets an fp32 golden, the others the same fp64 one.
 """
 from __future__ import annotations
 
@@ -79,12 +86,12 @@ import torch
 from .compare import CompareResult, LeafResult, compare_tensors, flatten, format_table
 from .policy import EXACT, SOURCES, Tolerance, default_for_dtype
 
-#: Golden dtype per recipe (fp64 for fp32 work; fp32 for bf16/fp16 work).
-GOLDEN_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float64,
-    "bf16": torch.float32,
-    "bf16-weights": torch.float32,
-    "fp16": torch.float32,
+#: Golden dtypes per recipe, tried in order (fp64; for bf16/fp16 work fp32 where fp64 cannot run).
+GOLDEN_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "fp32": (torch.float64,),
+    "bf16": (torch.float64, torch.float32),
+    "bf16-weights": (torch.float64, torch.float32),
+    "fp16": (torch.float64, torch.float32),
 }
 
 #: msprobe's small-value thresholds per work dtype: (|golden| below which an element is "small",
@@ -109,8 +116,8 @@ WORK_DTYPES: dict[str, torch.dtype] = {
 METRICS = ("rmse", "max_rel", "mean_rel", "small_share")
 
 
-def golden_dtype(recipe: str) -> torch.dtype:
-    """The golden dtype for work under ``recipe`` (``fp32`` → float64, bf16/fp16 recipes → float32).
+def golden_dtypes(recipe: str) -> tuple[torch.dtype, ...]:
+    """The golden dtypes for work under ``recipe``, in the order ``GoldenRunner.run`` tries them.
 
     Raises:
         ValueError: for an unknown recipe, naming the known ones.
@@ -119,6 +126,15 @@ def golden_dtype(recipe: str) -> torch.dtype:
         return GOLDEN_DTYPES[recipe]
     except KeyError:
         raise ValueError(f"unknown recipe {recipe!r}; expected one of {sorted(GOLDEN_DTYPES)}") from None
+
+
+def golden_dtype(recipe: str) -> torch.dtype:
+    """The preferred golden dtype for work under ``recipe`` (float64 for every recipe).
+
+    Raises:
+        ValueError: for an unknown recipe, naming the known ones.
+    """
+    return golden_dtypes(recipe)[0]
 
 
 @dataclass(frozen=True)
@@ -530,11 +546,11 @@ def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: t
             (default: ``policy.default_for_dtype`` of ``expected``).
         path: the leaf's name.
         work_dtype: the precision the recipe computes in (``WORK_DTYPES[recipe]``: bfloat16 for
-            bf16 work), or None to judge by the leaf's own dtype. Under a 16-bit work dtype the
-            rounding floor is the golden rounded to the coarser of the leaf's dtype and the work
-            dtype: an op that one device's autocast keeps in fp32 (layer_norm, softmax, sums) may
-            legitimately run in bf16 on another, so its reference can be exact to fp32 while a
-            correct target is only exact to bf16.
+            bf16 work), or None to judge by the leaf's own dtype. Under a 16-bit work dtype, when
+            the golden is no finer than the leaf (an fp32 golden for an fp32 output, where no fp64
+            golden could run), the rounding floor is the golden rounded to the work dtype: the
+            reference can then equal the golden exactly, and a correct target with another kernel
+            is only exact to the work dtype.
 
     Returns:
         A ``GoldenLeafResult`` (its ``passed`` is the verdict). A shape mismatch between target and
@@ -574,9 +590,10 @@ def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: t
         leaf.problem = f"golden shape {tuple(golden.shape)} differs from the outputs' {tuple(expected.shape)}"
         return leaf
 
-    if (lenient and work_dtype is not None and coarse.is_floating_point
+    if (lenient and work_dtype is not None and coarse.is_floating_point and golden.is_floating_point()
+            and torch.finfo(golden.dtype).bits <= torch.finfo(coarse).bits
             and torch.finfo(work_dtype).eps > torch.finfo(coarse).eps):
-        coarse = work_dtype  # see work_dtype above
+        coarse = work_dtype  # a golden no finer than the output: see work_dtype above
     a, e, g = _real64(actual), _real64(expected), _real64(golden)
     threshold, small_atol = policy.small_values_for(coarse)
     mask = torch.isfinite(a) & torch.isfinite(e) & torch.isfinite(g)
@@ -763,26 +780,35 @@ class GoldenRunner:
         return per_module[dtype]
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *,
-            recipe: str = "fp32", seed: int = 0, grad: bool = False) -> dict[str, torch.Tensor | None]:
+            recipe: str = "fp32", seed: int = 0, grad: bool = False,
+            dtype: torch.dtype | None = None) -> dict[str, torch.Tensor | None]:
         """The golden output of ``fn(*args, **kwargs)`` for work under ``recipe``, as CPU leaves by path.
 
         ``fn`` is a module, a bound method of one, or a function; its module (copied) and every
-        floating input are cast to ``golden_dtype(recipe)``. Runs with strict fp32 flags, no
+        floating input are cast to the golden dtype: ``dtype``, else each of
+        ``golden_dtypes(recipe)`` in turn until one runs. Runs with strict fp32 flags, no
         autocast, ``rng.same_randomness(seed)``, the default dtype set to the golden dtype, and the
         shims.
 
         Raises:
-            GoldenUnavailableError: the computation raised in the golden dtype, or a floating
-                output came back in a lower precision than the golden dtype; the message names
-                the cause.
+            GoldenUnavailableError: the computation raised in every golden dtype, or a floating
+                output came back in a lower precision than it; the message names the cause (of
+                the first dtype tried).
             ValueError: for an unknown recipe.
         """
+        if dtype is None:
+            first: GoldenUnavailableError | None = None
+            for candidate in golden_dtypes(recipe):
+                try:
+                    return self.run(fn, args, kwargs, recipe=recipe, seed=seed, grad=grad, dtype=candidate)
+                except GoldenUnavailableError as exc:
+                    first = first or exc
+            raise first  # type: ignore[misc]
         from .recipes import strict_fp32_flags
         from .rng import same_randomness
 
         from .runner import owner_module
 
-        dtype = golden_dtype(recipe)
         module = owner_module(fn)
         if isinstance(fn, torch.nn.Module):
             call = self._copy(fn, dtype)

@@ -38,7 +38,7 @@ six checks from one attention block to the whole eval forward, CPU, torch 2.14):
   alike (split-K and the slow transformer path put 8–81 % of a check's elements beyond 1e-3), 4 of 8 at 0.1 (which then passes 8
   of 36 faults). ``BF16_BUDGET`` stays 1e-3 — no budget does better — and allclose stays the
   default verdict (the user's 1e-3 requirement), while the golden policy (``--parity-policy
-  golden``; fp32 golden, msprobe's ratio limits) is the better bf16 verdict: it passes all 8 variants
+  golden``; fp64 golden, msprobe's ratio limits) is the better bf16 verdict: it passes all 8 variants
   (worst ratio 1.25 against a limit of 2) and fails 18 of the 21 faults that move the output by
   more than the bf16 reference's own error; the 3 it passes are 1.0–1.4× that error. The other 15
   faults, among them every single-weight scale by 1e-4 or 1e-3 (under autocast the scaled weight

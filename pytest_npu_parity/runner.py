@@ -486,8 +486,8 @@ class ParityCase:
                 (default: its largest trainable weight matrix, ``selfcheck.sensitive_parameter``).
             policy: verdict policy of this check: ``"allclose"`` (the tolerance) or ``"golden"``
                 (``"golden rmse=3 … # reason"`` for other limits): both sides are then compared
-                with a CPU golden run of ``fn`` in ``golden.golden_dtype(recipe)`` (fp64 for fp32
-                work, fp32 for bf16) and judged by ``golden.judge_golden``. Default: the session's
+                with a CPU golden run of ``fn`` in ``golden.golden_dtypes(recipe)`` (fp64; for bf16
+                work fp32 where fp64 cannot run) and judged by ``golden.judge_golden``. Default: the session's
                 ``verdict_policy``.
 
         Returns:
@@ -581,11 +581,17 @@ class ParityCase:
                              grad=True, audited=audited, recipe_context=False)
 
         def golden() -> dict:
-            from .golden import golden_dtype
+            from .golden import GoldenUnavailableError, golden_dtypes
 
-            m = copy.deepcopy(module).to(golden_dtype(self.recipe.name))
-            return self.session.golden_runner.run(step, (m, False), inputs, recipe=self.recipe.name, seed=seed,
-                                                  grad=True)
+            first = None
+            for dtype in golden_dtypes(self.recipe.name):  # fp64, else (bf16 work) fp32
+                m = copy.deepcopy(module).to(dtype)
+                try:
+                    return self.session.golden_runner.run(step, (m, False), inputs, recipe=self.recipe.name,
+                                                          seed=seed, grad=True, dtype=dtype)
+                except GoldenUnavailableError as exc:
+                    first = first or exc
+            raise first
 
         call = CheckCall("train_step", module, (), inputs, seed, True,
                          lambda device, patched, _args, batch: run(device, patched, batch=batch)[0], vacuous_ok,

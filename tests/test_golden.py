@@ -268,8 +268,9 @@ def test_parse_golden_spec():
 
 
 def test_golden_dtype_per_recipe():
-    assert G.golden_dtype("fp32") == torch.float64
-    assert G.golden_dtype("bf16") == torch.float32
+    assert G.golden_dtype("fp32") == torch.float64 and G.golden_dtypes("fp32") == (torch.float64,)
+    assert G.golden_dtype("bf16") == torch.float64
+    assert G.golden_dtypes("bf16") == (torch.float64, torch.float32)  # fp32 where fp64 cannot run
     with pytest.raises(ValueError, match="unknown recipe 'int8'"):
         G.golden_dtype("int8")
 
@@ -289,12 +290,17 @@ def test_runner_computes_a_linear_in_float64():
     assert layer.weight.dtype == torch.float32  # the module itself is untouched
 
 
-def test_runner_for_bf16_work_is_the_fp32_module_itself():
+def test_runner_for_bf16_work_is_fp64_else_the_fp32_module_itself():
     layer = torch.nn.Linear(4, 4)
     runner = G.GoldenRunner()
-    out = runner.run(layer, (torch.ones(1, 4),), recipe="bf16")
+    assert runner.run(layer, (torch.ones(1, 4),), recipe="bf16")[""].dtype == torch.float64
+    out = runner.run(layer, (torch.ones(1, 4),), recipe="bf16", dtype=torch.float32)
     assert out[""].dtype == torch.float32
     assert torch.equal(out[""], layer(torch.ones(1, 4)).detach())
+    # A computation that cannot give fp64 gets its fp32 golden for bf16 work (and none for fp32 work).
+    assert runner.run(_ReturnsFloat32(), (torch.ones(2),), recipe="bf16")[""].dtype == torch.float32
+    with pytest.raises(G.GoldenUnavailableError):
+        runner.run(_ReturnsFloat32(), (torch.ones(2),), recipe="fp32")
 
 
 class _HardCodedFloat32(torch.nn.Module):
@@ -374,16 +380,23 @@ def test_bf16_work_floors_fp32_outputs_at_bf16_rounding():
     # An op autocast keeps in fp32 (layer_norm): the fp32 reference equals the fp32 golden, a correct
     # target differs by 1e-6. Floor in the leaf's dtype: 0.3's fp32 rounding only (rmse 1.19e-8/2),
     # so the ratio explodes; floor in bf16: 0.3 -> 0.30078125 (error 7.8125e-4, rmse 3.90625e-4).
-    g = torch.tensor([1.0, 1.5, 3.0, 0.3], dtype=torch.float64)
-    e = g.float()
+    # (Only where the golden is no finer than the output: an fp32 golden, fp64 being unavailable.)
+    g = torch.tensor([1.0, 1.5, 3.0, 0.3], dtype=torch.float32)
+    e = g.clone()
     a = e + 1e-6
     policy = G.default_golden_for_recipe("bf16")
     strict = G.judge_golden_tensors(a, e, g, policy)
-    assert not strict.passed and strict.ratios["rmse"] > 100
+    assert not strict.passed and strict.ratios["rmse"] == math.inf
     floored = G.judge_golden_tensors(a, e, g, policy, work_dtype=torch.bfloat16)
-    assert floored.floor.rmse == pytest.approx(7.8125e-4 / 2, rel=1e-6)
-    assert floored.ratios["rmse"] == pytest.approx(floored.target.rmse / (7.8125e-4 / 2), rel=1e-6)
+    bf16_error = 0.30078125 - float(g[3])  # 0.3f rounds to 0.30078125 in bf16
+    assert floored.floor.rmse == pytest.approx(bf16_error / 2, rel=1e-9)
+    assert floored.ratios["rmse"] == pytest.approx(floored.target.rmse / (bf16_error / 2), rel=1e-9)
     assert floored.passed and floored.ratios["rmse"] < 0.01
+    # An fp64 golden is finer than the fp32 output: the floor stays fp32 rounding (msprobe's rule).
+    g64 = torch.tensor([1.0, 1.5, 3.0, 0.3], dtype=torch.float64)
+    finer = G.judge_golden_tensors(g64.float() + 1e-6, g64.float(), g64, policy, work_dtype=torch.bfloat16)
+    assert finer.floor.rmse == pytest.approx(abs(float(torch.tensor(0.3).double()) - 0.3) / 2, rel=1e-6)
+    assert not finer.passed
 
 
 def test_fp32_work_refuses_a_dtype_change_bf16_work_allows_it():
