@@ -83,7 +83,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from .compare import CompareResult, LeafResult, compare_tensors, flatten, format_table
+from .compare import CompareResult, LeafResult, _leaves_by_path, compare_tensors, flatten, format_table
 from .policy import EXACT, SOURCES, Tolerance, default_for_dtype
 
 #: Golden dtypes per recipe, tried in order (fp64; for bf16/fp16 work fp32 where fp64 cannot run).
@@ -636,7 +636,8 @@ def judge_golden(actual: Any, expected: Any, golden: Any, policy: GoldenPolicy =
         TypeError, ValueError: as ``compare.compare`` for structures it cannot walk.
     """
     result = GoldenCompareResult(name=name, policy=policy)
-    got, want, gold = _by_path(actual, "actual"), _by_path(expected, "expected"), _by_path(golden, "golden")
+    got, want = _leaves_by_path(actual, "actual"), _leaves_by_path(expected, "expected")
+    gold = _leaves_by_path(golden, "golden")
     for path in list(want) + [p for p in got if p not in want]:
         a, e, g = got.get(path), want.get(path), gold.get(path)
         tol = tolerance or default_for_dtype(e.dtype if e is not None else torch.float32)
@@ -658,15 +659,6 @@ def judge_golden(actual: Any, expected: Any, golden: Any, policy: GoldenPolicy =
             g = e
         result.leaves.append(judge_golden_tensors(a, e, g, policy, tolerance=tol, path=path, work_dtype=work_dtype))
     return result
-
-
-def _by_path(obj: Any, side: str) -> dict[str, torch.Tensor | None]:
-    leaves: dict[str, torch.Tensor | None] = {}
-    for path, leaf in flatten(obj):
-        if path in leaves:
-            raise ValueError(f"two leaves of the {side} output have the same path {path!r}; rename a key")
-        leaves[path] = leaf
-    return leaves
 
 
 # --------------------------------------------------------------------------------------------
@@ -701,33 +693,6 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-@contextlib.contextmanager
-def _float32_dropout_draws() -> Iterator[None]:
-    """Keep the shared stream's dropout masks identical to the sides' in a float64 golden run.
-
-    ``rng._CpuDraws.dropout_mask`` draws its uniform sample in the default dtype; with the default
-    dtype at float64 (see ``GoldenRunner.run``) the same generator would give other numbers, so the
-    golden's dropout masks would differ from the reference's. The draw is pinned to float32 here.
-    """
-    from . import rng
-
-    draws = getattr(rng, "_CpuDraws", None)
-    original = getattr(draws, "dropout_mask", None)
-    if original is None:
-        yield
-        return
-
-    def dropout_mask(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        with default_dtype(torch.float32):
-            return original(self, *args, **kwargs)
-
-    draws.dropout_mask = dropout_mask
-    try:
-        yield
-    finally:
-        draws.dropout_mask = original
 
 
 class GoldenRunner:
@@ -823,7 +788,6 @@ class GoldenRunner:
                 stack.enter_context(default_dtype(dtype) if dtype.is_floating_point else contextlib.nullcontext())
                 if self.shims is not None:
                     stack.enter_context(self.shims(dtype))
-                stack.enter_context(_float32_dropout_draws())
                 stack.enter_context(same_randomness(seed))
                 stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
                 output = call(*args_g, **kwargs_g)

@@ -157,8 +157,9 @@ class _CpuDraws:
 
     def dropout_mask(self, shape, p: float, device, dtype) -> torch.Tensor:
         """Keep-mask scaled by 1/(1-p), as ``F.dropout`` applies it: each element is kept with
-        probability 1 - p (a CPU uniform draw >= p)."""
-        keep = _ORIGINALS[(torch, "rand")](tuple(shape), generator=self.gen) >= p
+        probability 1 - p (a CPU float32 uniform draw >= p, whatever the default dtype, so a
+        float64 golden run draws the same mask)."""
+        keep = _ORIGINALS[(torch, "rand")](tuple(shape), generator=self.gen, dtype=torch.float32) >= p
         return (keep.to(dtype=dtype) / (1.0 - p)).to(device)
 
     def dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
