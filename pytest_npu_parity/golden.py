@@ -84,7 +84,7 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 
 from .compare import CompareResult, LeafResult, _leaves_by_path, compare_tensors, flatten, format_table
-from .policy import EXACT, SOURCES, Tolerance, default_for_dtype
+from .policy import EXACT, SOURCES, Tolerance, default_for_dtype, parse_spec_items
 
 #: Golden dtypes per recipe, tried in order (fp64; for bf16/fp16 work fp32 where fp64 cannot run).
 GOLDEN_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
@@ -234,25 +234,13 @@ def parse_golden_spec(text: str, *, source: str, base: GoldenPolicy = DEFAULT_GO
     text after ``#`` is the reason.
 
     Raises:
-        ValueError: on an unknown key, a value that is not a number, or an invalid limit, naming
-            the offending text.
+        ValueError: on an unknown key, a key given twice, a value that is not a number, or an
+            invalid limit, naming the offending text (``policy.parse_spec_items``).
     """
-    body, _, reason = text.partition("#")
-    items = body.replace(",", " ").split()
-    if items and items[0] == "golden":
-        items = items[1:]
-    values: dict[str, float] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in _SPEC_KEYS:
-            raise ValueError(f"bad golden policy item {item!r} in {text!r}: expected one of "
-                             f"{', '.join(sorted(k + '=' for k in _SPEC_KEYS))}")
-        try:
-            values[_SPEC_KEYS[key]] = float(value)
-        except ValueError:
-            raise ValueError(f"bad number {value!r} for {key} in {text!r}") from None
+    values, reason = parse_spec_items(text, _SPEC_KEYS, what="golden policy", leading_word="golden",
+                                      expected="one of " + ", ".join(sorted(k + "=" for k in _SPEC_KEYS)))
     try:
-        return base.replace(**values, source=source, reason=reason.strip() or base.reason)
+        return base.replace(**values, source=source, reason=reason or base.reason)
     except ValueError as exc:
         raise ValueError(f"{exc} (in {text!r})") from None
 

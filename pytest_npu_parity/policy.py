@@ -159,6 +159,37 @@ def default_for_recipe(recipe: str) -> Tolerance:
         raise ValueError(f"unknown recipe {recipe!r}; expected one of {sorted(_RECIPE_DEFAULTS)}") from None
 
 
+def parse_spec_items(text: str, keys: dict[str, str], *, what: str, expected: str,
+                     leading_word: str | None = None) -> tuple[dict[str, float], str]:
+    """Split ``"key=value key=value # reason"`` into ``({field: float}, reason)``.
+
+    Shared by ``parse_tolerance_spec`` and ``golden.parse_golden_spec``. Items are separated by
+    spaces or commas (``key = value`` is fine too); ``keys`` maps each accepted key to the field it
+    sets (aliases allowed); ``leading_word`` may open the text (``"golden rmse=3"``); the text
+    after ``#`` is the reason (stripped, possibly empty).
+
+    Raises:
+        ValueError: on an unknown key (``"bad <what> item … expected <expected>"``), a field given
+            twice, or a value that is not a number, always quoting ``text``.
+    """
+    body, _, reason = text.partition("#")
+    items = re.sub(r"\s*=\s*", "=", body).replace(",", " ").split()
+    if leading_word is not None and items and items[0] == leading_word:
+        items = items[1:]
+    values: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in keys:
+            raise ValueError(f"bad {what} item {item!r} in {text!r}: expected {expected}")
+        if keys[key] in values:
+            raise ValueError(f"{key} is given twice in {text!r}")
+        try:
+            values[keys[key]] = float(value)
+        except ValueError:
+            raise ValueError(f"bad number {value!r} for {key} in {text!r}") from None
+    return values, reason.strip()
+
+
 def parse_tolerance_spec(text: str, *, source: str, base: Tolerance) -> Tolerance:
     """Parse ``"rtol=1e-4 atol=1e-4 budget=0.01 # reason"`` into a ``Tolerance`` over ``base``.
 
@@ -169,19 +200,9 @@ def parse_tolerance_spec(text: str, *, source: str, base: Tolerance) -> Toleranc
         ValueError: on an unknown key, a key given twice, a value that is not a number or that
             ``Tolerance`` rejects (negative, budget above 1, …), always quoting ``text``.
     """
-    body, _, reason = text.partition("#")
-    values: dict[str, float] = {}
-    for item in re.sub(r"\s*=\s*", "=", body).replace(",", " ").split():
-        key, sep, value = item.partition("=")
-        if not sep or key not in ("rtol", "atol", "budget"):
-            raise ValueError(f"bad tolerance item {item!r} in {text!r}: expected rtol=, atol= or budget=")
-        if key in values:
-            raise ValueError(f"{key} is given twice in {text!r}")
-        try:
-            values[key] = float(value)
-        except ValueError:
-            raise ValueError(f"bad number {value!r} for {key} in {text!r}") from None
+    values, reason = parse_spec_items(text, {k: k for k in ("rtol", "atol", "budget")}, what="tolerance",
+                                      expected="rtol=, atol= or budget=")
     try:
-        return base.replace(**values, source=source, reason=reason.strip() or base.reason)
+        return base.replace(**values, source=source, reason=reason or base.reason)
     except ValueError as exc:
         raise ValueError(f"bad tolerance {text!r}: {exc}") from None

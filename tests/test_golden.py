@@ -406,3 +406,10 @@ def test_fp32_work_refuses_a_dtype_change_bf16_work_allows_it():
     assert not fp32.passed and "dtype mismatch" in fp32.problem
     bf16 = G.judge_golden_tensors(a, e, g, G.default_golden_for_recipe("bf16"), work_dtype=torch.bfloat16)
     assert bf16.problem is None and "dtype differs" in bf16.note
+
+
+def test_golden_spec_shares_the_tolerance_spec_syntax():
+    # policy.parse_spec_items: spaces around '=', aliases of one field counted once.
+    assert G.parse_golden_spec("golden rmse = 3, max_rel=20", source="ini").rmse_ratio == 3
+    with pytest.raises(ValueError, match="given twice"):
+        G.parse_golden_spec("rmse=3 rmse_ratio=4", source="ini")
