@@ -27,25 +27,18 @@ saved and restored (``PrototypeRetriever`` calls ``np.random.seed(42)``: the pro
 same for every seed, and without the restore building a model would reset the caller's NumPy
 stream). Same seed → bitwise-identical ``state_dict`` in any process.
 
-Degenerate weights (FINDINGS "vacuous full-model checks"): ``SimpleMLPAdaLN`` zero-initialises
-its adaLN modulation and final linear layer, so a fresh flow head predicts exactly 0 and a
-full-model check compares two copies of the input mean. With ``reinit_zero=True`` (default)
-:func:`reinit_degenerate` re-draws, from a generator seeded by ``(seed, tensor name)``:
+Weights (issue "baselines that travel"): upstream's init draws from ``torch.nn.init`` and
+Hugging Face ``_init_weights``, whose algorithms change between torch releases
+(``trunc_normal_`` in the ViT: a different model on 2.5.1 and 2.14.1 for the same seed), and it
+zero-initializes the flow head (FINDINGS "vacuous full-model checks": a fresh flow head
+predicts exactly 0). With ``init="stable"`` (default) every floating ``state_dict`` tensor is
+overwritten by :func:`pytest_npu_parity.stable_init.stable_init_` — integer-only draws, bitwise
+identical on every CPU and every torch ≥ 2.5.1, no tensor constant or zero. Upstream's own
+construction still runs first (it defines shapes, frozen flags and which tensors start as
+constants). ``init="upstream"`` keeps upstream's weights (for the vacuity demonstration).
 
-* every all-zero floating parameter, biases included: N(0, 0.02²) for matrices (the HF
-  ``initializer_range`` and DiT init scale), N(0, 0.1²) for vectors. Zero biases are
-  "legitimate" at init, but they leave the bias path of the target's kernels (fused
-  linear+bias, layer-norm shift, attention in-projection bias) unchecked: a kernel that drops
-  the bias would pass. 0.1 makes a dropped bias move outputs by ≈ 10 %, far above the bf16
-  tolerance (``torch.testing`` rtol 1.6e-2);
-* every constant non-zero floating parameter (LayerNorm/BatchNorm scale = 1): c·(1 + N(0, 0.1²)),
-  for the same reason (a kernel that ignores the scale would pass);
-* BatchNorm running statistics (mean 0, variance 1 at init, so eval-mode BatchNorm — used by
-  every Aurora encoder/decoder layer, ``norm_mode="batch"`` — is the identity): mean N(0, 0.1²),
-  variance U(0.5, 1.5).
-
-The names land in ``model.reinitialized`` (and ``model.build_record.reinitialized``).
-User checkpoints are never re-initialised.
+The names written land in ``model.build_record.initialized``. User checkpoints are loaded as
+they are.
 """
 from __future__ import annotations
 
@@ -66,6 +59,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from ..stable_init import stable_init_
+
 __all__ = [
     "SIZES",
     "TINY_OVERRIDES",
@@ -78,7 +73,7 @@ __all__ = [
     "clear_model_cache",
     "model_config",
     "encoder_configs",
-    "reinit_degenerate",
+    "INITS",
     "load_checkpoint",
     "model_fingerprint",
     "config_hash",
@@ -115,10 +110,8 @@ TINY_BERT_OVERRIDES: dict[str, Any] = {
     "num_hidden_layers": 1,
 }
 
-# Scales of the degenerate-weight re-initialisation (see the module docstring).
-MATRIX_STD = 0.02
-VECTOR_STD = 0.1
-RUNNING_VAR_RANGE = (0.5, 1.5)
+#: ``build_model(init=...)`` choices.
+INITS = ("stable", "upstream")
 
 
 class CheckpointError(ValueError):
@@ -131,9 +124,10 @@ class BuildRecord:
 
     Attributes:
         size: ``"full"`` or ``"tiny"``.
-        seed: the torch seed of construction and of the re-initialisation.
+        seed: the torch seed of construction and the seed of the stable init.
+        init: ``"stable"`` or ``"upstream"`` (module docstring); ``"checkpoint"`` with one.
         checkpoint: absolute path of the loaded ``.safetensors`` file, or None.
-        reinitialized: names of the tensors re-drawn by :func:`reinit_degenerate`.
+        initialized: names of the tensors written by the stable init.
         missing_keys / unexpected_keys: from a non-strict checkpoint load (else empty).
         build_seconds: wall time of construction (+ load), seconds.
         parameters / trainable_parameters: element counts.
@@ -141,8 +135,9 @@ class BuildRecord:
 
     size: str
     seed: int
+    init: str = "stable"
     checkpoint: str | None = None
-    reinitialized: list[str] = field(default_factory=list)
+    initialized: list[str] = field(default_factory=list)
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
     build_seconds: float = 0.0
@@ -150,10 +145,10 @@ class BuildRecord:
     trainable_parameters: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (the re-initialised names are summarised by count)."""
+        """JSON-ready dict (the initialized names are summarised by count)."""
         return {
-            "size": self.size, "seed": self.seed, "checkpoint": self.checkpoint,
-            "reinitialized": len(self.reinitialized), "missing_keys": list(self.missing_keys),
+            "size": self.size, "seed": self.seed, "init": self.init, "checkpoint": self.checkpoint,
+            "initialized": len(self.initialized), "missing_keys": list(self.missing_keys),
             "unexpected_keys": list(self.unexpected_keys), "parameters": self.parameters,
             "trainable_parameters": self.trainable_parameters,
         }
@@ -238,61 +233,6 @@ def _isolated_construction(seed: int) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------------------------
-# Degenerate-weight re-initialisation
-# --------------------------------------------------------------------------------------------
-
-def _tensor_generator(seed: int, name: str) -> torch.Generator:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-
-
-@torch.no_grad()
-def reinit_degenerate(model: torch.nn.Module, seed: int = 0) -> list[str]:
-    """Re-draw all-zero / constant parameters and trivial BatchNorm statistics (in place).
-
-    Rules and scales in the module docstring. Each tensor draws from its own CPU generator
-    seeded by SHA-256 of ``f"{seed}:{name}"``, so the result does not depend on iteration order
-    or on the global RNG, and is the same in every process. ``requires_grad`` is unchanged.
-
-    Args:
-        model: any module (parameters on any device, floating dtypes).
-        seed: re-initialisation seed.
-    Returns:
-        The names of the re-drawn tensors, in ``named_parameters``/``named_buffers`` order.
-    """
-    changed: list[str] = []
-    for name, param in model.named_parameters():
-        if not param.is_floating_point() or param.numel() == 0:
-            continue
-        first = param.reshape(-1)[0]
-        if not bool((param == first).all()):
-            continue
-        gen = _tensor_generator(seed, name)
-        noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-        if float(first) == 0.0:
-            value = noise * (MATRIX_STD if param.dim() >= 2 else VECTOR_STD)
-        else:
-            value = float(first) * (1.0 + VECTOR_STD * noise)
-        param.copy_(value.to(device=param.device, dtype=param.dtype))
-        changed.append(name)
-    for module_name, module in model.named_modules():
-        if not isinstance(module, torch.nn.modules.batchnorm._BatchNorm) or not module.track_running_stats:
-            continue
-        prefix = f"{module_name}." if module_name else ""
-        mean, var = module.running_mean, module.running_var
-        if mean is not None and bool((mean == 0).all()):
-            gen = _tensor_generator(seed, prefix + "running_mean")
-            mean.copy_((VECTOR_STD * torch.randn(mean.shape, generator=gen)).to(mean))
-            changed.append(prefix + "running_mean")
-        if var is not None and bool((var == 1).all()):
-            gen = _tensor_generator(seed, prefix + "running_var")
-            low, high = RUNNING_VAR_RANGE
-            var.copy_((low + (high - low) * torch.rand(var.shape, generator=gen)).to(var))
-            changed.append(prefix + "running_var")
-    return changed
-
-
-# --------------------------------------------------------------------------------------------
 # Checkpoints (safetensors only)
 # --------------------------------------------------------------------------------------------
 
@@ -371,28 +311,31 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def build_model(size: str = "full", *, seed: int = 0, checkpoint: str | os.PathLike[str] | None = None,
-                reinit_zero: bool = True, strict: bool = True):
+                init: str = "stable", strict: bool = True):
     """Build an ``AuroraForPrediction`` deterministically, in eval mode, on the CPU, in float32.
 
     Args:
         size: ``"full"`` (package config, 210.8 M parameters) or ``"tiny"`` (see module docstring).
-        seed: torch seed of construction and of the re-initialisation (int ≥ 0).
-        checkpoint: optional ``.safetensors`` file with user weights (then nothing is
-            re-initialised).
-        reinit_zero: re-draw degenerate tensors with :func:`reinit_degenerate` (ignored with a
-            checkpoint).
+        seed: torch seed of construction and seed of the stable init (int ≥ 0).
+        checkpoint: optional ``.safetensors`` file with user weights (loaded as they are;
+            ``init`` is then ignored).
+        init: ``"stable"`` (default: :func:`pytest_npu_parity.stable_init.stable_init_`, the
+            same weights on every machine and torch version) or ``"upstream"`` (upstream's own
+            init: torch-version dependent, flow head zero).
         strict: checkpoint keys must match exactly (see :func:`load_checkpoint`).
     Returns:
-        The model, with ``model.reinitialized`` (list of names) and ``model.build_record``
+        The model, with ``model.build_record``
         (:class:`BuildRecord`).
     Raises:
-        ValueError: unknown size or negative seed.
+        ValueError: unknown size or init, or a negative seed.
         FileNotFoundError, CheckpointError: see :func:`load_checkpoint`.
         ImportError: aurora-model is not installed (``pip install 'pytest-npu-parity[aurora]'``).
     """
     _check_size(size)
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"build_model: seed must be a non-negative int, got {seed!r}")
+    if init not in INITS:
+        raise ValueError(f"build_model: unknown init {init!r}; choose one of {', '.join(INITS)}")
     from aurora.modeling_aurora import AuroraForPrediction
 
     config = model_config(size)
@@ -402,19 +345,19 @@ def build_model(size: str = "full", *, seed: int = 0, checkpoint: str | os.PathL
         encoder_dirs = _encoder_config_dirs(vit, bert) if size == "tiny" else contextlib.nullcontext()
         with encoder_dirs:
             model = AuroraForPrediction(config)
-    record = BuildRecord(size=size, seed=seed)
+    record = BuildRecord(size=size, seed=seed, init=init)
     if checkpoint is not None:
+        record.init = "checkpoint"
         record.checkpoint = str(Path(checkpoint).resolve())
         record.missing_keys, record.unexpected_keys = load_checkpoint(model, checkpoint, strict=strict)
-    elif reinit_zero:
-        record.reinitialized = reinit_degenerate(model, seed)
+    elif init == "stable":
+        record.initialized = stable_init_(model, seed)
     model.eval()
     record.build_seconds = time.perf_counter() - start
     record.parameters, record.trainable_parameters = parameter_counts(model)
     model.build_record = record
-    model.reinitialized = record.reinitialized
-    logger.info("built Aurora %s (seed %d): %d parameters (%d trainable), %d tensors re-initialised, %.2f s",
-                size, seed, record.parameters, record.trainable_parameters, len(record.reinitialized),
+    logger.info("built Aurora %s (seed %d, %s init): %d parameters (%d trainable), %d tensors written, %.2f s",
+                size, seed, record.init, record.parameters, record.trainable_parameters, len(record.initialized),
                 record.build_seconds)
     return model
 

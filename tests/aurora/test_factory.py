@@ -70,8 +70,7 @@ def test_same_seed_bitwise_identical_state_dict(tiny):
     assert model_fingerprint(again) == model_fingerprint(tiny)
     other = build_model("tiny", seed=1)
     assert model_fingerprint(other) != model_fingerprint(tiny)
-    # the prototypes come from upstream's fixed NumPy seed (42), whatever our seed
-    assert torch.equal(other.retriever.prototypes, tiny.retriever.prototypes)
+    assert not torch.equal(other.retriever.prototypes, tiny.retriever.prototypes)
 
 
 def test_same_seed_identical_across_processes(tiny):
@@ -96,28 +95,46 @@ def test_build_leaves_caller_rng_untouched():
     assert torch.get_default_dtype() == dtype
 
 
-def test_degenerate_weights_are_reinitialized(tiny):
-    fresh = build_model("tiny", seed=0, reinit_zero=False)
-    assert fresh.reinitialized == []
+def test_stable_init_writes_every_floating_tensor(tiny):
+    fresh = build_model("tiny", seed=0, init="upstream")
+    assert fresh.build_record.initialized == [] and fresh.build_record.init == "upstream"
     zero = _zero_float_params(fresh)
     assert "flow_match.net.final_layer.linear.weight" in zero
     assert "flow_match.net.res_blocks.0.adaLN_modulation.1.weight" in zero
     assert _zero_float_params(tiny) == []
-    assert set(zero) <= set(tiny.reinitialized)
-    norm_scale = "model.dec_layers.0.norm1.1.weight"  # BatchNorm scale, all ones at init
-    assert norm_scale in tiny.reinitialized and not bool((tiny.state_dict()[norm_scale] == 1).all())
+    floating = [n for n, t in tiny.state_dict().items() if t.is_floating_point()]
+    assert tiny.build_record.initialized == floating
+    norm_scale = "model.dec_layers.0.norm1.1.weight"  # BatchNorm scale, all ones upstream
+    scale = tiny.state_dict()[norm_scale]
+    assert not bool((scale == 1).all()) and 0.8 < float(scale.min()) and float(scale.max()) < 1.2
     stats = "model.dec_layers.0.norm1.1.running_var"
-    assert stats in tiny.reinitialized and bool((tiny.state_dict()[stats] > 0).all())
-    # tensors that were fine are untouched
-    for name in ("model.embed_layer.proj_layer.weight", "retriever.prototypes", "model.W"):
-        assert torch.equal(tiny.state_dict()[name], fresh.state_dict()[name])
-    # requires_grad is kept (ViT/BERT stay frozen)
+    assert bool((tiny.state_dict()[stats] >= 0.5).all()) and bool((tiny.state_dict()[stats] < 1.5).all())
+    # nothing of upstream's torch-RNG draws survives (those differ between torch releases)
+    for name in ("model.embed_layer.proj_layer.weight", "retriever.prototypes", "model.W",
+                 "model.VisionEncoder.model.embeddings.cls_token"):
+        assert not torch.equal(tiny.state_dict()[name], fresh.state_dict()[name]), name
+    # integer buffers are left alone; requires_grad is kept (ViT/BERT stay frozen)
+    assert torch.equal(tiny.state_dict()["model.dec_layers.0.norm1.1.num_batches_tracked"],
+                       fresh.state_dict()["model.dec_layers.0.norm1.1.num_batches_tracked"])
     assert not any(p.requires_grad for p in tiny.model.VisionEncoder.model.parameters())
+
+
+def test_stable_weights_do_not_depend_on_the_torch_rng_algorithms(monkeypatch):
+    """A torch release that draws other numbers for the same seed (trunc_normal_ in 2.5.1 vs 2.14.1)
+    builds the same model: simulated by seeding construction differently."""
+    reference = model_fingerprint(build_model("tiny", seed=0))
+    upstream = model_fingerprint(build_model("tiny", seed=0, init="upstream"))
+    real_manual_seed = torch.manual_seed
+    monkeypatch.setattr(factory.torch, "manual_seed", lambda seed: real_manual_seed(seed + 99))
+    # the simulated release really draws other upstream weights ...
+    assert model_fingerprint(build_model("tiny", seed=0, init="upstream")) != upstream
+    # ... and the stable init gives the same model all the same
+    assert model_fingerprint(build_model("tiny", seed=0)) == reference
 
 
 def test_fresh_weights_give_vacuous_forecasts_reinit_does_not(tiny, batch):
     """FINDINGS: with upstream init the flow head predicts 0 and forecasts collapse to the mean."""
-    fresh = build_model("tiny", seed=0, reinit_zero=False)
+    fresh = build_model("tiny", seed=0, init="upstream")
     kwargs = batch.forward_kwargs(96)
     with torch.no_grad():
         torch.manual_seed(0)
@@ -142,7 +159,7 @@ def test_checkpoint_roundtrip(tmp_path, tiny):
     path = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in tiny.state_dict().items()}, str(path))
     loaded = build_model("tiny", seed=9, checkpoint=path)
-    assert loaded.reinitialized == []
+    assert loaded.build_record.initialized == [] and loaded.build_record.init == "checkpoint"
     assert loaded.build_record.checkpoint == str(path.resolve())
     assert model_fingerprint(loaded) == model_fingerprint(tiny)
 
