@@ -11,6 +11,15 @@
 
 Every recipe runs with the strict fp32 flags, so the fp32 parts of a bf16 run are not silently
 TF32/HF32 either.
+
+Version shim (torch < 2.6 on the CPU): ``nn.TransformerEncoderLayer`` chooses its inference fast
+path by ``torch.is_autocast_enabled()`` with no device argument, which is False under
+``torch.autocast("cpu")`` on every torch from 2.5.1 to 2.14.1 (torch/nn/modules/transformer.py,
+``TransformerEncoderLayer.forward``). From the 2.6 line on, ``torch._transformer_encoder_layer_fwd``
+then runs in bf16 (its output equals the fast path of a bf16-weights copy bitwise, measured on
+2.14.1); on 2.5.1 it raises "mat1 and mat2 must have the same dtype, but got BFloat16 and Float".
+Where a probe shows that failure, the autocast recipes cast the op's floating arguments to the
+autocast dtype, which reproduces the newer torch's numbers (bitwise equal on the probe layer).
 """
 from __future__ import annotations
 
@@ -43,7 +52,9 @@ class Recipe:
             if self.autocast_dtype is None:
                 yield
             else:
-                with torch.autocast(device_type=device.type, dtype=self.autocast_dtype):
+                shim = (encoder_fast_path_autocast_shim(self.autocast_dtype) if device.type == "cpu"
+                        else contextlib.nullcontext())
+                with torch.autocast(device_type=device.type, dtype=self.autocast_dtype), shim:
                     yield
 
 
@@ -52,6 +63,68 @@ RECIPES: dict[str, Recipe] = {
     "bf16": Recipe("bf16", autocast_dtype=torch.bfloat16),
     "bf16-weights": Recipe("bf16-weights", weights_dtype=torch.bfloat16),
 }
+
+
+_FAST_PATH_BROKEN: bool | None = None
+
+
+def cpu_autocast_breaks_encoder_fast_path() -> bool:
+    """Whether this torch's ``TransformerEncoderLayer`` fast path fails under CPU bf16 autocast.
+
+    Probed once per process on a 2-head, 8-wide layer (``torch._transformer_encoder_layer_fwd``
+    with a bf16 input and fp32 weights): True on torch 2.5.1 ("mat1 and mat2 must have the same
+    dtype"), False on the torch releases that run it (2.14.1 measured).
+    """
+    global _FAST_PATH_BROKEN
+    if _FAST_PATH_BROKEN is None:
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True).eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            try:
+                _ENCODER_FAST_PATH[0](torch.zeros(1, 2, 8, dtype=torch.bfloat16), *_fast_path_args(layer))
+                _FAST_PATH_BROKEN = False
+            except RuntimeError as exc:
+                _FAST_PATH_BROKEN = "must have the same dtype" in str(exc)
+    return _FAST_PATH_BROKEN
+
+
+def _fast_path_args(layer: torch.nn.TransformerEncoderLayer) -> tuple:
+    attn = layer.self_attn
+    return (attn.embed_dim, attn.num_heads, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight,
+            attn.out_proj.bias, False, layer.norm_first, layer.norm1.eps, layer.norm1.weight, layer.norm1.bias,
+            layer.norm2.weight, layer.norm2.bias, layer.linear1.weight, layer.linear1.bias, layer.linear2.weight,
+            layer.linear2.bias, None, None)
+
+
+#: The op as torch ships it (a one-element list, so a shim never wraps a shim).
+_ENCODER_FAST_PATH = [torch._transformer_encoder_layer_fwd]
+
+
+@contextlib.contextmanager
+def encoder_fast_path_autocast_shim(dtype: torch.dtype) -> Iterator[None]:
+    """Inside the block, cast the floating arguments of ``torch._transformer_encoder_layer_fwd`` to ``dtype``.
+
+    Active only where :func:`cpu_autocast_breaks_encoder_fast_path` is True (module docstring);
+    elsewhere a no-op. Restores the original op on exit, also on error.
+    """
+    if not cpu_autocast_breaks_encoder_fast_path():
+        yield
+        return
+    original = _ENCODER_FAST_PATH[0]
+
+    def cast(value):
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    def shimmed(*args, **kwargs):
+        if torch.is_autocast_enabled("cpu"):
+            args = tuple(cast(a) for a in args)
+            kwargs = {k: cast(v) for k, v in kwargs.items()}
+        return original(*args, **kwargs)
+
+    torch._transformer_encoder_layer_fwd = shimmed
+    try:
+        yield
+    finally:
+        torch._transformer_encoder_layer_fwd = original
 
 
 def parse_recipes(text: str) -> list[Recipe]:
