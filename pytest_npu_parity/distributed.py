@@ -50,7 +50,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
 
-import torch
+from .npu import prepare_torch
+
+prepare_torch()  # a spawned rank imports this module first: keep a torch_npu without CANN from breaking it
+
+import torch  # noqa: E402
 
 from .recipes import RECIPES
 from .rng import same_randomness

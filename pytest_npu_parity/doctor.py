@@ -797,6 +797,9 @@ _DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda|npu)(?::(\d+))?$")
 def _build_context(device: str) -> _Context:
     ctx = _Context(requested=device)
     try:
+        # A torch_npu that cannot load is diagnosed once and quarantined, so that the sections that
+        # import transformers/aurora (patch set, smoke test) report their own state, not its failure.
+        npu.prepare_torch()
         ctx.torch = npu.import_torch()
     except Exception as exc:
         ctx.torch_error = (npu.explain_import_error(exc) if "torch_npu" in str(exc)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import logging
@@ -542,6 +543,94 @@ def import_torch() -> Any:
                 os.environ[AUTOLOAD_ENV] = saved
 
 
+#: Attribute that marks the stand-in ``quarantine_torch_npu`` leaves in ``sys.modules``.
+QUARANTINE_MARK = "__npu_parity_unusable__"
+#: Environment variable carrying a quarantine's reason to subprocesses (spawned ranks).
+QUARANTINE_ENV = "NPU_PARITY_TORCH_NPU_UNUSABLE"
+
+
+class TorchNpuUnusable(AttributeError):
+    """Raised by any attribute of a quarantined torch_npu: the message is the cause and its fix."""
+
+
+def quarantine_torch_npu(reason: str) -> None:
+    """Stand in for a torch_npu that cannot be imported in this process.
+
+    The real wheel registers a ``torch.backends`` entry point, so with CANN missing a bare
+    ``import torch`` fails ("Failed to load the backend extension: torch_npu"), and every
+    ``import torch_npu`` fails again on ``libhccl.so`` — including the one inside Hugging Face
+    transformers' ``is_torch_npu_available()`` (transformers/utils/import_utils.py, 4.57: it runs
+    ``import torch_npu`` whenever ``find_spec("torch_npu")`` finds the package), which every
+    transformers model import reaches. After the failure has been diagnosed, this puts a module
+    object named ``torch_npu`` into ``sys.modules`` whose every public attribute raises
+    :class:`TorchNpuUnusable` with ``reason``: ``import torch_npu`` succeeds and
+    ``hasattr(torch, "npu")`` stays False, so transformers (and aurora) see "no NPU", while any
+    use of torch_npu says why it is unusable. ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` is left set, as
+    the real wheel's ``__init__`` leaves it, so subprocesses can ``import torch`` too, and
+    ``NPU_PARITY_TORCH_NPU_UNUSABLE`` carries the reason to them (:func:`prepare_torch` there
+    quarantines at once instead of probing again).
+
+    Args:
+        reason: the one-sentence cause and fix (``npu_status().reason``).
+    """
+    import types
+
+    module = types.ModuleType("torch_npu", f"torch_npu is unusable in this process: {reason}")
+
+    def __getattr__(name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise TorchNpuUnusable(f"torch_npu.{name}: torch_npu is unusable in this process: {reason}")
+
+    module.__getattr__ = __getattr__  # type: ignore[attr-defined]
+    module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+    setattr(module, QUARANTINE_MARK, reason)
+    sys.modules["torch_npu"] = module
+    os.environ[AUTOLOAD_ENV] = "0"
+    os.environ[QUARANTINE_ENV] = reason
+
+
+def quarantined() -> str | None:
+    """The reason torch_npu was quarantined in this process (:func:`quarantine_torch_npu`), or None."""
+    module = sys.modules.get("torch_npu")
+    return getattr(module, QUARANTINE_MARK, None) if module is not None else None
+
+
+def prepare_torch() -> str | None:
+    """Make ``import torch`` and ``import torch_npu`` safe in this process, as early as possible.
+
+    Called when the pytest plugin is loaded (its ``pytest11`` entry point is imported before any
+    conftest) and at the start of every spawned rank. Where torch_npu is not installed it does
+    nothing and imports nothing. Otherwise, unless the user set ``TORCH_DEVICE_BACKEND_AUTOLOAD``
+    themselves, it does what torch's autoload would do, safely: ``import torch`` with autoload off,
+    then ``import torch_npu`` explicitly (``npu_status``). A torch_npu that loads stays loaded,
+    exactly as autoload leaves it; one that does not is quarantined
+    (:func:`quarantine_torch_npu`), so conftests, transformers and aurora import normally and the
+    run goes on without the NPU.
+
+    Returns:
+        None when torch_npu is absent or usable; else the sentence that says why the NPU is not
+        used (also in the report header and in ``--parity-device npu``'s usage error).
+    """
+    reason = quarantined()
+    if reason is not None:
+        return reason
+    if _find_spec("torch_npu") is None or "torch_npu" in sys.modules:
+        return None
+    inherited = os.environ.get(QUARANTINE_ENV)
+    if inherited:
+        quarantine_torch_npu(inherited)
+        return inherited
+    if "torch" not in sys.modules and AUTOLOAD_ENV in os.environ:
+        return None  # the user chose how torch loads its backends
+    status = npu_status()
+    if status.available:
+        return None
+    if "torch_npu" not in sys.modules:
+        quarantine_torch_npu(status.reason or "torch_npu failed to import")
+    return status.reason
+
+
 def _probe_status() -> NpuStatus:
     cann_info = find_cann()
     cann = cann_info.version if cann_info else None
@@ -553,7 +642,11 @@ def _probe_status() -> NpuStatus:
 
     if _find_spec("torch_npu") is None:
         return unavailable(not_installed_sentence(torch_version, cann), None)
+    if quarantined() is not None:
+        return unavailable(quarantined())
     torch_was_imported = "torch" in sys.modules
+    # torch_npu's own __init__ switches autoload off and leaves it off when it fails: read it first.
+    autoload_on = _autoload_enabled()
     if not torch_was_imported and torch_version and npu_version and (
             base_version(torch_version) != base_version(npu_version)):
         # A torch_npu built for another torch can crash the interpreter on import (seed §10.6):
@@ -575,8 +668,7 @@ def _probe_status() -> NpuStatus:
             want = f" {' or '.join(sorted({r.cann for r in rows}))}" if rows else ""
             diagnosis.detail = f"{diagnosis.lib} not found and no CANN toolkit under {_looked_in()}"
             diagnosis.fix = f"install the CANN toolkit{want} matching torch_npu and {SET_ENV_FIX}"
-        if (not torch_was_imported or _AUTOLOAD_SUPPRESSED) and _autoload_enabled() \
-                and _torch_npu_autoloads():
+        if (not torch_was_imported or _AUTOLOAD_SUPPRESSED) and autoload_on and _torch_npu_autoloads():
             # In a fresh interpreter `import torch` itself autoloads torch_npu and fails the same way.
             diagnosis.autoload = diagnosis.autoload or "torch_npu"
         return unavailable(diagnosis.sentence())

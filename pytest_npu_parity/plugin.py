@@ -12,6 +12,15 @@ from typing import Any, Iterator
 
 import pytest
 
+from . import npu as _npu
+
+# The pytest11 entry point is imported before any conftest: with torch_npu installed but unusable
+# (no CANN), `import torch` itself would fail there (device-backend autoload). Import torch and
+# torch_npu safely now; the reason the NPU is not used, if any, goes into the report header.
+try:
+    NPU_UNUSED_REASON = _npu.prepare_torch()
+except Exception as _exc:  # noqa: BLE001 - never fail pytest's start-up over the NPU probe
+    NPU_UNUSED_REASON = f"NPU detection failed: {type(_exc).__name__}: {_exc}"
 
 SESSION_KEY = pytest.StashKey["Any"]()
 CASES_KEY = pytest.StashKey["list"]()
@@ -321,6 +330,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines.append("npu-parity: verdicts " + " · ".join(
         f"{recipe} {_policy_text(session.verdict_policy(recipe, ''), session.tolerance(recipe, ''))}"
         for recipe in _recipe_names(config)) + (" (per-check choices in parity_policies)" if session.check_policies else ""))
+    if session.target.type != "npu" and not status.available and (status.torch_npu_version or _npu.quarantined()):
+        lines.append(f"npu-parity: torch_npu is installed but the NPU is not used: {status.reason}")
     pinning = _worker_pinning_line(config)
     return lines + [pinning] if pinning else lines
 

@@ -31,7 +31,13 @@ BIN_DIR = FAKES / "bin"
 #: Environment variables that would let the host's own Ascend setup leak into a test.
 _SCRUBBED = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH", "ASCEND_RT_VISIBLE_DEVICES",
              "TORCH_DEVICE_BACKEND_AUTOLOAD", "PYTHONPATH", "FAKE_TORCH_NPU_MODE",
-             "FAKE_NPU_DEVICE_COUNT", "FAKE_NPU_NAME", "FAKE_NPU_SMI_HEALTH")
+             "FAKE_NPU_DEVICE_COUNT", "FAKE_NPU_NAME", "FAKE_NPU_SMI_HEALTH",
+             "NPU_PARITY_TORCH_NPU_UNUSABLE")
+
+
+def _torch_release(version: str) -> str:
+    """The torch release a torch_npu version is built for (``2.5.1.post1`` → ``2.5.1``)."""
+    return ".".join(version.split(".")[:3])
 
 
 def build_site(dest: Path, *, version: str, autoload: bool = True) -> Path:
@@ -52,7 +58,8 @@ def build_site(dest: Path, *, version: str, autoload: bool = True) -> Path:
     info = dest / f"torch_npu-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: torch_npu\nVersion: {version}\n", encoding="utf-8")
+        f"Metadata-Version: 2.1\nName: torch_npu\nVersion: {version}\n"
+        f"Requires-Dist: torch (=={_torch_release(version)}+cpu)\n", encoding="utf-8")
     (info / "top_level.txt").write_text("torch_npu\n", encoding="utf-8")
     if autoload:
         (info / "entry_points.txt").write_text(

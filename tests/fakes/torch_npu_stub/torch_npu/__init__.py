@@ -11,10 +11,19 @@ by ``FAKE_TORCH_NPU_MODE``:
   another accelerator (or a second torch_npu registration) is already present.
 * ``glibcxx`` — the OSError of a torch_npu built against another toolchain (seed §10.6).
 
-The package version comes from the dist-info that ``fake_env.build_site`` writes beside it.
+Like the real wheel (torch_npu 2.5.1 ``__init__``), it switches ``TORCH_DEVICE_BACKEND_AUTOLOAD``
+off, imports torch, and only then fails, leaving the variable at ``0``; ``_autoload`` restores it.
+The package version and its ``torch==<release>+cpu`` pin come from the dist-info that
+``fake_env.build_site`` writes beside it.
 """
 import importlib.metadata
 import os
+
+# As the real wheel does: disable autoloading before `import torch` (a circular import otherwise).
+ORG_AUTOLOAD = os.getenv("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")
+os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+
+import torch  # noqa: E402
 
 try:
     __version__ = importlib.metadata.version("torch_npu")
@@ -30,8 +39,6 @@ if _MODE == "libascendcl":
 if _MODE == "glibcxx":
     raise OSError("/usr/lib/aarch64-linux-gnu/libstdc++.so.6: version `GLIBCXX_3.4.29' not found "
                   "(required by site-packages/torch_npu/lib/libtorch_npu.so)")
-
-import torch  # noqa: E402  (the real package imports torch after its native-library checks too)
 
 if _MODE.startswith("two_accelerators"):
     _other = "npu" if _MODE.endswith("npu") else "cuda"
@@ -50,4 +57,6 @@ torch._register_device_module("npu", npu)
 
 
 def _autoload():
-    """Entry point of group ``torch.backends``: importing the package is the whole job."""
+    """Entry point of group ``torch.backends``: importing the package is the whole job; like the
+    real wheel it restores the autoload switch for subprocesses."""
+    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = ORG_AUTOLOAD
