@@ -583,6 +583,28 @@ def _flat_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu").reshape(-1)
 
 
+def flat_real_cpu(t: torch.Tensor) -> torch.Tensor:
+    """``_flat_cpu(t)`` with complex values as interleaved real and imaginary parts (real dtype)."""
+    flat = _flat_cpu(t)
+    return torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
+
+
+def float64_blocks(*tensors: torch.Tensor, block: int = WORKER_BLOCK) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Aligned flat float64 CPU slices of ``tensors`` (same number of elements, any devices and real or
+    complex dtypes, see ``flat_real_cpu``), ``block`` elements at a time, so a reduction over large
+    tensors holds a few blocks of float64 instead of whole float64 copies.
+
+    Raises:
+        ValueError: when the tensors do not have the same number of elements.
+    """
+    flats = [flat_real_cpu(t) for t in tensors]
+    n = flats[0].numel() if flats else 0
+    if any(f.numel() != n for f in flats):
+        raise ValueError(f"blockwise reduction over tensors of {[f.numel() for f in flats]} elements: they must be equal")
+    for start in range(0, n, block):
+        yield tuple(f[start:start + block].to(torch.float64) for f in flats)
+
+
 def _scalar(t: torch.Tensor, i: int) -> float | int | complex:
     return t[i].item()  # Python float, int, bool or complex: exact for every dtype
 
