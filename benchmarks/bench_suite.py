@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reference", choices=("auto", "cpu"), default="auto",
                         help="auto: stored baselines (no reference run); cpu: live CPU reference on both sides")
     parser.add_argument("--skip-plugin", action="store_true", help="skip the pytest runs (b, c)")
+    parser.add_argument("--vs-msprobe", type=int, default=None, metavar="ELEMENTS",
+                        help="only time compare.compare against msprobe's dump compare on a float32 pair of ELEMENTS "
+                             "elements (e.g. 67108864) and write benchmarks/results/compare_vs_msprobe.json")
     parser.add_argument("--compare-mib", type=int, default=None,
                         help="size of the comparison tensor in MiB (default 256; quick: 64)")
     parser.add_argument("--out", default=None, help="JSON output path")
@@ -348,6 +351,41 @@ def throughput(mib: int, repeat: int) -> dict[str, Any]:
     }
 
 
+def vs_msprobe(elements: int, repeat: int) -> dict[str, Any]:
+    """``compare.compare`` (every metric and the msprobe view) against msprobe 26.2.0's own dump compare
+    of the same float32 pair (``ValidateTensor.check_tensor`` + ``compare_ops_apply`` on the NumPy
+    arrays, as ``msprobe -f pytorch compare`` runs them after reading), minimum of ``repeat`` runs."""
+    import numpy as np
+    import torch
+
+    from msprobe.core.compare.npy_compare import CompareResult, ValidateTensor, compare_ops_apply
+    from msprobe.core.common.const import CompareConst
+
+    from pytest_npu_parity.compare import compare
+    from pytest_npu_parity.policy import default_for_recipe
+
+    gen = torch.Generator().manual_seed(0)
+    expected = torch.randn(elements, generator=gen)
+    actual = expected + 1e-7 * torch.randn(elements, generator=gen)
+    tol = default_for_recipe("fp32")
+    columns = [CompareConst.COSINE, CompareConst.EUC_DIST, CompareConst.MAX_ABS_ERR, CompareConst.MAX_RELATIVE_ERR,
+               CompareConst.ONE_THOUSANDTH_ERR_RATIO, CompareConst.FIVE_THOUSANDTHS_ERR_RATIO]
+    ours, theirs = [], []
+    for _ in range(max(1, repeat)):
+        with Clock() as c:
+            leaf = compare({"out": actual}, {"out": expected}, tol).leaves[0]
+        ours.append(c.wall)
+        n, b = np.array(actual.numpy()), np.array(expected.numpy())  # copies: msprobe zeroes NaN/Inf in place
+        with Clock() as c:
+            checked = ValidateTensor().check_tensor(CompareResult(n, b))
+            values, _ = compare_ops_apply(checked.n_value, checked.b_value, checked.error_flag, checked.err_msg,
+                                          column_names=columns)
+        theirs.append(c.wall)
+    return {"elements": elements, "ours_s": _summary(ours), "msprobe_s": _summary(theirs),
+            "speedup": min(theirs) / min(ours), "ours_view": leaf.msprobe.as_dict(),
+            "msprobe_columns": [float(v) if not isinstance(v, str) else v for v in values]}
+
+
 def _load_file(path: Path) -> Any:
     """``BaselineStore.load``'s reading, validation and checksum of one file (``baselines._read``)."""
     from pytest_npu_parity.baselines import _read
@@ -456,6 +494,14 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.vs_msprobe:
+        res = {"machine": machine(), "load_before": list(os.getloadavg()), **vs_msprobe(args.vs_msprobe, args.repeat)}
+        res["load_after"] = list(os.getloadavg())
+        out = ROOT / "benchmarks" / "results" / "compare_vs_msprobe.json"
+        out.write_text(json.dumps(res, indent=1, default=str))
+        print(f"{args.vs_msprobe} float32 elements: ours {res['ours_s']['min']:.2f} s, msprobe {res['msprobe_s']['min']:.2f} s, "
+              f"{res['speedup']:.1f}x; written {out.relative_to(ROOT)}")
+        return 0
     from pytest_npu_parity.aurora import checks
 
     names = (QUICK_CHECKS if args.quick else [c.name for c in checks.CHECKS]) + [TRAIN_STEP]

@@ -42,7 +42,7 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import torch
 
 from .compare import compare
-from .golden import WORK_DTYPES, GoldenPolicy, GoldenRunner, GoldenUnavailableError, default_golden_for_recipe, \
+from .golden import MSPROBE_GOLDEN, WORK_DTYPES, GoldenPolicy, GoldenRunner, GoldenUnavailableError, default_golden_for_recipe, \
     golden_dtype, judge_golden
 from .policy import FP32, LOW_PRECISION, Tolerance
 
@@ -523,7 +523,8 @@ def _golden(recipe: str, factor: float = 1.0) -> GoldenPolicy:
 def default_policies() -> list[PolicySpec]:
     """The policies the harness judges every case by: the allclose defaults and alternatives for
     bf16 (larger budgets, a looser tolerance, ``torch.testing.assert_close``'s defaults) and
-    msprobe's golden thresholds at ×0.75, ×1 and ×2."""
+    our golden limits (2/10/2/2) at ×0.75, ×1 and ×2, and msprobe 26.2.0's benchmark standard
+    (``golden msprobe``, op level L0: the checks are whole submodules, not single ops)."""
     fp32 = FP32
     return [
         PolicySpec("allclose", "allclose", {"fp32": fp32, "bf16": LOW_PRECISION}, default=True,
@@ -541,7 +542,9 @@ def default_policies() -> list[PolicySpec]:
                    {"fp32": Tolerance(rtol=1.3e-6, atol=1e-5), "bf16": Tolerance(rtol=1.6e-2, atol=1e-5)},
                    note="torch.testing.assert_close defaults (fp32 1.3e-6/1e-5, bf16 1.6e-2/1e-5)"),
         PolicySpec("golden", "golden", {"fp32": _golden("fp32"), "bf16": _golden("bf16")}, default=True,
-                   note="msprobe benchmark thresholds: ratios rmse 2, max_rel 10, mean_rel 2, small 2"),
+                   note="our golden limits: ratios rmse 2, max_rel 10, mean_rel 2, small 2 (msprobe's L0 values)"),
+        PolicySpec("golden_msprobe", "golden", {"fp32": MSPROBE_GOLDEN, "bf16": MSPROBE_GOLDEN},
+                   note="msprobe 26.2.0 benchmark standard, L0: its metrics, floors 2^-14/2^-8, limits 2/10/2/2"),
         PolicySpec("golden_x0.75", "golden", {"fp32": _golden("fp32", 0.75), "bf16": _golden("bf16", 0.75)},
                    note="golden, every limit x0.75 (rmse 1.5, max_rel 7.5, mean_rel 1.5, small 1.5)"),
         PolicySpec("golden_x2", "golden", {"fp32": _golden("fp32", 2.0), "bf16": _golden("bf16", 2.0)},

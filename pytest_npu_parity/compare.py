@@ -5,16 +5,26 @@ lists, dicts and Hugging Face ``ModelOutput``), pairs their leaves by path (``lo
 ``hidden_states[1]``, ``[0].loss``) and measures every pair in float64 on the CPU:
 
 * ``max_abs``  — max |a − e|
-* ``max_rel``  — max |a − e| / (|e| + eps), eps = 1e-10 (msprobe's relative error)
+* ``max_rel``  — max |a − e| / (|e| + 1e-10) in float64 (``REL_EPS``; our definition: one eps for
+  every dtype, so an element where e = 0 shows |a|·1e10. msprobe's ``MaxRelativeErr`` is another
+  number, see ``MsprobeView``)
 * ``rel_l2``   — ‖a − e‖₂ / ‖e‖₂ (0 when both are 0, inf when only e is 0)
-* ``cosine``   — ⟨a, e⟩ / (‖a‖₂ ‖e‖₂) (1 when both are all-zero, 0 when only one is)
+* ``cosine``   — ⟨a, e⟩ / (‖a‖₂ ‖e‖₂), unrounded (1 when both are all-zero, 0 when only one is;
+  msprobe says 1.0 and "Nan" there and rounds to 6 decimals above 0.9999, see ``MsprobeView``)
 * ``mismatched`` — elements with |a − e| > atol + rtol·|e| (the ``torch.isclose`` rule), plus every
   position where NaN/±Inf differ between the two sides (NaN in the same place on both sides is
   parity, and so is ±Inf of the same sign)
 * ``err_ratio`` — max over elements of |a − e| / (atol + rtol·|e|): > 1 means out of tolerance
   (``inf`` when a NaN/Inf position differs, 0/0 counts as 0)
 
-A leaf passes when shapes and dtypes agree and ``mismatched <= floor(budget · numel)``.
+A leaf passes when shapes and dtypes agree and ``mismatched <= floor(budget · numel)``. That NaN/Inf
+rule is ours and stricter than msprobe's dump compare, which treats −Inf against +Inf at one place as
+equal (``core/compare/npy_compare.py::handle_inf_nan`` compares only the Inf and NaN masks) and
+gives no numbers at all when the masks differ.
+
+The same blockwise pass also computes ``MsprobeView``: the six columns of msprobe's dump-compare
+CSV (``msprobe -f pytorch compare``, mindstudio-probe 26.2.0) with msprobe's own conventions, so a
+report can be read next to an msprobe CSV.
 Finite metrics are taken over positions finite on both sides. For complex tensors |·| is the
 modulus (as in ``torch.isclose``) and the cosine is Re⟨a, e⟩ / (‖a‖₂ ‖e‖₂).
 
@@ -33,8 +43,88 @@ import torch
 
 from .policy import Tolerance, default_for_dtype
 
-#: Guard in the relative error's denominator, as in msprobe's max relative error.
+#: Guard in the denominator of our relative error ``max_rel`` = max |a − e| / (|e| + REL_EPS), the
+#: same for every dtype. (msprobe 26.2.0 uses no such constant: its dump compare divides by |b| and
+#: adds finfo.eps to both sides only where b = 0, see ``MsprobeView``.)
 REL_EPS = 1e-10
+
+#: The one-thousandth and five-thousandths thresholds of msprobe's dump compare
+#: (``core/common/const.py::CompareConst.THOUSAND_RATIO_THRESHOLD`` / ``FIVE_THOUSAND_RATIO_THRESHOLD``).
+MSPROBE_THOUSANDTH = 0.001
+MSPROBE_FIVE_THOUSANDTHS = 0.005
+#: msprobe's "all zero" bound for the cosine: ``Const.FLOAT_EPSILON`` = ``np.finfo(float).eps``.
+MSPROBE_ZERO_NORM = 2.0 ** -52
+#: Cosines above this are rounded to 6 decimals (``CompareConst.COSINE_THRESHOLD``).
+MSPROBE_COSINE_ROUND_ABOVE = 0.9999
+#: msprobe's markers for a cell without a number (``CompareConst.UNSUPPORTED``, ``N_A``, ``NAN``).
+MSPROBE_UNSUPPORTED, MSPROBE_NA, MSPROBE_NAN = "unsupported", "N/A", "Nan"
+#: The view's columns, in msprobe's CSV order (Cosine, EucDist, MaxAbsErr, MaxRelativeErr,
+#: One Thousandth Err Ratio, Five Thousandths Err Ratio).
+MSPROBE_COLUMNS = ("cosine", "euc_dist", "max_abs_err", "max_rel_err", "one_thousandth", "five_thousandths")
+
+
+def msprobe_format(value: float) -> float:
+    """msprobe's ``core/common/utils.py::format_value``: ``float('{:.12f}'.format(value))`` (12 decimals,
+    so 3e-14 becomes 0.0). Applied, as msprobe does, to every view column but ``euc_dist``."""
+    return float("{:.12f}".format(value))
+
+
+@dataclass
+class MsprobeView:
+    """What msprobe 26.2.0's dump compare writes for one tensor pair (NPU = our target ``a``, bench =
+    our reference ``e``), reproduced from its source. A cell is a float, or msprobe's marker string
+    (``"unsupported"``, ``"N/A"``, ``"Nan"``) where msprobe writes no number; ``reason`` says why.
+
+    The pipeline reproduced (paths under ``msprobe/`` of mindstudio-probe 26.2.0):
+
+    * reading: ``pytorch/compare/utils.py::read_pt_data`` — bf16 becomes float32, then ``np.squeeze``:
+      a 1-element tensor is 0-d for msprobe, a ``1x1x5`` one is ``5``;
+    * checks: ``core/compare/npy_compare.py::ValidateTensor.check_tensor`` — empty: every cell
+      ``unsupported``; 0-d: ``cosine``, ``euc_dist`` and both ratios ``unsupported`` (and NaN/Inf are
+      not looked at); Inf or NaN masks that differ anywhere: every cell ``N/A``; equal masks
+      (also −Inf against +Inf): those positions are set to 0 on both sides before measuring;
+    * ``cosine`` — ``algorithm/builtin_algorithm/alg_cosine_similarity.py::compare``: float64
+      Σn·b / (‖n‖ ‖b‖); 1.0 when both norms are ≤ 2^-52, ``Nan`` when one is; ``format_value``, then
+      rounded to 6 decimals when above 0.9999;
+    * ``euc_dist`` — ``alg_euclidean_distance.py``: ‖n − b‖₂ in float64 (not formatted);
+    * ``max_abs_err`` — ``alg_max_absolute_error.py``: max |n − b| in float64 (0-d: in the array's
+      dtype, float16 for fp16); ``format_value``;
+    * ``max_rel_err`` — ``alg_max_relative_error.py`` with ``core/compare/utils.py::get_relative_err``:
+      max |(n − b) / b| computed in ``np.result_type(n, b, float32)`` (float32 for fp16/bf16/fp32,
+      float64 for fp64 and integers), where b = 0 adding that type's eps to both n and b;
+    * ``one_thousandth`` / ``five_thousandths`` — ``alg_one_thousand_error.py`` /
+      ``alg_five_thousand_error.py`` with ``core/compare/utils.py::calc_relative_err_ratio``: share of
+      elements whose relative error (as above) is < 0.001 / < 0.005 (compared in the same type).
+
+    Not the dump compare: msprobe's acc_check (``pytorch/api_accuracy_checker``) divides by
+    |b| + eps (eps 2^-8 for bf16, else ``finfo(bench).eps``) and normalizes its cosine by the max; the
+    golden verdict's ``msprobe`` limit set reproduces that tool (see ``golden``).
+    """
+
+    cosine: float | str = MSPROBE_UNSUPPORTED
+    euc_dist: float | str = MSPROBE_UNSUPPORTED
+    max_abs_err: float | str = MSPROBE_UNSUPPORTED
+    max_rel_err: float | str = MSPROBE_UNSUPPORTED
+    one_thousandth: float | str = MSPROBE_UNSUPPORTED
+    five_thousandths: float | str = MSPROBE_UNSUPPORTED
+    reason: str | None = None
+
+    @classmethod
+    def all(cls, marker: str, reason: str) -> "MsprobeView":
+        """Every cell ``marker`` (msprobe's ``error_value_process`` for a pair it cannot compare)."""
+        return cls(*(marker,) * len(MSPROBE_COLUMNS), reason=reason)
+
+    def as_dict(self) -> dict[str, float | str]:
+        """``{column: cell}`` in ``MSPROBE_COLUMNS`` order."""
+        return {c: getattr(self, c) for c in MSPROBE_COLUMNS}
+
+    def to_row(self) -> dict[str, Any]:
+        """``msprobe_<column>`` floats (None where msprobe writes a marker) and ``msprobe_note``
+        (``"cosine=unsupported …: reason"``), for tables."""
+        row: dict[str, Any] = {f"msprobe_{c}": (v if isinstance(v, float) else None) for c, v in self.as_dict().items()}
+        markers = [f"{c}={v}" for c, v in self.as_dict().items() if not isinstance(v, float)]
+        row["msprobe_note"] = (" ".join(markers) + (f": {self.reason}" if self.reason else "")) if markers else None
+        return row
 
 
 class ParityError(AssertionError):
@@ -56,6 +146,8 @@ class LeafResult:
     NaN/±Inf status differs; ``actual_at_*``/``expected_at_*`` are the two values there. Errors are
     in the tensor's units (abs) or dimensionless (rel, ratio). ``problem`` explains a structural
     failure (missing leaf, None vs tensor, shape or dtype mismatch); metrics are NaN then.
+    ``msprobe`` is the same pair as msprobe's dump compare sees it (``MsprobeView``; None when there
+    is a structural problem or the dtype is complex, which msprobe does not compare).
     """
 
     path: str
@@ -80,6 +172,7 @@ class LeafResult:
     actual_at_nonfinite: float | complex | None = None
     expected_at_nonfinite: float | complex | None = None
     problem: str | None = None
+    msprobe: MsprobeView | None = None
 
     @property
     def allowed(self) -> int:
@@ -117,6 +210,7 @@ class LeafResult:
             "tolerance_source": self.tolerance.source,
             "tolerance_reason": self.tolerance.reason,
             "problem": self.problem,
+            **(self.msprobe.to_row() if self.msprobe is not None else {}),
             "verdict": "pass" if self.passed else "fail",
         }
 
@@ -318,10 +412,14 @@ MAX_THREADS = 8
 class _Accumulator:
     """Running metrics over the blocks of one flattened pair (see ``compare_tensors``).
 
-    Maxima keep the first flat index where they occur, as ``torch.argmax`` does.
+    Maxima keep the first flat index where they occur, as ``torch.argmax`` does. Besides our
+    metrics it keeps what ``MsprobeView`` needs: Σa·e, msprobe's max relative error and its counts
+    below 0.001 / 0.005 (``rel_dtype``: the type msprobe computes its relative error in), and the
+    number of positions whose Inf or NaN status differs.
     """
 
-    def __init__(self, tolerance: Tolerance, block: int, work_dtype: torch.dtype):
+    def __init__(self, tolerance: Tolerance, block: int, work_dtype: torch.dtype,
+                 rel_dtype: torch.dtype | None = None):
         self.rtol, self.atol = tolerance.rtol, tolerance.atol
         self.block = block
         self.sum_dd = self.sum_ee = self.sum_aa = 0.0  # Σ|a−e|², Σ|e|², Σ|a|² (finite positions)
@@ -330,11 +428,24 @@ class _Accumulator:
         self.mismatched = 0
         self.nonfinite_mismatched = 0
         self.nonfinite_at: int | None = None
+        # msprobe view (rel_dtype None: not computed, e.g. complex)
+        self.rel_dtype = rel_dtype
+        self.sum_ae = 0.0
+        self.ms_max_rel = 0.0
+        self.ms_below = [0, 0]  # elements with msprobe relative error < 0.001, < 0.005
+        self.ms_special_mismatched = 0  # positions where isinf or isnan differs
+        if rel_dtype is not None:
+            self.ms_eps = torch.finfo(rel_dtype).eps
+            # thresholds as msprobe compares them: in rel_dtype (NumPy casts the Python float scalar)
+            self.ms_thresholds = [torch.tensor(t, dtype=rel_dtype).item() for t in (MSPROBE_THOUSANDTH, MSPROBE_FIVE_THOUSANDTHS)]
+            self.ms_work = (torch.empty(block, dtype=rel_dtype), torch.empty(block, dtype=rel_dtype))
+            self.ms_stat = torch.empty((), dtype=rel_dtype)
+            self.block_ms_max = 0.0
         # Work arrays reused by every block (a fresh allocation per block costs more than the
-        # math), and the block's six scalars, read back in one go.
+        # math), and the block's seven scalars, read back in one go.
         self.work = (torch.empty(block, dtype=work_dtype), torch.empty(block, dtype=work_dtype),
                      torch.empty(block, dtype=torch.float64), torch.empty(block, dtype=torch.float64))
-        self.stats = torch.empty(6, dtype=torch.float64)
+        self.stats = torch.zeros(7, dtype=torch.float64)
 
     def add_block(self, a: torch.Tensor, e: torch.Tensor, start: int) -> None:
         """Fold the 1-D CPU slices ``a``/``e`` (flat positions ``start``…) into the running metrics."""
@@ -342,17 +453,18 @@ class _Accumulator:
         work = self.work if k == self.block else tuple(w[:k] for w in self.work)
         a64, e64 = work[0].copy_(a), work[1].copy_(e)  # exact: fp32/bf16/fp16 values are float64s
         d, rel, allowed = self._measure_block(*work)
-        norm_a, norm_e, norm_d, max_abs, max_rel, max_ratio = self.stats.tolist()
+        norm_a, norm_e, norm_d, max_abs, max_rel, max_ratio, dot = self.stats.tolist()
         if not math.isfinite(norm_a + norm_e):
             # A NaN/Inf somewhere (or float64 squares that overflow): judge special values by
             # position and kind, then measure the positions finite on both sides.
             self._nonfinite(a64.copy_(a), e64.copy_(e), start)
             d, rel, allowed = self._measure_block(*work)
-            norm_a, norm_e, norm_d, max_abs, max_rel, max_ratio = self.stats.tolist()
+            norm_a, norm_e, norm_d, max_abs, max_rel, max_ratio, dot = self.stats.tolist()
 
         self.sum_aa += norm_a * norm_a
         self.sum_ee += norm_e * norm_e
         self.sum_dd += norm_d * norm_d
+        self.sum_ae += dot
         if max_abs > self.max_abs:
             self.max_abs, self.abs_at = max_abs, start + int(d.argmax())
         if max_rel > self.max_rel:
@@ -360,15 +472,21 @@ class _Accumulator:
         self.max_ratio = max(self.max_ratio, max_ratio)
         if max_ratio > 1.0:  # some element is out of tolerance: count them by the allclose rule
             self.mismatched += int(torch.count_nonzero(d > allowed))
+        if self.rel_dtype is not None:
+            self._fold_msprobe(k, self.block_ms_max)
 
     def _measure_block(self, a64: torch.Tensor, e64: torch.Tensor, t: torch.Tensor, r: torch.Tensor):
-        """One block's ‖a‖, ‖e‖, ‖d‖ and max of d, rel, ratio into ``self.stats``; returns the
-        arrays d = |a − e|, rel and allowed = atol + rtol·|e| (``a64``/``e64`` are overwritten)."""
+        """One block's ‖a‖, ‖e‖, ‖d‖, max of d, rel, ratio and Σa·e into ``self.stats`` (and msprobe's
+        relative error, see ``_msprobe_rel``); returns the arrays d = |a − e|, rel and allowed = atol + rtol·|e|
+        (``a64``/``e64`` are overwritten)."""
         stats = self.stats
         # Sums of squares by torch's own reduction, not BLAS dot: MKL's threaded dot stalls for
         # milliseconds per call on a busy machine.
         torch.linalg.vector_norm(a64, out=stats[0])
         torch.linalg.vector_norm(e64, out=stats[1])
+        if self.rel_dtype is not None:
+            torch.sum(torch.mul(a64, e64, out=t), 0, out=stats[6])
+            self._msprobe_rel(a64, e64)
         if a64.is_complex():
             d = (a64 - e64).abs()  # modulus, as torch.isclose does for complex
             abs_e = e64.abs()
@@ -386,6 +504,31 @@ class _Accumulator:
         torch.amax(ratio, 0, out=stats[5])
         return d, rel, allowed
 
+    def _msprobe_rel(self, a64: torch.Tensor, e64: torch.Tensor) -> torch.Tensor:
+        """msprobe's relative error |(n − b) / b| of the block in ``rel_dtype``
+        (``core/compare/utils.py::get_relative_err``), its max into ``block_ms_max``; left in ``ms_work[0]``."""
+        k = a64.numel()
+        n, b = (w[:k] for w in self.ms_work) if k != self.block else self.ms_work
+        n.copy_(a64)
+        b.copy_(e64)
+        rel = torch.sub(n, b, out=n).div_(b).abs_()
+        self.block_ms_max = float(torch.amax(rel, 0, out=self.ms_stat))
+        if not math.isfinite(self.block_ms_max):  # b == 0 somewhere (or an overflow): msprobe's zero rule
+            n.copy_(a64)
+            zero = b == 0
+            n.add_(zero, alpha=self.ms_eps)  # n[b == 0] += eps, in rel_dtype
+            b.add_(zero, alpha=self.ms_eps)
+            rel = torch.sub(n, b, out=n).div_(b).abs_()
+            self.block_ms_max = float(torch.amax(rel, 0, out=self.ms_stat))
+        return rel
+
+    def _fold_msprobe(self, k: int, ms_max_rel: float) -> None:
+        self.ms_max_rel = max(self.ms_max_rel, ms_max_rel) if not math.isnan(ms_max_rel) else math.nan
+        rel = self.ms_work[0][:k]
+        for i, threshold in enumerate(self.ms_thresholds):
+            # every element is below the threshold when the max is: no count needed
+            self.ms_below[i] += k if ms_max_rel < threshold else int(torch.count_nonzero(rel < threshold))
+
     def add_range(self, a: torch.Tensor, e: torch.Tensor, starts: range, block: int) -> "_Accumulator":
         """Fold the blocks beginning at ``starts`` (flat positions); returns ``self``."""
         for start in starts:
@@ -397,6 +540,7 @@ class _Accumulator:
         self.sum_dd += later.sum_dd
         self.sum_ee += later.sum_ee
         self.sum_aa += later.sum_aa
+        self.sum_ae += later.sum_ae
         if later.max_abs > self.max_abs:
             self.max_abs, self.abs_at = later.max_abs, later.abs_at
         if later.max_rel > self.max_rel:
@@ -406,6 +550,9 @@ class _Accumulator:
         self.nonfinite_mismatched += later.nonfinite_mismatched
         if self.nonfinite_at is None:
             self.nonfinite_at = later.nonfinite_at
+        self.ms_max_rel = max(self.ms_max_rel, later.ms_max_rel) if not math.isnan(later.ms_max_rel) else math.nan
+        self.ms_below = [x + y for x, y in zip(self.ms_below, later.ms_below)]
+        self.ms_special_mismatched += later.ms_special_mismatched
 
     def _nonfinite(self, a64: torch.Tensor, e64: torch.Tensor, start: int) -> None:
         finite_a, finite_e = torch.isfinite(a64), torch.isfinite(e64)
@@ -419,6 +566,10 @@ class _Accumulator:
             self.mismatched += n_bad
             if self.nonfinite_at is None:
                 self.nonfinite_at = start + int(bad.to(torch.uint8).argmax())
+        if self.rel_dtype is not None:
+            # msprobe compares the Inf mask and the NaN mask only (handle_inf_nan): -Inf vs +Inf is equal
+            self.ms_special_mismatched += int(torch.count_nonzero(
+                (torch.isinf(a64) != torch.isinf(e64)) | (torch.isnan(a64) != torch.isnan(e64))))
         a64.masked_fill_(~both_finite, 0)
         e64.masked_fill_(~both_finite, 0)
 
@@ -430,6 +581,28 @@ def _flat_cpu(t: torch.Tensor) -> torch.Tensor:
     if t.is_complex():
         t = t.resolve_conj()
     return t.to("cpu").reshape(-1)
+
+
+def flat_real_cpu(t: torch.Tensor) -> torch.Tensor:
+    """``_flat_cpu(t)`` with complex values as interleaved real and imaginary parts (real dtype)."""
+    flat = _flat_cpu(t)
+    return torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
+
+
+def float64_blocks(*tensors: torch.Tensor, block: int = WORKER_BLOCK) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Aligned flat float64 CPU slices of ``tensors`` (same number of elements, any devices and real or
+    complex dtypes, see ``flat_real_cpu``), ``block`` elements at a time, so a reduction over large
+    tensors holds a few blocks of float64 instead of whole float64 copies.
+
+    Raises:
+        ValueError: when the tensors do not have the same number of elements.
+    """
+    flats = [flat_real_cpu(t) for t in tensors]
+    n = flats[0].numel() if flats else 0
+    if any(f.numel() != n for f in flats):
+        raise ValueError(f"blockwise reduction over tensors of {[f.numel() for f in flats]} elements: they must be equal")
+    for start in range(0, n, block):
+        yield tuple(f[start:start + block].to(torch.float64) for f in flats)
 
 
 def _scalar(t: torch.Tensor, i: int) -> float | int | complex:
@@ -471,13 +644,20 @@ def compare_tensors(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tol
         leaf.problem = f"dtype mismatch: actual {leaf.dtype} vs expected {leaf.expected_dtype}"
         return leaf
     a, e = _flat_cpu(actual), _flat_cpu(expected)
+    rel_dtype = msprobe_rel_dtype(a.dtype)
     if leaf.numel == 0 or torch.equal(a, e):
         # Every element equal (NaN never is, so NaN pairs take the full path): nothing differs.
         leaf.max_abs = leaf.max_rel = leaf.rel_l2 = leaf.err_ratio = 0.0
         leaf.cosine = 1.0
+        if rel_dtype is not None:
+            leaf.msprobe = (MsprobeView.all(MSPROBE_UNSUPPORTED, "empty tensor") if leaf.numel == 0
+                            else _msprobe_scalar(a, e) if leaf.numel == 1
+                            else MsprobeView(1.0, 0.0, 0.0, 0.0, 1.0, 1.0))
         return leaf
 
-    acc = _accumulate(a, e, tolerance)
+    acc = _accumulate(a, e, tolerance, rel_dtype if leaf.numel > 1 else None)
+    if rel_dtype is not None:
+        leaf.msprobe = _msprobe_scalar(a, e) if leaf.numel == 1 else _msprobe_view(acc, leaf.numel)
 
     shape = tuple(actual.shape)
     leaf.mismatched = acc.mismatched
@@ -509,7 +689,72 @@ def compare_tensors(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tol
     return leaf
 
 
-def _accumulate(a: torch.Tensor, e: torch.Tensor, tolerance: Tolerance) -> _Accumulator:
+def msprobe_rel_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The type msprobe's dump compare computes relative errors in for tensors of ``dtype``:
+    ``np.result_type(n, b, np.float32)`` after ``read_pt_data`` (bf16 read as float32, integers and
+    bool cast to float64 by ``get_relative_err``): float32 for fp16/bf16/fp32, float64 for fp64,
+    integers and bool. None for complex (msprobe's compare does not handle it)."""
+    if dtype.is_complex:
+        return None
+    if dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return torch.float32
+    return torch.float64
+
+
+def _msprobe_view(acc: _Accumulator, numel: int) -> MsprobeView:
+    """``MsprobeView`` of a pair of more than one element from the blockwise sums (see its docstring)."""
+    if acc.ms_special_mismatched:
+        return MsprobeView.all(MSPROBE_NA, "the Inf/NaN positions of NPU and bench differ")
+    norm_a, norm_e = math.sqrt(acc.sum_aa), math.sqrt(acc.sum_ee)
+    if norm_a <= MSPROBE_ZERO_NORM and norm_e <= MSPROBE_ZERO_NORM:
+        cosine: float | str = 1.0
+    elif norm_a <= MSPROBE_ZERO_NORM or norm_e <= MSPROBE_ZERO_NORM:
+        cosine = MSPROBE_NAN
+    else:
+        cos = acc.sum_ae / (norm_a * norm_e)
+        if math.isnan(cos):
+            cosine = MSPROBE_NAN
+        else:
+            cosine = msprobe_format(cos)
+            if cosine > MSPROBE_COSINE_ROUND_ABOVE:
+                cosine = round(cosine, 6)
+    max_rel = MSPROBE_NAN if math.isnan(acc.ms_max_rel) else msprobe_format(acc.ms_max_rel)
+    return MsprobeView(cosine=cosine, euc_dist=math.sqrt(acc.sum_dd), max_abs_err=msprobe_format(max(acc.max_abs, 0.0)),
+                       max_rel_err=max_rel, one_thousandth=msprobe_format(acc.ms_below[0] / numel),
+                       five_thousandths=msprobe_format(acc.ms_below[1] / numel))
+
+
+def _msprobe_scalar(a: torch.Tensor, e: torch.Tensor) -> MsprobeView:
+    """``MsprobeView`` of a 1-element pair, 0-d for msprobe after ``np.squeeze``: only the max errors,
+    computed in the array's own dtype (float32 for bf16), NaN/Inf not zeroed (``check_tensor``
+    returns before its NaN/Inf check for 0-d data)."""
+    import numpy as np
+
+    def numpy_of(t: torch.Tensor) -> "np.ndarray":
+        t = t.reshape(())
+        if t.dtype == torch.bfloat16:
+            t = t.to(torch.float32)
+        elif t.dtype == torch.bool:
+            t = t.to(torch.float64)  # flatten_numpy: astype(float)
+        return t.numpy()
+
+    n, b = numpy_of(a), numpy_of(e)
+    with np.errstate(all="ignore"):
+        abs_err = float(np.abs(n - b))
+        rel_type = np.result_type(n.astype(float) if n.dtype.kind not in "f" else n, np.float32)
+        n_r, b_r = n.astype(rel_type), b.astype(rel_type)
+        if b_r == 0:
+            eps = np.finfo(rel_type).eps
+            n_r, b_r = n_r + eps, b_r + eps
+        rel = float(np.abs(np.divide(n_r - b_r, b_r)))
+    reason = "0-d for msprobe (one element): cosine, EucDist and the ratios are not computed"
+    return MsprobeView(max_abs_err=MSPROBE_NAN if math.isnan(abs_err) else msprobe_format(abs_err),
+                       max_rel_err=MSPROBE_NAN if math.isnan(rel) else msprobe_format(rel), reason=reason)
+
+
+
+def _accumulate(a: torch.Tensor, e: torch.Tensor, tolerance: Tolerance,
+                rel_dtype: torch.dtype | None = None) -> _Accumulator:
     """Run the blocks of the flat CPU tensors ``a``/``e``, on up to ``torch.get_num_threads()``
     (at most ``MAX_THREADS``) threads for large tensors: each thread a contiguous run of blocks;
     torch ops release the GIL. In the calling thread a block is small enough (``BLOCK``) that no
@@ -521,7 +766,7 @@ def _accumulate(a: torch.Tensor, e: torch.Tensor, tolerance: Tolerance) -> _Accu
     starts = range(0, numel, block)
     workers = min(torch.get_num_threads(), MAX_THREADS, len(starts) // PARALLEL_MIN_BLOCKS)
     if workers <= 1:
-        return _Accumulator(tolerance, block, work_dtype).add_range(a, e, starts, block)
+        return _Accumulator(tolerance, block, work_dtype, rel_dtype).add_range(a, e, starts, block)
     pinned = _per_thread_intra_op()
     if pinned:
         block = min(WORKER_BLOCK, numel)
@@ -532,7 +777,7 @@ def _accumulate(a: torch.Tensor, e: torch.Tensor, tolerance: Tolerance) -> _Accu
     def work(run: range) -> _Accumulator:
         if pinned:
             torch.set_num_threads(1)  # this worker thread only (OpenMP keeps it per thread)
-        return _Accumulator(tolerance, block, work_dtype).add_range(a, e, run, block)
+        return _Accumulator(tolerance, block, work_dtype, rel_dtype).add_range(a, e, run, block)
 
     with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="npu-parity-compare") as pool:
         parts = list(pool.map(work, runs))

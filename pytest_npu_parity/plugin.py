@@ -62,8 +62,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(default: ini parity_worker_devices, else gwK runs on index K mod device count)")
     group.addoption("--parity-policy", default=None, choices=("allclose", "golden"),
                     help="verdict policy of every recipe: allclose (rtol/atol/budget; default) or golden (target and "
-                         "reference errors against a higher-precision CPU golden run, msprobe's benchmark ratio "
-                         "limits); replaces ini parity_<recipe>_policy, while ini parity_policies lines, the "
+                         "reference errors against a higher-precision CPU golden run, ratio limits 2/10/2/2; "
+                         "'golden msprobe op=…' in ini or the marker for msprobe 26.2.0's standard); replaces ini parity_<recipe>_policy, while ini parity_policies lines, the "
                          "marker's policy= and parity.check(policy=...) still choose per check")
     group.addoption("--parity-audit", action="store_true", default=False,
                     help="record a device-propagation audit of every target run (costs time)")

@@ -62,9 +62,9 @@ COLUMNS: dict[str, str] = {
     "reference": "what the target was compared with: 'cpu' (live run) or 'baseline' ('recorded' when writing one)",
     "reference_provenance": "one line: where the reference came from (device, versions, date, file)",
     "max_abs": "max |actual - expected| in the tensor's units",
-    "max_rel": "max |actual - expected| / (|expected| + 1e-10) (msprobe's relative error)",
+    "max_rel": "max |actual - expected| / (|expected| + 1e-10), ours (not msprobe's: see msprobe_max_rel_err)",
     "rel_l2": "||actual - expected||_2 / ||expected||_2",
-    "cosine": "cosine similarity of actual and expected (1 = same direction)",
+    "cosine": "cosine similarity of actual and expected (1 = same direction; unrounded, 1 when both are all zero, 0 when one is)",
     "err_ratio": "max |a - e| / (atol + rtol*|e|) over elements; > 1 means out of tolerance",
     "mismatched": "number of elements outside atol + rtol*|expected| (plus NaN/Inf position mismatches)",
     "mismatched_frac": "mismatched / numel",
@@ -80,6 +80,14 @@ COLUMNS: dict[str, str] = {
     "golden_dtype": "dtype of the golden run (float64 for fp32 work, float32 for bf16)",
     "golden_worst_metric": "golden policy: the metric (rmse, max_rel, mean_rel, small_share) nearest its limit",
     "golden_worst_margin": "golden policy: that metric's target/reference error ratio divided by its limit; > 1 fails",
+    "msprobe_cosine": "msprobe 26.2.0 dump compare's Cosine (empty where msprobe writes no number, see msprobe_note)",
+    "msprobe_euc_dist": "msprobe's EucDist: ||actual - expected||_2 after zeroing matched NaN/Inf",
+    "msprobe_max_abs_err": "msprobe's MaxAbsErr (rounded to 12 decimals as msprobe does)",
+    "msprobe_max_rel_err": "msprobe's MaxRelativeErr: max |(a - e) / e| in float32 (fp64: float64), eps added to both where e = 0",
+    "msprobe_one_thousandth": "msprobe's One Thousandth Err Ratio: share of elements with msprobe relative error < 0.001",
+    "msprobe_five_thousandths": "msprobe's Five Thousandths Err Ratio: share with msprobe relative error < 0.005",
+    "msprobe_note": "msprobe's marker for cells without a number (unsupported, N/A, Nan) and why",
+    "golden_msprobe_verdict": "golden msprobe policy: msprobe's own benchmark verdict (pass/error), without our NaN/Inf rule",
     "problem": "structural failure (missing leaf, shape or dtype mismatch, exception); metrics NaN then",
     "verdict": "pass, fail (out of tolerance or structural problem), error (the check did not run) or recorded",
     "audit_mixed_device": "ops on the target that mixed devices",
@@ -124,7 +132,8 @@ FAILING = ("fail", "error")
 HISTORY_KEY = ("test_id", "check", "leaf", "recipe")
 
 _FLOAT = {"max_abs", "max_rel", "rel_l2", "cosine", "err_ratio", "mismatched_frac", "rtol", "atol", "budget", "duration_s",
-          "golden_worst_margin"}
+          "golden_worst_margin", "msprobe_cosine", "msprobe_euc_dist", "msprobe_max_abs_err", "msprobe_max_rel_err",
+          "msprobe_one_thousandth", "msprobe_five_thousandths"}
 _INT = {"numel", "mismatched", "nonfinite_mismatched", "audit_mixed_device", "audit_h2d", "audit_d2h",
         "audit_host_sync", "audit_cpu_fallback", "audit_fp64"}
 _JSON_META = {"recipes", "precision_flags", "patch_set", "pytest_args"}
@@ -590,11 +599,14 @@ def check_table(df: pd.DataFrame) -> pd.DataFrame:
         Columns test_id, check, recipe, suite, submodule, target, reference, reference_provenance,
         verdict (``error`` > ``fail`` > ``recorded`` > ``pass`` over its leaves), leaves, failing_leaves, worst_leaf,
         err_ratio, max_abs, max_rel, rel_l2 (max over leaves), cosine (min over leaves), mismatched
-        (sum), numel (sum), tolerance (text of the worst leaf's), problem; worst first.
+        (sum), numel (sum), msprobe_cosine (min), msprobe_max_rel_err (max), msprobe_one_thousandth (min;
+        msprobe's dump-compare numbers, NaN where msprobe writes none), tolerance (text of the worst
+        leaf's), problem; worst first.
     """
     cols = ["test_id", "check", "recipe", "suite", "submodule", "target", "reference", "reference_provenance",
             "verdict", "leaves", "failing_leaves", "worst_leaf", "err_ratio", "max_abs", "max_rel", "rel_l2",
-            "cosine", "mismatched", "numel", "tolerance", "tolerance_source", "tolerance_reason", "problem"]
+            "cosine", "mismatched", "numel", "msprobe_cosine", "msprobe_max_rel_err", "msprobe_one_thousandth",
+            "tolerance", "tolerance_source", "tolerance_reason", "problem"]
     if df.empty:
         return pd.DataFrame(columns=cols)
     out = []
@@ -613,6 +625,8 @@ def check_table(df: pd.DataFrame) -> pd.DataFrame:
             "max_abs": group["max_abs"].max(), "max_rel": group["max_rel"].max(),
             "rel_l2": group["rel_l2"].max(), "cosine": group["cosine"].min(),
             "mismatched": int(group["mismatched"].fillna(0).sum()), "numel": int(group["numel"].fillna(0).sum()),
+            "msprobe_cosine": group["msprobe_cosine"].min(), "msprobe_max_rel_err": group["msprobe_max_rel_err"].max(),
+            "msprobe_one_thousandth": group["msprobe_one_thousandth"].min(),
             "tolerance": tolerance_text(worst), "tolerance_source": worst["tolerance_source"],
             "tolerance_reason": worst["tolerance_reason"],
             "problem": next((p for p in group["problem"] if not _isna(p)), None),

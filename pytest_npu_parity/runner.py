@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ import torch
 from .baselines import (BaselineError, CorruptBaselineError, MissingBaselineError, StaleBaselineError,
                         UnsafeBaselineError)
 from .compare import CompareResult, ParityError, compare, flatten
+from .modules import owner_module  # noqa: F401  (also runner.owner_module, as before)
 from .policy import Tolerance, default_for_recipe, parse_tolerance_spec
 from .recipes import RECIPES, Recipe, strict_fp32_flags
 from .rng import same_randomness
@@ -221,15 +221,6 @@ def fresh_copy(module: torch.nn.Module) -> torch.nn.Module:
     the shared parameters in place (``ParityCase.train_step`` deep-copies).
     """
     return copy.deepcopy(module, memo={id(p): p for p in module.parameters()})
-
-
-def owner_module(fn: Any) -> torch.nn.Module | None:
-    """The module that ``fn`` is (a module) or belongs to (a bound method of a module), else None."""
-    if isinstance(fn, torch.nn.Module):
-        return fn
-    if inspect.ismethod(fn) and isinstance(fn.__self__, torch.nn.Module):
-        return fn.__self__
-    return None
 
 
 class ParitySession:

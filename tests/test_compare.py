@@ -254,7 +254,7 @@ def test_worker_threads_pin_only_their_own_intra_op_threads(monkeypatch, pinned)
     before = torch.get_num_threads()
     sizes = []
     real = compare_mod._Accumulator
-    monkeypatch.setattr(compare_mod, "_Accumulator", lambda tol, block, dtype: sizes.append(block) or real(tol, block, dtype))
+    monkeypatch.setattr(compare_mod, "_Accumulator", lambda tol, block, *dtypes: sizes.append(block) or real(tol, block, *dtypes))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     a, e = _pair(21, (1000,))
     leaf = compare_tensors(a, e, FP32)

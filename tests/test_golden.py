@@ -413,3 +413,13 @@ def test_golden_spec_shares_the_tolerance_spec_syntax():
     assert G.parse_golden_spec("golden rmse = 3, max_rel=20", source="ini").rmse_ratio == 3
     with pytest.raises(ValueError, match="given twice"):
         G.parse_golden_spec("rmse=3 rmse_ratio=4", source="ini")
+
+
+def test_golden_does_not_import_the_runner():
+    """golden needs only the owner-module helper: importing it must not pull in runner (no import circle)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pytest_npu_parity.golden; "
+            "sys.exit(1 if 'pytest_npu_parity.runner' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

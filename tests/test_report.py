@@ -96,7 +96,9 @@ def test_columns_are_the_documented_contract():
     expected = ("run_id test_id check leaf submodule suite recipe dtype shape numel target target_name reference "
                 "reference_provenance max_abs max_rel rel_l2 cosine err_ratio mismatched mismatched_frac "
                 "nonfinite_mismatched rtol atol budget tolerance_source tolerance_reason policy golden_policy policy_note "
-                "golden_dtype golden_worst_metric golden_worst_margin problem verdict "
+                "golden_dtype golden_worst_metric golden_worst_margin msprobe_cosine msprobe_euc_dist msprobe_max_abs_err "
+                "msprobe_max_rel_err msprobe_one_thousandth msprobe_five_thousandths msprobe_note golden_msprobe_verdict "
+                "problem verdict "
                 "audit_mixed_device audit_h2d audit_d2h audit_host_sync audit_cpu_fallback audit_fp64 duration_s").split()
     assert list(report.COLUMNS) == expected
     for name, text in {**report.COLUMNS, **report.META_COLUMNS}.items():
@@ -485,3 +487,27 @@ def test_report_renders_in_headless_chromium(tmp_path):
     assert not result.ok
     assert '"boom"' in text and "missing is not defined" in text
     assert "network request from the page: https://example.com/x.png" in text
+
+
+def test_msprobe_view_columns_round_trip(tmp_path):
+    """The msprobe view's columns (floats, None where msprobe writes a marker) survive csv and parquet."""
+    import torch
+
+    from pytest_npu_parity.compare import compare
+
+    res = compare({"x": torch.tensor([1.0, 2.0, 3.0]), "s": torch.tensor(2.0)},
+                  {"x": torch.tensor([1.0, 2.5, 3.0]), "s": torch.tensor(1.0)}, FP32)
+    rows = [{**leaf.to_row(), "test_id": "t.py::t", "check": "c"} for leaf in res.leaves]
+    df = report.to_frame(rows)
+    assert df["msprobe_cosine"].dtype == "float64"
+    for name in ("r.csv", "r.parquet"):
+        if name.endswith("parquet"):
+            pytest.importorskip("pyarrow")
+        report._write_table(df, tmp_path / name)
+        back = report.load_history(tmp_path / name)
+        x, s = back.set_index("leaf").loc["x"], back.set_index("leaf").loc["s"]
+        # 0.5 / 2.5 in float32, to 12 decimals, as msprobe computes it
+        assert x["msprobe_max_abs_err"] == 0.5 and x["msprobe_max_rel_err"] == 0.20000000298 and pd.isna(x["msprobe_note"])
+        assert pd.isna(s["msprobe_cosine"]) and s["msprobe_note"].startswith("cosine=unsupported")
+    table = report.check_table(df)
+    assert table.loc[0, "msprobe_max_rel_err"] == 1.0  # the 0-d leaf: |2 - 1| / 1
