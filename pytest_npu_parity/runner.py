@@ -895,6 +895,11 @@ class ParityCase:
                                     "tolerance:"] + problems)
         else:
             message = "\n\n".join([result.format(context)] + problems)
+            baseline = self._load_baseline() if reference == "baseline" else None
+            mismatch = torch_version_mismatch(baseline.provenance if baseline is not None else None)
+            if mismatch:
+                record.extra["torch_mismatch"] = mismatch
+                message += "\n\n" + mismatch
             hooks = self.session.failure_hooks if call is not None else ()
             if golden_policy is not None and hooks:
                 # First-divergence localization judges submodule outputs by the allclose tolerance,
@@ -915,6 +920,25 @@ class ParityCase:
     def _keep(self, record: CheckRecord) -> None:
         self.records.append(record)
         self.session.records.append(record)
+
+
+def torch_version_mismatch(provenance: Any) -> str | None:
+    """A note when a baseline was recorded with another torch release than this run's, else None.
+
+    Compared by release (``2.5.1+cpu`` and ``2.5.1+cu124`` are one release): kernels, fast paths
+    and autocast rules change between releases, so a failure against such a baseline may be a
+    legitimate version difference rather than a fault of the target.
+    """
+    recorded = provenance.get("torch") if isinstance(provenance, dict) else None
+    if not recorded:
+        return None
+    from .npu import base_version
+
+    if base_version(str(recorded)) == base_version(torch.__version__):
+        return None
+    return (f"Note: torch-version mismatch — the baseline was recorded with torch {recorded}, this run uses "
+            f"torch {torch.__version__}. Kernels differ between releases; judge bf16 and training checks by "
+            "the golden verdict (--parity-policy golden), or record baselines with this torch.")
 
 
 def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

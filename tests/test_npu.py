@@ -430,7 +430,9 @@ def test_stub_libhccl_and_cann_missing(tmp_path):
     reason = _status(env)["status"]["reason"]
     assert reason.startswith("torch_npu is not importable: libhccl.so not found and no CANN "
                              "toolkit under $ASCEND_TOOLKIT_HOME")
-    assert reason.endswith(f"install the CANN toolkit matching torch_npu and {SET_ENV}")
+    documented = sorted({r.cann for r in npu.documented_rows(torch_npu=TORCH_BASE)})  # 8.1.RC1, 8.2.RC1 on 2.5.1
+    want = f" {' or '.join(documented)}" if documented else ""
+    assert reason.endswith(f"install the CANN toolkit{want} matching torch_npu and {SET_ENV}")
 
 
 def test_plain_import_torch_with_broken_torch_npu_is_explained(tmp_path):

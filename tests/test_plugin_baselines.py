@@ -50,7 +50,7 @@ TANH_FILE = "baselines/demo/test_model/test_tanh.fp32.safetensors"
 LINEAR_ID = "parity_suites/demo/test_model.py::test_linear[fp32]"
 TANH_ID = "parity_suites/demo/test_model.py::test_tanh[fp32]"
 # How the summary and failure messages name a CPU baseline: device, date, versions, recipe.
-PROVENANCE = f"cpu (*) · ????-??-?? · torch {torch.__version__} · recipe fp32"
+PROVENANCE = f"cpu (*) · ????-??-?? · torch {torch.__version__} · *recipe fp32"  # torch_npu follows torch where installed
 
 
 def _esc(text: str) -> str:

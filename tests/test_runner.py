@@ -305,3 +305,15 @@ def test_compare_refuses_a_golden_coarser_than_the_outputs():
     c = case("fp32", recipe_policies={"fp32": "golden"})
     with pytest.raises(ValueError, match="golden leaf '<output>' is bfloat16, coarser than the expected float32"):
         c.compare("x", X, X, golden=X.to(torch.bfloat16))
+
+
+def test_torch_version_mismatch_note():
+    from pytest_npu_parity.runner import torch_version_mismatch
+
+    assert torch_version_mismatch(None) is None
+    assert torch_version_mismatch({"torch": torch.__version__}) is None
+    same_release = torch.__version__.split("+")[0] + "+cpu"
+    assert torch_version_mismatch({"torch": same_release}) is None
+    note = torch_version_mismatch({"torch": "1.13.0+cu117"})
+    assert note.startswith("Note: torch-version mismatch — the baseline was recorded with torch 1.13.0+cu117, "
+                           f"this run uses torch {torch.__version__}.")

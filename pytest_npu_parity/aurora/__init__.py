@@ -7,11 +7,17 @@ Importing this package does not import ``aurora`` itself; each function imports 
   ``model_fingerprint``).
 * :mod:`.inputs` — Mauna Loa CO2 windows, text tokens and submodule inputs (``make_batch``).
 """
-from pytest_npu_parity.aurora.factory import (
+from pytest_npu_parity.npu import prepare_torch
+
+# aurora imports transformers, whose is_torch_npu_available() imports torch_npu: a torch_npu that
+# cannot load (no CANN) is quarantined first, so a plain script can build models too.
+prepare_torch()
+
+from pytest_npu_parity.aurora.factory import (  # noqa: E402
     BuildRecord, CheckpointError, build_model, clear_model_cache, config_hash, get_model, model_fingerprint,
 )
-from pytest_npu_parity.aurora.inputs import AuroraBatch, load_co2_series, make_batch
-from pytest_npu_parity.aurora.patches import PatchError, PatchSet, apply_all_patches, patched
+from pytest_npu_parity.aurora.inputs import AuroraBatch  # noqa: E402, load_co2_series, make_batch
+from pytest_npu_parity.aurora.patches import PatchError  # noqa: E402, PatchSet, apply_all_patches, patched
 
 __all__ = [
     "AuroraBatch",

@@ -35,6 +35,10 @@ patch name                  what it changes
                             ``rfft`` returns complex64, ``irfft`` returns the input's real dtype.
 ``freq_masking_dtype``      ``AuroraPatchEmbedding._freq_masking`` (train mode) casts each
                             ``irfft`` back to the series' dtype, so bf16 weights see bf16 input.
+``mse_bf16_upcast``         only on a torch whose CPU lacks a bf16 ``mse_loss`` (torch 2.5.1:
+                            "mse_cpu not implemented for BFloat16", probed once):
+                            ``F.mse_loss`` of bf16 CPU tensors (upstream's ``point_loss``,
+                            an ``nn.MSELoss``) runs in fp32 and returns bf16.
 ``fft_cpu_fallback``        only where the target lacks FFT (probed once per device type with a
                             tiny rfft, or forced with ``fft_fallback=True``): ``rfft``/``irfft``
                             compute on the CPU and move the result back to the input's device
@@ -142,6 +146,8 @@ PATCH_DESCRIPTIONS: dict[str, str] = {
                            "dtype instead of the default dtype",
     "fft_bf16_upcast": "torch.fft.rfft/irfft of bf16 computed in fp32 (CPU and CANN reject bf16)",
     "freq_masking_dtype": "_freq_masking casts irfft output back to the series' dtype (bf16 train)",
+    "mse_bf16_upcast": "F.mse_loss of bf16 CPU tensors computed in fp32 where this torch has no bf16 "
+                       "CPU kernel (torch 2.5.1)",
     "fft_cpu_fallback": "torch.fft.rfft/irfft computed on the CPU for devices without FFT "
                         "(guide §5.3)",
 }
@@ -166,6 +172,32 @@ _PINV_SUPPORT: dict[str, bool] = {}
 _ORIGINAL_RFFT = torch.fft.rfft
 _ORIGINAL_IRFFT = torch.fft.irfft
 _ORIGINAL_PINV = torch.linalg.pinv
+_ORIGINAL_MSE = torch.nn.functional.mse_loss
+_MSE_BF16_MISSING: bool | None = None
+
+
+def cpu_lacks_bf16_mse() -> bool:
+    """Whether ``F.mse_loss`` of two bf16 CPU tensors raises on this torch (probed once per process).
+
+    True on torch 2.5.1 ("mse_cpu not implemented for BFloat16"), False on 2.14.1.
+    """
+    global _MSE_BF16_MISSING
+    if _MSE_BF16_MISSING is None:
+        probe = torch.zeros(2, dtype=torch.bfloat16)
+        try:
+            _ORIGINAL_MSE(probe, probe)
+            _MSE_BF16_MISSING = False
+        except RuntimeError:
+            _MSE_BF16_MISSING = True
+    return _MSE_BF16_MISSING
+
+
+def mse_loss(input: torch.Tensor, target: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``F.mse_loss``; bf16 CPU tensors computed in fp32 and returned as bf16 (``mse_bf16_upcast``)."""
+    if (isinstance(input, torch.Tensor) and input.dtype == torch.bfloat16 and input.device.type == "cpu"
+            and isinstance(target, torch.Tensor)):
+        return _ORIGINAL_MSE(input.float(), target.float(), *args, **kwargs).to(torch.bfloat16)
+    return _ORIGINAL_MSE(input, target, *args, **kwargs)
 
 
 def _device_type(device: torch.device | str) -> str:
@@ -754,6 +786,9 @@ def _apply(patch_set: PatchSet) -> None:
     freq_masking = _edited(modeling.AuroraPatchEmbedding._freq_masking, [_FREQ_MASKING_EDIT])
     patch_set._replace(modeling.AuroraPatchEmbedding, "_freq_masking", freq_masking)
     patch_set._mark("freq_masking_dtype")
+    if cpu_lacks_bf16_mse():
+        patch_set._replace(torch.nn.functional, "mse_loss", mse_loss)
+        patch_set._mark("mse_bf16_upcast")
 
     def note_fallback(device_type: str) -> None:
         if "fft_cpu_fallback" not in patch_set.applied:
