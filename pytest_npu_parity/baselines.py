@@ -8,28 +8,32 @@ guess.
 Layout
 ------
 One safetensors file per test, named after the pytest node id. :class:`SuiteStores` (what the
-plugin uses) puts each test under ``<root>/<suite>/``, the suite being the directory after
-``parity_suites/`` (else the first directory of the module path), and drops that prefix::
+plugin uses) puts each test of ``parity_suites/<suite>/`` under ``<root>/<suite>/`` and drops that
+prefix; every other id keeps its whole module path under ``<root>/_rootdir/``
+(:data:`ROOTDIR_SUITE`)::
 
     parity_suites/aurora/test_layers.py::test_decoder_layer[bf16-batch]
     -> <root>/aurora/test_layers/test_decoder_layer.bf16-batch.safetensors
 
     parity_suites/aurora/test_model.py::TestTrain::test_step[fp32]
-    -> <root>/aurora/test_model/TestTrain/test_step.fp32.safetensors
+    -> <root>/aurora/test_model/TestTrain+test_step.fp32.safetensors
+
+    tests/test_x.py::test_y  ->  <root>/_rootdir/tests/test_x/test_y.safetensors
 
 A plain :class:`BaselineStore` (one suite) keeps the whole module path below ``<root>/<suite>/``
-unless given ``module_prefix``. The module path becomes directories (``.py`` dropped), a test class
-becomes a directory, and the parametrization (which carries the recipe) follows the test name
-after a dot. Every component is sanitized to ``[A-Za-z0-9._-]`` (the test name to
-``[A-Za-z0-9_-]``, so the first dot always separates name and parameters); a component that had to
-be changed, starts with a dot, or is longer than :data:`MAX_COMPONENT` characters (name and
-parameters together, for the file name) gets ``-<10 hex digits of its BLAKE2b>`` appended, so two
-different ids never share a file. Ids with a
-NUL byte, an absolute module path or a ``..`` segment are rejected, and every path is resolved and
-verified to lie under ``<root>/<suite>``.
+unless given ``module_prefix`` (then ids outside that prefix are refused). The module path
+becomes directories (``.py`` dropped); test classes join the test name in the file name with
+``+`` (:data:`CLASS_SEPARATOR`), so ``test_a.py::TestB::test_c`` and ``test_a/TestB.py::test_c``
+get different files; the parametrization (which carries the recipe) follows after a dot. Every
+component is sanitized to ``[A-Za-z0-9._-]`` (test and class names to ``[A-Za-z0-9_-]``, so the
+first dot always separates name and parameters); a component that had to be changed, starts with
+a dot, or is longer than :data:`MAX_COMPONENT` characters (classes, name and parameters together,
+for the file name) gets ``-<10 hex digits of its BLAKE2b>`` appended, so two different ids never
+share a file. Ids with a NUL byte, an absolute module path or a ``..`` segment are rejected, and
+every path is resolved and verified to lie under ``<root>/<suite>``.
 
-File format
------------
+File format (version 2)
+-----------------------
 Plain safetensors (never pickle), readable with ``safetensors.safe_open`` alone:
 
 * tensors under the key ``"<check>/<leaf path>"`` (``"dec_layer_0/[0]"``,
@@ -38,21 +42,30 @@ Plain safetensors (never pickle), readable with ``safetensors.safe_open`` alone:
 * string metadata: ``format`` (:data:`FORMAT`), ``format_version`` (:data:`FORMAT_VERSION`),
   ``test_id``, ``provenance`` (JSON, see :mod:`pytest_npu_parity.provenance`), ``checks`` (JSON:
   ``{check: {"leaves": {leaf: key}, "none_leaves": [...], "meta": {...}}}``, where ``meta``
-  holds ``input_hash``, ``config_hash``, ``shapes``, ``dtypes`` and whatever the runner records)
-  and ``content_hash`` (BLAKE2b of every tensor's dtype, shape and bytes, checked on every load,
-  so a flipped bit in the data region is reported as corruption rather than compared against).
+  holds ``input_hash``, ``input_summary`` (order-sensitive, see ``provenance.summarize_tensors``),
+  ``config_hash``, ``config_tensors`` (per-weight digests, ``provenance.module_tensor_digests``),
+  ``recipe``, ``seed``, ``shapes``, ``dtypes`` and whatever the runner records) and
+  ``content_hash``: BLAKE2b over the other five fields and every tensor's dtype, shape and bytes,
+  checked on every load — a flipped bit in the data region or an edited provenance, test id or
+  check record is reported as corruption, never compared against or printed as fact.
+
+A version-1 file (whose checksum covered the tensors only) is stale: re-record it.
 
 Guarantees
 ----------
 * **Never unpickles.** ``.pt``/``.pth``/``.bin``/``.pkl``/``.pickle``/``.ckpt`` files, and any
   file whose first bytes are a pickle or zip (``torch.save``) header, raise
   :class:`UnsafeBaselineError` without being opened by a loader.
+* **Bound to its test.** :meth:`BaselineStore.load` refuses a symbolic link (the file or a
+  directory on the way) and treats a file recorded for another test id as stale;
+  :meth:`BaselineStore.check_fresh` treats another recipe, seed, input or model as stale.
 * **Atomic writes.** :meth:`BaselineStore.write` writes a temporary file in the same directory,
   fsyncs it and ``os.replace``-s it over the target. A crash before the rename leaves the old
   baseline intact (and the temporary file is removed on any Python-level error; a killed
-  process can leave a ``.<name>.<random>.tmp`` file, ignored by :meth:`~BaselineStore.unused`
-  and by the project's ``.gitignore``). Concurrent writers (pytest-xdist workers) each write
-  their own temporary file, so the result is always one writer's complete file.
+  process can leave a ``.<name>.<random>.tmp`` file: :meth:`SuiteStores.temporary_files` lists
+  them, :meth:`SuiteStores.remove_temporary_files` deletes them under the lock). Concurrent
+  writers (pytest-xdist workers) each write their own temporary file, so the result is always one
+  writer's complete file; separate record runs serialize on :class:`StoreLock`.
 * **No churn.** Writing tensors and check metadata identical to what is stored (bit for bit)
   leaves the file untouched, so provenance dates do not change in git.
 * **Loud failures.** Every :class:`BaselineError` names the file; stale and missing baselines
