@@ -502,12 +502,19 @@ _PROJECTION_BLOCK = 1 << 20
 
 
 def _position_weights(start: int, stop: int) -> torch.Tensor:
-    """Weights in [-1, 1) of the flat positions ``start..stop-1``, float64: a multiplicative hash of
-    the position (Knuth's 2654435761) scaled to [-1, 1). Integer arithmetic only, so every machine
-    and torch version computes the same weights; neighbouring positions get unrelated weights."""
-    index = torch.arange(start, stop, dtype=torch.int64)
-    hashed = (index * 2654435761 + 1013904223) % (1 << 32)
-    return hashed.to(torch.float64) / float(1 << 31) - 1.0
+    """Weights in [-1, 1) of the flat positions ``start..stop-1``, float64: MurmurHash3's 32-bit
+    finalizer of the position, scaled to [-1, 1). Integer arithmetic only (int64, low 32 bits), so
+    every machine and torch version computes the same weights; a hash rather than a linear sequence,
+    so that the weights of one row and of another are unrelated (a row swap always moves the sum)."""
+    mask = 0xFFFFFFFF
+    h = torch.arange(start, stop, dtype=torch.int64)
+    h = (h ^ (h >> 32)) & mask
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & mask  # the product wraps in int64; its low 32 bits are exact
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & mask
+    h = h ^ (h >> 16)
+    return h.to(torch.float64) / float(1 << 31) - 1.0
 
 
 def _position_weighted_sum(flat: torch.Tensor) -> float:
