@@ -8,28 +8,32 @@ guess.
 Layout
 ------
 One safetensors file per test, named after the pytest node id. :class:`SuiteStores` (what the
-plugin uses) puts each test under ``<root>/<suite>/``, the suite being the directory after
-``parity_suites/`` (else the first directory of the module path), and drops that prefix::
+plugin uses) puts each test of ``parity_suites/<suite>/`` under ``<root>/<suite>/`` and drops that
+prefix; every other id keeps its whole module path under ``<root>/_rootdir/``
+(:data:`ROOTDIR_SUITE`)::
 
     parity_suites/aurora/test_layers.py::test_decoder_layer[bf16-batch]
     -> <root>/aurora/test_layers/test_decoder_layer.bf16-batch.safetensors
 
     parity_suites/aurora/test_model.py::TestTrain::test_step[fp32]
-    -> <root>/aurora/test_model/TestTrain/test_step.fp32.safetensors
+    -> <root>/aurora/test_model/TestTrain+test_step.fp32.safetensors
+
+    tests/test_x.py::test_y  ->  <root>/_rootdir/tests/test_x/test_y.safetensors
 
 A plain :class:`BaselineStore` (one suite) keeps the whole module path below ``<root>/<suite>/``
-unless given ``module_prefix``. The module path becomes directories (``.py`` dropped), a test class
-becomes a directory, and the parametrization (which carries the recipe) follows the test name
-after a dot. Every component is sanitized to ``[A-Za-z0-9._-]`` (the test name to
-``[A-Za-z0-9_-]``, so the first dot always separates name and parameters); a component that had to
-be changed, starts with a dot, or is longer than :data:`MAX_COMPONENT` characters (name and
-parameters together, for the file name) gets ``-<10 hex digits of its BLAKE2b>`` appended, so two
-different ids never share a file. Ids with a
-NUL byte, an absolute module path or a ``..`` segment are rejected, and every path is resolved and
-verified to lie under ``<root>/<suite>``.
+unless given ``module_prefix`` (then ids outside that prefix are refused). The module path
+becomes directories (``.py`` dropped); test classes join the test name in the file name with
+``+`` (:data:`CLASS_SEPARATOR`), so ``test_a.py::TestB::test_c`` and ``test_a/TestB.py::test_c``
+get different files; the parametrization (which carries the recipe) follows after a dot. Every
+component is sanitized to ``[A-Za-z0-9._-]`` (test and class names to ``[A-Za-z0-9_-]``, so the
+first dot always separates name and parameters); a component that had to be changed, starts with
+a dot, or is longer than :data:`MAX_COMPONENT` characters (classes, name and parameters together,
+for the file name) gets ``-<10 hex digits of its BLAKE2b>`` appended, so two different ids never
+share a file. Ids with a NUL byte, an absolute module path or a ``..`` segment are rejected, and
+every path is resolved and verified to lie under ``<root>/<suite>``.
 
-File format
------------
+File format (version 2)
+-----------------------
 Plain safetensors (never pickle), readable with ``safetensors.safe_open`` alone:
 
 * tensors under the key ``"<check>/<leaf path>"`` (``"dec_layer_0/[0]"``,
@@ -38,21 +42,30 @@ Plain safetensors (never pickle), readable with ``safetensors.safe_open`` alone:
 * string metadata: ``format`` (:data:`FORMAT`), ``format_version`` (:data:`FORMAT_VERSION`),
   ``test_id``, ``provenance`` (JSON, see :mod:`pytest_npu_parity.provenance`), ``checks`` (JSON:
   ``{check: {"leaves": {leaf: key}, "none_leaves": [...], "meta": {...}}}``, where ``meta``
-  holds ``input_hash``, ``config_hash``, ``shapes``, ``dtypes`` and whatever the runner records)
-  and ``content_hash`` (BLAKE2b of every tensor's dtype, shape and bytes, checked on every load,
-  so a flipped bit in the data region is reported as corruption rather than compared against).
+  holds ``input_hash``, ``input_summary`` (order-sensitive, see ``provenance.summarize_tensors``),
+  ``config_hash``, ``config_tensors`` (per-weight digests, ``provenance.module_tensor_digests``),
+  ``recipe``, ``seed``, ``shapes``, ``dtypes`` and whatever the runner records) and
+  ``content_hash``: BLAKE2b over the other five fields and every tensor's dtype, shape and bytes,
+  checked on every load — a flipped bit in the data region or an edited provenance, test id or
+  check record is reported as corruption, never compared against or printed as fact.
+
+A version-1 file (whose checksum covered the tensors only) is stale: re-record it.
 
 Guarantees
 ----------
 * **Never unpickles.** ``.pt``/``.pth``/``.bin``/``.pkl``/``.pickle``/``.ckpt`` files, and any
   file whose first bytes are a pickle or zip (``torch.save``) header, raise
   :class:`UnsafeBaselineError` without being opened by a loader.
+* **Bound to its test.** :meth:`BaselineStore.load` refuses a symbolic link (the file or a
+  directory on the way) and treats a file recorded for another test id as stale;
+  :meth:`BaselineStore.check_fresh` treats another recipe, seed, input or model as stale.
 * **Atomic writes.** :meth:`BaselineStore.write` writes a temporary file in the same directory,
   fsyncs it and ``os.replace``-s it over the target. A crash before the rename leaves the old
   baseline intact (and the temporary file is removed on any Python-level error; a killed
-  process can leave a ``.<name>.<random>.tmp`` file, ignored by :meth:`~BaselineStore.unused`
-  and by the project's ``.gitignore``). Concurrent writers (pytest-xdist workers) each write
-  their own temporary file, so the result is always one writer's complete file.
+  process can leave a ``.<name>.<random>.tmp`` file: :meth:`SuiteStores.temporary_files` lists
+  them, :meth:`SuiteStores.remove_temporary_files` deletes them under the lock). Concurrent
+  writers (pytest-xdist workers) each write their own temporary file, so the result is always one
+  writer's complete file; separate record runs serialize on :class:`StoreLock`.
 * **No churn.** Writing tensors and check metadata identical to what is stored (bit for bit)
   leaves the file untouched, so provenance dates do not change in git.
 * **Loud failures.** Every :class:`BaselineError` names the file; stale and missing baselines
@@ -78,7 +91,7 @@ from typing import Any, Callable
 
 import torch
 
-from .provenance import describe_provenance, summaries_close, fingerprint_tensors
+from .provenance import describe_provenance, fingerprint_tensors, summaries_close, weights_changed
 
 __all__ = [
     "FORMAT",
@@ -94,12 +107,16 @@ __all__ = [
     "Baseline",
     "BaselineStore",
     "SuiteStores",
+    "StoreLock",
+    "StoreLockedError",
+    "LOCK_NAME",
 ]
 
 #: Value of the ``format`` metadata field of every baseline file.
 FORMAT = "pytest-npu-parity-baseline"
-#: Version of the layout described in this module's docstring; files with a newer version are refused.
-FORMAT_VERSION = 1
+#: Version of the layout described in this module's docstring; files with a newer version are refused,
+#: files of an older one are stale (re-record them). Version 2: the checksum covers the metadata.
+FORMAT_VERSION = 2
 #: File suffix of a baseline.
 SUFFIX = ".safetensors"
 #: Suffixes of files that may hold a pickle; such files are refused, never loaded.
@@ -110,6 +127,15 @@ MAX_COMPONENT = 120
 #: Default command suggested to (re-)record a baseline; the test id is appended, shell-quoted.
 UPDATE_COMMAND = "pytest --update-baselines"
 
+#: Name of the lock file at the store root that serializes record runs (see :class:`StoreLock`).
+LOCK_NAME = ".npu-parity.lock"
+#: Suite directory of test ids outside ``parity_suites/`` (:class:`SuiteStores`); a parity suite of
+#: that name is stored under a hashed name, so the two never share a file.
+ROOTDIR_SUITE = "_rootdir"
+#: Separator of test classes and the test name in a file stem (no sanitized name contains it).
+CLASS_SEPARATOR = "+"
+
+_TEMP_NAME = re.compile(r"^\..+\.safetensors\.[A-Za-z0-9_]+\.tmp$")
 _DIR_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own upper bound on the JSON header
@@ -140,8 +166,12 @@ class CorruptBaselineError(BaselineError):
 
 
 class UnsafeBaselineError(BaselineError):
-    """A pickle-capable file (``.pt``, ``.pth``, ``.bin``, ``.pkl``, ...) sits where a baseline is
-    looked up; it is refused and never loaded."""
+    """A pickle-capable file (``.pt``, ``.pth``, ``.bin``, ``.pkl``, ...) or a symbolic link sits
+    where a baseline is looked up; it is refused and never loaded."""
+
+
+class StoreLockedError(BaselineError):
+    """Another process holds the store's lock (:class:`StoreLock`) beyond the timeout."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,13 +204,15 @@ class CheckBaseline:
 class Baseline:
     """One baseline file as loaded: its path, provenance record and checks by name.
 
-    ``test_id`` is the pytest node id it was looked up by (or recorded for).
+    ``test_id`` is the pytest node id it was recorded for (:meth:`BaselineStore.load` refuses a file
+    recorded for another id); ``tensor_hash`` the fingerprint of its tensors, as verified on load.
     """
 
     path: Path
     provenance: dict
     checks: dict[str, CheckBaseline]
     test_id: str | None = None
+    tensor_hash: str | None = field(default=None, repr=False)
 
     def describe(self) -> str:
         """``"<file> — <device, date, versions>"``, for reports and failure messages."""
@@ -247,7 +279,11 @@ class BaselineStore:
                 "the test files so node ids stay inside it"
             )
         n = len(self.module_prefix)
-        if n and segments[:n] == self.module_prefix and len(segments) > n:
+        if n:
+            if segments[:n] != self.module_prefix or len(segments) <= n:
+                raise BaselineError(
+                    f"test id {test_id!r} is not under {'/'.join(self.module_prefix)}/, the module prefix of "
+                    f"the store {self.suite_dir}; use SuiteStores, which routes every id to its suite")
             segments = segments[n:]
         if segments and segments[-1].endswith(".py"):
             segments[-1] = segments[-1][: -len(".py")]
@@ -257,12 +293,14 @@ class BaselineStore:
         bracket = leaf.find("[")
         if bracket > 0 and leaf.endswith("]"):
             name, param = leaf[:bracket], leaf[bracket + 1 : -1]
-        dirs = [_sanitize(s, _DIR_UNSAFE) for s in [*segments, *classes]]
-        stem = _sanitize(name, _NAME_UNSAFE)
+        dirs = [_sanitize(s, _DIR_UNSAFE) for s in segments]
+        # Classes go into the file name, not into directories: `test_a.py::TestB::test_c` and
+        # `test_a/TestB.py::test_c` must not share a file.
+        stem = CLASS_SEPARATOR.join(_sanitize(c, _NAME_UNSAFE) for c in [*classes, name])
         if param is not None:
             stem += "." + _sanitize(param, _DIR_UNSAFE)
         if len(stem) > MAX_COMPONENT:  # name and parameters together: shorten, keep them apart by hash
-            stem = stem[: MAX_COMPONENT - 11] + "-" + _digest(leaf)
+            stem = stem[: MAX_COMPONENT - 11] + "-" + _digest(rest)
         path = self.suite_dir.joinpath(*dirs, stem + SUFFIX)
         self._check_inside(path, f"test id {test_id!r}")
         return path
@@ -288,11 +326,17 @@ class BaselineStore:
         Raises:
             UnsafeBaselineError: the file, or a file with the same stem and a pickle suffix
                 (``test_x.fp32.pt``), is pickle-capable. Nothing is unpickled.
+            UnsafeBaselineError: the file, or a directory between it and ``<root>/<suite>``, is a
+                symbolic link (a link can make a test compare with another test's baseline).
             CorruptBaselineError: truncated, bad header, not safetensors, not a baseline of this
-                plugin, or checksum mismatch.
+                plugin, or checksum mismatch (the checksum covers the metadata — test id,
+                provenance, check records — and every tensor).
+            StaleBaselineError: the file was recorded for another test id (a copied, renamed or
+                hard-linked file), or in an older format version.
             BaselineError: the file uses a newer format version than this plugin reads.
         """
         path = self.path_for(test_id)
+        self._refuse_links(path, test_id)
         for suffix in sorted(UNSAFE_SUFFIXES):
             twin = path.with_suffix(suffix)
             if twin.exists():
@@ -304,9 +348,35 @@ class BaselineStore:
                 )
         if not path.exists():
             return None
-        baseline = _read(path)
-        baseline.test_id = test_id
+        baseline = _read(path, rerecord=self.command(test_id))
+        if baseline.test_id != test_id:
+            raise StaleBaselineError(
+                f"baseline {_show(path)} was recorded for test {baseline.test_id!r}, not for {test_id!r} "
+                "(a copied, renamed or linked file); it is not used for this test. Re-record it with: "
+                f"{self.command(test_id)}",
+                path,
+            )
         return baseline
+
+    def _refuse_links(self, path: Path, test_id: str, *, file: bool = True) -> None:
+        """Raise :class:`UnsafeBaselineError` when ``path`` (unless ``file`` is False) or a directory
+        between it and ``<root>/<suite>`` (that one included) is a symbolic link."""
+        top = self.root
+        current = path if file else path.parent
+        while current != top and current.is_relative_to(top):
+            if current.is_symlink():
+                what = "is a symbolic link" if current == path else f"lies under the symbolic link {_show(current)}"
+                try:
+                    target = f" to {os.readlink(current)}"
+                except OSError:
+                    target = ""
+                raise UnsafeBaselineError(
+                    f"refusing {_show(path)}: it {what}{target}; a link can make "
+                    f"one test compare with another's baseline. Replace it with a regular file recorded for "
+                    f"this test: {self.command(test_id)}",
+                    path,
+                )
+            current = current.parent
 
     def require(self, test_id: str) -> Baseline:
         """Like :meth:`load`, but a missing file raises :class:`MissingBaselineError`."""
@@ -338,7 +408,9 @@ class BaselineStore:
         shapes: dict[str, tuple] | None = None,
         dtypes: dict[str, torch.dtype | str] | None = None,
         input_summary: list | Callable[[], list] | None = None,
-        config_summary: list | Callable[[], list] | None = None,
+        config_tensors: dict[str, str] | Callable[[], dict[str, str]] | None = None,
+        recipe: str | None = None,
+        seed: int | None = None,
     ) -> CheckBaseline:
         """Return the stored check if it was recorded for this input and configuration.
 
@@ -350,17 +422,26 @@ class BaselineStore:
             shapes: optional current output leaf -> shape (``None`` for a ``None`` leaf); any
                 added, removed or reshaped leaf makes the baseline stale.
             dtypes: optional current output leaf -> dtype (``torch.bfloat16`` or its name).
-            input_summary, config_summary: ``provenance.summarize_tensors``/``summarize_module`` of
-                the current input and model. When a hash differs but the recorded summary agrees
-                within ``provenance.SUMMARY_RTOL`` (the same data recomputed on another machine,
-                differing in last bits), the baseline is fresh and ``meta["bitwise_input"]`` /
-                ``meta["bitwise_config"]`` of the returned entry say it was not bit-identical.
-                Either may be a callable returning the summary: it is called only when its hash differs.
+            input_summary: ``provenance.summarize_tensors`` of the current input (or a callable
+                returning it, called only when the input hash differs). When the input hash differs
+                but the recorded summary agrees within ``provenance.SUMMARY_RTOL`` — the same
+                activations recomputed on another machine, differing in last bits; the summary is
+                order-sensitive, so permuted rows do not agree — the baseline is fresh and
+                ``meta["bitwise_input"]`` of the returned entry is False.
+            config_tensors: ``provenance.module_tensor_digests`` of the current module (or a
+                callable returning it, called only when the config hash differs); None or empty
+                for a function. Weights are bitwise reproducible, so a differing module fingerprint
+                is always stale, naming the tensors that changed. For a function the config hash
+                only names it (``module.qualname``), which may change with the import mode: a
+                differing one is noted in ``meta["bitwise_config"]`` only.
+            recipe, seed: the recipe name and seed of this run; a baseline recorded under another
+                recipe (a bf16 recording in the fp32 file) or seed is stale.
 
         Raises:
             MissingBaselineError: the file has no entry for ``check``.
-            StaleBaselineError: a hash, leaf set, shape or dtype differs; the message lists each
-                difference as recorded vs now, the baseline's provenance and the re-record command.
+            StaleBaselineError: the recipe, seed, input, weights, leaf set, shape or dtype differs;
+                the message lists each difference as recorded vs now, the baseline's provenance and
+                the re-record command.
         """
         test_id = baseline.test_id or str(baseline.path)
         recorded = baseline.checks.get(check)
@@ -373,22 +454,31 @@ class BaselineStore:
             )
         meta = dict(recorded.meta)
         changes: list[str] = []
-        for key, label, now, summary in (("input_hash", "input", input_hash, input_summary),
-                                         ("config_hash", "model config", config_hash, config_summary)):
-            before = meta.get(key)
-            bitwise_key = "bitwise_" + key.split("_")[0]
-            meta[bitwise_key] = before == now
-            if before == now:
-                continue
-            change = f"{label} hash changed (recorded {_short(before)}, now {_short(now)})"
-            if callable(summary):
-                summary = summary()
-            if summary is None:
-                changes.append(change)
-                continue
-            why = summaries_close(meta.get(key.replace("_hash", "_summary")), summary)
+        if recipe is not None and meta.get("recipe") != recipe:
+            changes.append(f"recorded under recipe {meta.get('recipe')!r}, this run uses {recipe!r}")
+        if seed is not None and meta.get("seed") != seed:
+            changes.append(f"recorded with seed {meta.get('seed')!r}, this run uses seed {seed!r} "
+                           "(--parity-seed, ini parity_seed or the check's seed=)")
+        before = meta.get("input_hash")
+        meta["bitwise_input"] = before == input_hash
+        if before != input_hash:
+            change = f"input hash changed (recorded {_short(before)}, now {_short(input_hash)})"
+            summary = input_summary() if callable(input_summary) else input_summary
+            why = "no summary given" if summary is None else summaries_close(meta.get("input_summary"), summary)
             if why is not None:
                 changes.append(f"{change}: {why}")
+        before = meta.get("config_hash")
+        meta["bitwise_config"] = before == config_hash
+        if before != config_hash:
+            digests = config_tensors() if callable(config_tensors) else config_tensors
+            recorded_digests = meta.get("config_tensors")
+            if digests or recorded_digests or config_tensors is None:
+                what = weights_changed(recorded_digests if isinstance(recorded_digests, dict) else None,
+                                       digests or {})
+                prefix = meta.get("submodule")
+                if prefix:  # name the tensors as in the whole model
+                    what = re.sub(r"'([^']+)'", lambda m: repr(f"{prefix}.{m.group(1)}"), what)
+                changes.append(f"{what}; model fingerprint recorded {_short(before)}, now {_short(config_hash)}")
         if shapes is not None:
             was = {leaf: tuple(s) for leaf, s in _recorded_shapes(recorded).items()}
             was.update({leaf: None for leaf in recorded.none_leaves})
@@ -418,26 +508,29 @@ class BaselineStore:
 
         Returns:
             ``"created"`` (no file before), ``"changed"`` (rewritten; also when the old file was
-            corrupt or unsafe) or ``"unchanged"`` (identical tensors bit for bit, identical
+            corrupt, unsafe, of an older format, recorded for another test id or a symbolic link,
+            which is replaced by a regular file) or ``"unchanged"`` (identical tensors bit for bit, identical
             ``none_leaves`` and metas: the file is not touched).
 
         Raises:
             ValueError: a check's ``name`` differs from its key, or a name is empty.
             TypeError: a meta/provenance value is not JSON-serializable, or a leaf is not a tensor.
             BaselineError: the test id cannot be mapped to a file (see :meth:`path_for`).
+            UnsafeBaselineError: a directory on the way to the file is a symbolic link.
             OSError: the file cannot be written; the old baseline is then left intact.
         """
         path = self.path_for(test_id)
+        self._refuse_links(path, test_id, file=False)
         tensors, records = _encode_checks(checks)
-        content_hash = _content_hash(tensors, records)
+        tensor_hash = _tensor_hash(tensors, records)
         status = "created"
         if path.exists() or path.is_symlink():
             status = "changed"
             try:
-                old = _read(path)
+                old = None if path.is_symlink() else _read(path)  # a link is replaced by a regular file
             except BaselineError:
                 old = None
-            if old is not None and _same_content(old, records, content_hash):
+            if old is not None and old.test_id == test_id and _same_content(old, records, tensor_hash):
                 return "unchanged"
         metadata = {
             "format": FORMAT,
@@ -445,8 +538,8 @@ class BaselineStore:
             "test_id": test_id,
             "provenance": _dumps(provenance, "provenance"),
             "checks": _dumps(records, "check metadata"),
-            "content_hash": content_hash,
         }
+        metadata["content_hash"] = _content_hash(metadata, tensor_hash)
         from safetensors.torch import save
 
         data = save(tensors, metadata=metadata)
@@ -487,8 +580,11 @@ class SuiteStores:
 
     The suite of a node id is the directory after ``parity_suites/`` in its module path
     (``parity_suites/aurora/test_layers.py::t`` -> suite ``aurora``, files under
-    ``<root>/aurora/test_layers/``); otherwise the first directory of the module path
-    (``tests/test_x.py::t`` -> ``<root>/tests/test_x/``); otherwise ``default``.
+    ``<root>/aurora/test_layers/``; ``parity_suites`` must be the first directory of the id).
+    Every other id keeps its whole module path under the suite
+    :data:`ROOTDIR_SUITE` (``tests/test_x.py::t`` -> ``<root>/_rootdir/tests/test_x/``), so
+    ``mini/test_top.py::t`` and ``parity_suites/mini/test_top.py::t`` never share a file; a parity
+    suite that is itself named ``_rootdir`` is stored under a hashed name.
 
     Args:
         root: the baseline directory (``--baseline-dir``).
@@ -507,14 +603,13 @@ class SuiteStores:
         segments = [s for s in module.replace("\\", "/").split("/") if s not in ("", ".")]
         dirs = segments[:-1]
         if ".." in dirs or "\0" in module:
-            return "default", ""
-        if "parity_suites" in dirs:
-            i = dirs.index("parity_suites")
-            if i + 1 < len(dirs):
-                return _sanitize(dirs[i + 1], _DIR_UNSAFE), "/".join(dirs[: i + 2])
-        if dirs:
-            return _sanitize(dirs[0], _DIR_UNSAFE), dirs[0]
-        return "default", ""
+            return ROOTDIR_SUITE, ""
+        if len(dirs) >= 2 and dirs[0] == "parity_suites":
+            suite = _sanitize(dirs[1], _DIR_UNSAFE)
+            if suite == ROOTDIR_SUITE:
+                suite = f"{suite}-{_digest('parity_suites/' + suite)}"
+            return suite, "/".join(dirs[:2])
+        return ROOTDIR_SUITE, ""
 
     def store_for(self, test_id: str) -> BaselineStore:
         """The :class:`BaselineStore` that holds ``test_id``'s baseline."""
@@ -570,6 +665,117 @@ class SuiteStores:
     def scan_unsafe(self) -> list[Path]:
         """Pickle-capable files below ``root`` (see :meth:`BaselineStore.scan_unsafe`)."""
         return _scan_unsafe(self.root)
+
+    def temporary_files(self) -> list[Path]:
+        """Temporary files of interrupted writes below ``root`` (``.<name>.safetensors.<random>.tmp``,
+        left by a killed process), sorted. Only safe to delete while holding :meth:`lock`."""
+        return sorted(p for p in _walk(self.root) if _TEMP_NAME.match(p.name))
+
+    def remove_temporary_files(self) -> list[tuple[Path, int]]:
+        """Delete :meth:`temporary_files`; returns ``(path, size in bytes)`` of each one removed.
+
+        Call it only while holding :meth:`lock`: a live writer's temporary file would be lost
+        (its ``os.replace`` then fails and that write raises ``OSError``).
+        """
+        removed = []
+        for path in self.temporary_files():
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append((path, size))
+        return removed
+
+    def lock(self) -> "StoreLock":
+        """The :class:`StoreLock` of this store (not yet acquired)."""
+        return StoreLock(self.root)
+
+    def unwritable(self) -> list[Path]:
+        """``root`` (or its nearest existing ancestor) and the directories below it that this
+        process cannot write to (``os.access``), sorted: a record run could not create or replace a
+        baseline file in them."""
+        top = self.root
+        while not top.exists() and top.parent != top:
+            top = top.parent
+        if not top.is_dir():
+            return [top]
+        bad = [top] if not os.access(top, os.W_OK | os.X_OK) else []
+        if top == self.root:
+            for dirpath, dirnames, _files in os.walk(self.root):
+                for name in dirnames:
+                    path = Path(dirpath) / name
+                    if not os.access(path, os.W_OK | os.X_OK):
+                        bad.append(path)
+        return sorted(bad)
+
+
+class StoreLock:
+    """An exclusive, inter-process lock on a baseline store: the file ``<root>/.npu-parity.lock``
+    (:data:`LOCK_NAME`), locked with ``filelock`` (``flock`` on POSIX, so the operating system
+    releases it when its holder dies, even by SIGKILL). Record runs hold it for their whole session,
+    so two ``--update-baselines`` runs on one store run one after the other; readers never take it
+    (every write is an atomic rename, a reader sees the old or the new file).
+
+    Args:
+        root: the store root; created (with parents) on :meth:`acquire`.
+
+    Use ``acquire`` / ``release`` or ``with StoreLock(root):`` (waits forever).
+    """
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+        self.path = self.root / LOCK_NAME
+        self._lock: Any = None
+
+    def acquire(self, timeout: float = -1, on_wait: Callable[[str], None] | None = None) -> None:
+        """Take the lock, waiting at most ``timeout`` seconds (negative: forever).
+
+        ``on_wait(message)`` is called once when the lock is held by another process, before waiting.
+
+        Raises:
+            StoreLockedError: still held by another process after ``timeout`` seconds.
+            OSError: the root or the lock file cannot be created (read-only store, a file in the way).
+        """
+        from filelock import FileLock, Timeout
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(self.path))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            if on_wait is not None:
+                on_wait(f"the baseline store {_show(self.root)} is being updated by another process "
+                        f"(it holds {_show(self.path)}); waiting"
+                        + (f" up to {timeout:g} s" if timeout >= 0 else "") + " for it to finish")
+            try:
+                lock.acquire(timeout=timeout)
+            except Timeout:
+                raise StoreLockedError(
+                    f"the baseline store {_show(self.root)} is still being updated by another process after "
+                    f"{timeout:g} s (it holds the lock {_show(self.path)}; the lock is released when that "
+                    "process ends, also if it is killed). Wait for it, or record into another --baseline-dir",
+                    self.path,
+                ) from None
+        self._lock = lock
+
+    def release(self) -> None:
+        """Release the lock (no-op when not held)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    @property
+    def held(self) -> bool:
+        """True while this object holds the lock."""
+        return self._lock is not None
+
+    def __enter__(self) -> "StoreLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
 
 
 # --------------------------------------------------------------------------------------------
@@ -674,7 +880,7 @@ def _kind(head: bytes) -> str:
     return "other"
 
 
-def _read(path: Path) -> Baseline:
+def _read(path: Path, rerecord: str | None = None) -> Baseline:
     """Read, validate and decode one baseline file (see :meth:`BaselineStore.load`).
 
     The header is read and validated through one open file descriptor, and the tensors are
@@ -687,7 +893,7 @@ def _read(path: Path) -> Baseline:
     shown = _show(path)
     try:
         with open(path, "rb") as fh:
-            return _read_open(path, shown, fh)
+            return _read_open(path, shown, fh, rerecord)
     except IsADirectoryError:
         raise CorruptBaselineError(f"baseline {shown} is a directory, not a file", path) from None
     except OSError as exc:
@@ -704,7 +910,7 @@ def _fd_path(fh: Any, path: Path) -> str:
     return str(path)
 
 
-def _read_open(path: Path, shown: str, fh: Any) -> Baseline:
+def _read_open(path: Path, shown: str, fh: Any, rerecord: str | None = None) -> Baseline:
     size = os.fstat(fh.fileno()).st_size
     kind = _kind(fh.read(9))
     if kind == "pickle":
@@ -745,6 +951,17 @@ def _read_open(path: Path, shown: str, fh: Any) -> Baseline:
             f"({FORMAT_VERSION}); upgrade pytest-npu-parity",
             path,
         )
+    if version < FORMAT_VERSION:
+        raise StaleBaselineError(
+            f"baseline {shown} uses format version {version}; this plugin reads version {FORMAT_VERSION} "
+            "(whose checksum also covers the test id, provenance and check records, and which records "
+            "per-tensor weight digests and order-sensitive input summaries). Re-record it"
+            + (f" with: {rerecord}" if rerecord else " with pytest --update-baselines"),
+            path,
+        )
+    test_id = metadata.get("test_id")
+    if not isinstance(test_id, str) or not test_id:
+        raise CorruptBaselineError(f"baseline {shown} has no test_id in its metadata; delete it and re-record", path)
     try:
         provenance = json.loads(metadata["provenance"])
         records = json.loads(metadata["checks"])
@@ -778,13 +995,15 @@ def _read_open(path: Path, shown: str, fh: Any) -> Baseline:
     extra = set(stored) - used
     if extra:
         raise CorruptBaselineError(f"baseline {shown} holds tensors no check describes: {sorted(extra)}", path)
-    if fingerprint_tensors({name: c.tensors for name, c in checks.items()}) != stored_hash:
+    tensor_hash = fingerprint_tensors({name: c.tensors for name, c in checks.items()})
+    if _content_hash(metadata, tensor_hash) != stored_hash:
         raise CorruptBaselineError(
-            f"baseline {shown} fails its checksum: the tensor data changed after it was written "
-            "(disk error, bad merge or hand edit); delete it and re-record",
+            f"baseline {shown} fails its checksum: its tensors or metadata (test id, provenance, check "
+            "records) changed after it was written (disk error, bad merge or hand edit); its provenance "
+            "cannot be trusted either. Delete it and re-record",
             path,
         )
-    return Baseline(path=path, provenance=provenance, checks=checks, test_id=metadata.get("test_id"))
+    return Baseline(path=path, provenance=provenance, checks=checks, test_id=test_id, tensor_hash=tensor_hash)
 
 
 def _encode_checks(checks: dict[str, CheckBaseline]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -828,12 +1047,30 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
     return t.resolve_neg().to("cpu", copy=True).contiguous()
 
 
-def _content_hash(tensors: dict[str, torch.Tensor], records: dict[str, dict]) -> str:
+def _tensor_hash(tensors: dict[str, torch.Tensor], records: dict[str, dict]) -> str:
+    """``fingerprint_tensors`` of every check's leaves (``{check: {leaf: tensor}}``)."""
     by_check = {name: {leaf: tensors[key] for leaf, key in rec["leaves"].items()} for name, rec in records.items()}
     return fingerprint_tensors(by_check)
 
 
-def _same_content(old: Baseline, records: dict[str, dict], content_hash: str) -> bool:
+#: Metadata fields the checksum covers, in this order (``content_hash`` itself excluded).
+_HASHED_FIELDS = ("format", "format_version", "test_id", "provenance", "checks")
+
+
+def _content_hash(metadata: dict[str, Any], tensor_hash: str) -> str:
+    """The ``content_hash`` field: BLAKE2b (64 hex digits) over the metadata fields
+    :data:`_HASHED_FIELDS` (their stored strings, length-prefixed) and the tensors' fingerprint."""
+    hasher = hashlib.blake2b(digest_size=32, person=b"npu-parity-base")
+    for key in _HASHED_FIELDS:
+        value = metadata.get(key)
+        for chunk in (key.encode(), ("\0" if value is None else "s" + str(value)).encode("utf-8", "surrogatepass")):
+            hasher.update(len(chunk).to_bytes(8, "little"))
+            hasher.update(chunk)
+    hasher.update(tensor_hash.encode())
+    return hasher.hexdigest()
+
+
+def _same_content(old: Baseline, records: dict[str, dict], tensor_hash: str) -> bool:
     old_records = {
         name: {"leaves": None, "none_leaves": sorted(set(c.none_leaves)), "meta": _normalize(c.meta, "stored meta")}
         for name, c in old.checks.items()
@@ -841,8 +1078,8 @@ def _same_content(old: Baseline, records: dict[str, dict], content_hash: str) ->
     new_records = {name: {**rec, "leaves": None} for name, rec in records.items()}
     if old_records != new_records:
         return False
-    old_hash = fingerprint_tensors({name: c.tensors for name, c in old.checks.items()})
-    return old_hash == content_hash
+    old_hash = old.tensor_hash or fingerprint_tensors({n: c.tensors for n, c in old.checks.items()})
+    return old_hash == tensor_hash
 
 
 def _normalize(value: Any, what: str) -> Any:

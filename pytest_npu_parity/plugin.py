@@ -6,6 +6,8 @@ Everything that judges numbers lives in the engine modules (``runner``, ``compar
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
@@ -26,10 +28,21 @@ SESSION_KEY = pytest.StashKey["Any"]()
 CASES_KEY = pytest.StashKey["list"]()
 ROWS_KEY = pytest.StashKey["list"]()
 COLLECTED_KEY = pytest.StashKey["list"]()  # node ids of every collected test (they keep their baselines)
-FAILED_KEY = pytest.StashKey["set"]()  # node ids whose call phase failed (their baselines are not written)
+OUTCOME_KEY = pytest.StashKey["dict"]()  # node id -> outcome of its call phase (only "passed" writes a baseline)
+LOCK_KEY = pytest.StashKey["Any"]()  # the store lock a record run holds for its whole session
+TEMP_KEY = pytest.StashKey["tuple"]()  # ("removed" | "found", [(path, bytes)]) temporary files of killed writes
 PROFILE_KEY = pytest.StashKey[str]()  # the hypothesis profile in force before this session loaded its own
 
 _SKIP_REASON = "parity suites run only with --npu-parity (or --update-baselines)"
+
+#: Keyword arguments of ``@pytest.mark.parity``.
+MARKER_KEYS = ("rtol", "atol", "budget", "reason", "recipes", "vacuous_ok", "policy")
+#: Largest seed (``--parity-seed``, ini ``parity_seed``): torch generators take 64-bit seeds, numpy
+#: and the shared random stream signed 64-bit ones.
+MAX_SEED = 2**63 - 1
+#: Path options whose separate value (``--baseline-dir DIR``) pytest reads as a test path while it
+#: chooses its rootdir and ini file, before this plugin's options are known.
+PATH_OPTIONS = ("--baseline-dir", "--parity-report", "--parity-history")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -77,6 +90,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("parity_dtypes", "default for --parity-dtypes", default="fp32,bf16")
     parser.addini("parity_baseline_dir", "default for --baseline-dir (relative to rootdir)", default="baselines")
     parser.addini("parity_seed", "default for --parity-seed", default="0")
+    parser.addini("parity_lock_timeout", "seconds a record run waits for another record run on the same "
+                  "baseline store to finish (default 1800)", default="1800")
     parser.addini("parity_worker_devices", "default for --parity-worker-devices", default="")
     parser.addini("parity_paths", "what --update-baselines runs when given no path", type="linelist",
                   default=["parity_suites"])
@@ -128,6 +143,11 @@ def _tolerance_overrides(config: pytest.Config) -> tuple[dict, dict]:
             if not sep:
                 raise ValueError(f"parity_tolerances line {line!r} needs '<check>: rtol=… atol=…'")
             parse_tolerance_spec(spec, source="ini", base=default_for_recipe("fp32"))  # validate now
+            if not pattern.strip():
+                config.issue_config_time_warning(pytest.PytestConfigWarning(
+                    f"ini parity_tolerances line {line!r} has an empty check pattern and is ignored; "
+                    "write '<check name or glob>: rtol=… atol=…'"), stacklevel=2)
+                continue
             per_check[pattern.strip()] = spec  # parsed per recipe, over that recipe's default
     except ValueError as exc:
         raise pytest.UsageError(f"ini: {exc}") from None
@@ -189,6 +209,7 @@ def _hypothesis_profiles(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    _release_store(config)
     previous = config.stash.get(PROFILE_KEY, None)
     if previous is not None:
         from hypothesis import settings
@@ -209,11 +230,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[CASES_KEY] = []
     config.stash[ROWS_KEY] = []
     config.stash[COLLECTED_KEY] = []
-    config.stash[FAILED_KEY] = set()
+    config.stash[OUTCOME_KEY] = {}
     if config.getoption("update_baselines"):
         _record_parity_paths(config)
     if not parity_enabled(config):
         return
+    _validate_paths(config)
     from .npu import explain_import_error, import_torch
 
     try:  # a broken torch_npu can break `import torch` itself: say why, in one sentence
@@ -258,11 +280,7 @@ def _make_session(config: pytest.Config):
         raise pytest.UsageError(f"ini parity_reference={reference!r}: use auto, cpu or baseline")
     per_check, per_recipe = _tolerance_overrides(config)
     recipe_policies, check_policies = _policy_overrides(config)
-    seed = _opt(config, "parity_seed", "parity_seed")
-    try:
-        seed = int(seed)
-    except ValueError:
-        raise pytest.UsageError(f"ini parity_seed={seed!r} is not an integer") from None
+    seed = _seed(config)
     audit_factory = None
     if config.getoption("parity_audit"):
         from .runner import target_audit
@@ -279,14 +297,138 @@ def _make_session(config: pytest.Config):
     )
 
 
-def _make_store(config: pytest.Config):
-    from .baselines import SuiteStores
+def _seed(config: pytest.Config) -> int:
+    """The session seed (``--parity-seed`` or ini ``parity_seed``), range-checked.
 
+    Raises:
+        pytest.UsageError: not an integer, or outside 0..``MAX_SEED``; names the option.
+    """
+    option = config.getoption("parity_seed")
+    where = "--parity-seed" if option is not None else "ini parity_seed"
+    value = option if option is not None else config.getini("parity_seed")
+    try:
+        seed = int(str(value).strip())
+    except ValueError:
+        raise pytest.UsageError(f"{where}={value!r} is not an integer; use an integer from 0 to {MAX_SEED}") from None
+    if not 0 <= seed <= MAX_SEED:
+        raise pytest.UsageError(f"{where}={seed} is out of range; use an integer from 0 to 2**63-1 ({MAX_SEED})")
+    return seed
+
+
+def _baseline_root(config: pytest.Config) -> tuple[Path, str]:
+    """(the store root, the option or ini key that named it)."""
     option = config.getoption("baseline_dir")
     root = Path(option if option is not None else config.getini("parity_baseline_dir")).expanduser()
     if not root.is_absolute():  # a command-line path is relative to where pytest runs, an ini one to rootdir
         root = (Path(config.invocation_params.dir) if option is not None else config.rootpath) / root
-    return SuiteStores(root)
+    return root, ("--baseline-dir" if option is not None else "ini parity_baseline_dir")
+
+
+def _make_store(config: pytest.Config):
+    from .baselines import SuiteStores
+
+    return SuiteStores(_baseline_root(config)[0])
+
+
+def _creatable(path: Path, kind: str) -> str | None:
+    """Why ``path`` cannot be (or be written as) a ``kind`` (``"directory"``/``"file"``), or None."""
+    if path.exists():
+        if kind == "directory" and not path.is_dir():
+            return "is a file, not a directory"
+        if kind == "file" and path.is_dir():
+            return "is a directory, not a file"
+        target = path if kind == "directory" else path.parent
+        return None if os.access(target, os.W_OK | os.X_OK) else f"{'is' if target == path else 'lies in'} " \
+            "a directory this process cannot write to"
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor.parent != ancestor:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"cannot be created: {ancestor} is a file"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"cannot be created: {ancestor} is not writable"
+    return None
+
+
+def _validate_paths(config: pytest.Config) -> None:
+    """Start-up checks of the path options (a usage error naming the option and the fix):
+    a separate value that moved pytest's rootdir, a report/history path that cannot be created,
+    a baseline store that is a file, or (record mode) one this process cannot write to."""
+    for name in PATH_OPTIONS:
+        _refuse_rootdir_move(config, name)
+    invocation = Path(config.invocation_params.dir)
+    for option, name, kind in (("parity_report", "--parity-report", "directory"),
+                               ("parity_history", "--parity-history", "file")):
+        value = config.getoption(option)
+        if value is None:
+            continue
+        if not str(value).strip():
+            raise pytest.UsageError(f"{name} is empty; give a {kind} path")
+        why = _creatable(invocation / Path(value).expanduser(), kind)
+        if why:
+            raise pytest.UsageError(f"{name}={value}: {why}; pick another path")
+        if name == "--parity-history" and Path(value).suffix.lower() not in (".parquet", ".csv"):
+            raise pytest.UsageError(f"{name}={value}: the history file must end in .parquet or .csv")
+    root, where = _baseline_root(config)
+    if root.exists() and not root.is_dir():
+        raise pytest.UsageError(f"{where}={root} is a file, not a directory; point it at the baseline "
+                                "directory (created on the first --update-baselines run)")
+    if config.getoption("update_baselines"):
+        from .baselines import SuiteStores
+
+        bad = SuiteStores(root).unwritable()
+        if bad:
+            shown = ", ".join(str(p) for p in bad[:5]) + (" …" if len(bad) > 5 else "")
+            raise pytest.UsageError(
+                f"--update-baselines cannot write to the baseline store {root} ({where}): not writable: {shown}; "
+                "fix its permissions or record into another --baseline-dir=DIR")
+    timeout = config.getini("parity_lock_timeout")
+    try:
+        if float(timeout) < 0:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"ini parity_lock_timeout={timeout!r}: give seconds, a number >= 0") from None
+
+
+def _refuse_rootdir_move(config: pytest.Config, name: str) -> None:
+    """Usage error when ``name DIR`` (separate value) was given, ``DIR`` exists and pytest, which
+    reads it as a test path before this plugin's options are known, chose another rootdir or ini
+    file than without it."""
+    args = list(config.invocation_params.args)
+    values = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == name]
+    invocation = Path(config.invocation_params.dir)
+    for value in values:
+        if not (invocation / value).exists():
+            continue
+        moved = _setup_without(config, value)
+        if moved:
+            raise pytest.UsageError(
+                f"{name} {value}: pytest took the separate value for a test path while choosing its rootdir "
+                f"and ini file ({moved}); write {name}={value} with '='")
+
+
+def _setup_without(config: pytest.Config, value: str) -> str | None:
+    """How pytest's rootdir/ini file differ from those it would pick if ``value`` were no test path
+    (text), or None when they are the same. Unknown pytest internals count as different."""
+    try:
+        from _pytest.config.findpaths import determine_setup
+    except ImportError:
+        return "it may have moved"
+    args = [str(a) for a in (config.option.file_or_dir or [])]
+    kwargs = dict(inifile=config.option.inifilename, args=args, rootdir_cmd_arg=config.option.rootdir or None)
+    try:
+        try:
+            found = determine_setup(**kwargs, override_ini=config.option.override_ini,
+                                    invocation_dir=config.invocation_params.dir)
+        except TypeError:  # pytest 7: (inifile, args, rootdir_cmd_arg, config)
+            found = determine_setup(kwargs["inifile"], args, kwargs["rootdir_cmd_arg"], config=config)
+    except Exception:  # noqa: BLE001 - be safe: report it
+        return "it may have moved"
+    rootpath, inipath = Path(found[0]), found[1]
+    if (rootpath, inipath and Path(inipath)) == (config.rootpath, config.inipath):
+        return None
+    return (f"rootdir {config.rootpath} instead of {rootpath}, ini file {config.inipath or 'none'} "
+            f"instead of {inipath or 'none'}")
 
 
 def _xdist_worker_id(config: pytest.Config) -> str | None:
@@ -348,9 +490,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     names = _recipe_names(metafunc.config)
     marker = metafunc.definition.get_closest_marker("parity")
-    allowed = marker.kwargs.get("recipes") if marker else None
+    allowed = _marker_recipes(marker.kwargs.get("recipes")) if marker else None
     if allowed is not None:
-        names = [n for n in names if n in allowed]
+        names = [n for n in names if n in allowed]  # whole names: "bf16-weights" never selects bf16
     if names:
         metafunc.parametrize("parity_recipe", names, ids=names)
     else:
@@ -358,9 +500,80 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             reason=f"none of the recipes {allowed} is selected by --parity-dtypes"))], ids=["no-recipe"])
 
 
+def _marker_recipes(value: Any) -> list[str] | None:
+    """The ``recipes=`` of a parity marker as a list of names: a string is one name or a
+    comma-separated list (``"bf16-weights"``, ``"fp32,bf16"``), a list/tuple/set its items; None for
+    None. Items that are not strings are kept (``_marker_problems`` reports them)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [v.strip() if isinstance(v, str) else v for v in value]
+    return [value]
+
+
+def _marker_problems(marker: Any) -> list[str]:
+    """What is wrong with one ``@pytest.mark.parity(...)``: unknown keywords, positional arguments,
+    values of the wrong type or range, unknown recipe or policy names."""
+    import numbers
+
+    from .golden import parse_policy_spec
+    from .recipes import RECIPES
+
+    problems = []
+    if marker.args:
+        problems.append(f"positional arguments {marker.args!r}; use keywords ({', '.join(MARKER_KEYS)})")
+    for key in marker.kwargs:
+        if key not in MARKER_KEYS:
+            import difflib
+
+            close = difflib.get_close_matches(key, MARKER_KEYS, n=1)
+            problems.append(f"unknown keyword {key}=" + (f" (did you mean {close[0]}=?)" if close else "")
+                            + f"; known: {', '.join(MARKER_KEYS)}")
+    for key in ("rtol", "atol", "budget"):
+        value = marker.kwargs.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0):
+            problems.append(f"{key}={value!r} must be a number >= 0")
+    for key in ("reason", "vacuous_ok", "policy"):
+        value = marker.kwargs.get(key)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            problems.append(f"{key}={value!r} must be a non-empty string")
+    recipes = _marker_recipes(marker.kwargs.get("recipes"))
+    if recipes is not None:
+        unknown = [r for r in recipes if r not in RECIPES]
+        if unknown or not recipes:
+            problems.append(f"recipes={marker.kwargs['recipes']!r}: "
+                            + (f"unknown recipe(s) {', '.join(map(repr, unknown))}" if unknown else "no recipe")
+                            + f"; known: {', '.join(RECIPES)}")
+    policy = marker.kwargs.get("policy")
+    if isinstance(policy, str) and policy.strip():
+        try:
+            parse_policy_spec(policy, source="marker", recipe="fp32")
+        except (ValueError, TypeError) as exc:
+            problems.append(f"policy={policy!r}: {exc}")
+    return problems
+
+
+def _validate_markers(items: list[pytest.Item]) -> None:
+    """One usage error listing every bad ``@pytest.mark.parity`` among the collected tests."""
+    seen: dict[int, list[str]] = {}
+    lines = []
+    for item in items:
+        for marker in item.iter_markers("parity"):
+            key = id(marker.mark) if hasattr(marker, "mark") else id(marker)
+            problems = seen.get(key)
+            if problems is None:
+                problems = seen[key] = _marker_problems(marker)
+                lines += [f"  {item.nodeid}: {p}" for p in problems]
+    if lines:
+        raise pytest.UsageError("@pytest.mark.parity: bad arguments\n" + "\n".join(lines))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if parity_enabled(config):
+        _validate_markers(items)
         # Before -k/-m deselection: every collected test keeps its baseline (see _unused_baselines).
         config.stash[COLLECTED_KEY] = [item.nodeid for item in items]
         return
@@ -423,7 +636,9 @@ def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, p
         raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.parity: {exc}") from None
     request.config.stash[CASES_KEY].append(case)
     yield case
-    case.finish(failed=request.node.nodeid in request.config.stash[FAILED_KEY])
+    # Only a test whose body ran to its end writes its baseline: a failure, pytest.skip() between
+    # checks or Ctrl-C (no call report at all) leaves the old file as it was.
+    case.finish(outcome=request.config.stash[OUTCOME_KEY].get(request.node.nodeid, "interrupted"))
     if case.records and getattr(request.config.option, "xmlpath", None):
         # JUnit <testcase><properties>: user_properties work under every junit_family (the
         # record_property fixture warns under the default xunit2) and travel across xdist workers.
@@ -437,9 +652,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     # The call phase's report exists before fixture teardown, where the parity fixture writes baselines.
     outcome = yield
     report = outcome.get_result()
-    if report.when == "call" and report.failed:
-        item.config.stash[FAILED_KEY].add(item.nodeid)
-        _shorten_baseline_failure(item, call, report)
+    if report.when == "call":
+        item.config.stash[OUTCOME_KEY][item.nodeid] = report.outcome  # passed, failed or skipped
+        if report.failed:
+            _shorten_baseline_failure(item, call, report)
 
 
 def _shorten_baseline_failure(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport) -> None:
@@ -476,13 +692,50 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if SESSION_KEY not in config.stash or getattr(config, "workeroutput", None) is not None:
         return
-    store = config.stash[SESSION_KEY].store
+    session_ = config.stash[SESSION_KEY]
+    store = session_.store
     unsafe = store.scan_unsafe()
     if unsafe:
         names = "\n  ".join(str(p) for p in unsafe)
         raise pytest.UsageError(
             f"refusing to run: pickle-format files in the baseline store (they are never loaded):\n  {names}\n"
             "baselines are safetensors files; delete these or move them out of the store")
+    if session_.update_baselines:
+        _lock_store(config, store)
+        config.stash[TEMP_KEY] = ("removed", store.remove_temporary_files())
+    else:
+        config.stash[TEMP_KEY] = ("found", [(p, p.stat().st_size) for p in store.temporary_files() if p.exists()])
+
+
+def _lock_store(config: pytest.Config, store: Any) -> None:
+    """Hold the store's lock for the whole record session (pytest-xdist workers write under their
+    controller's lock): a second record run on the same store waits for this one, then runs."""
+    from .baselines import BaselineError
+
+    lock = store.lock()
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+
+    def on_wait(message: str) -> None:
+        if reporter is not None:
+            reporter.write_line(f"npu-parity: {message}")
+        else:
+            print(f"npu-parity: {message}", file=sys.stderr, flush=True)
+
+    try:
+        lock.acquire(timeout=float(config.getini("parity_lock_timeout")), on_wait=on_wait)
+    except BaselineError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    except OSError as exc:
+        raise pytest.UsageError(f"--update-baselines cannot lock the baseline store {store.root} ({exc}); "
+                                "fix its permissions or record into another --baseline-dir=DIR") from None
+    config.stash[LOCK_KEY] = lock
+
+
+def _release_store(config: pytest.Config) -> None:
+    lock = config.stash.get(LOCK_KEY, None)
+    if lock is not None:
+        lock.release()
+        del config.stash[LOCK_KEY]
 
 
 def _full_run(config: pytest.Config) -> bool:
@@ -509,6 +762,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             row["worker"] = _xdist_worker_id(config)
         workeroutput["parity_rows"] = json.dumps(rows, default=str)
         workeroutput["parity_writes"] = json.dumps(config.stash[SESSION_KEY].baseline_writes)
+        workeroutput["parity_not_written"] = json.dumps(config.stash[SESSION_KEY].not_written)
         workeroutput["parity_used"] = json.dumps(sorted(map(str, config.stash[SESSION_KEY].baselines_used)))
         workeroutput["parity_collected"] = json.dumps(config.stash[COLLECTED_KEY])
         return
@@ -522,6 +776,7 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
     if "parity_rows" in output and SESSION_KEY in config.stash:
         config.stash[ROWS_KEY].extend(json.loads(output["parity_rows"]))
         config.stash[SESSION_KEY].baseline_writes.update(json.loads(output.get("parity_writes", "{}")))
+        config.stash[SESSION_KEY].not_written.update(json.loads(output.get("parity_not_written", "{}")))
         config.stash[SESSION_KEY].baselines_used.update(Path(p) for p in json.loads(output.get("parity_used", "[]")))
         seen = set(config.stash[COLLECTED_KEY])  # every worker collects the same tests
         config.stash[COLLECTED_KEY].extend(i for i in json.loads(output.get("parity_collected", "[]")) if i not in seen)
@@ -560,6 +815,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     _summarize_teeth(tr, rows)
     _summarize_baseline_problems(tr, rows, session)
     _summarize_writes(tr, session)
+    _summarize_temporary_files(tr, config)
+    _summarize_unmatched_patterns(tr, session, rows)
     if _full_run(config) and (exitstatus == 0 or not session.update_baselines):
         unused = _unused_baselines(config, session)
         if unused and session.update_baselines:
@@ -671,12 +928,44 @@ def _summarize_writes(tr: Any, session: Any) -> None:
     for test_id, what in sorted(writes.items(), key=lambda kv: (order.index(kv[1]), kv[0])):
         if what == "unchanged":
             continue
-        note = " (the test failed)" if what == "not written" else ""
+        why = session.not_written.get(test_id, "failed")
+        note = {"failed": " (the test failed)", "skipped": " (the test was skipped before its end)",
+                "interrupted": " (the test was interrupted)"}.get(why, f" (the test {why})") \
+            if what == "not written" else ""
         try:
             path = _shown(session.store.path_for(test_id))
         except Exception:  # a node id no file can be named after: the test itself reported it
             path = "?"
         tr.write_line(f"  {what:<11}  {path}  <- {test_id}{note}")
+
+
+def _summarize_temporary_files(tr: Any, config: pytest.Config) -> None:
+    """Temporary files of writes a killed process left behind: removed by a record run (which holds
+    the store lock, so no live writer owns them), listed by a compare run."""
+    kind, files = config.stash.get(TEMP_KEY, ("found", []))
+    if not files:
+        return
+    total = sum(size for _, size in files)
+    if kind == "removed":
+        tr.write_line(f"baselines: removed {len(files)} temporary file{'s' * (len(files) != 1)} "
+                      f"({total} bytes) left by an interrupted record run:")
+    else:
+        tr.write_line(f"baselines: {len(files)} temporary file{'s' * (len(files) != 1)} ({total} bytes) left by "
+                      "an interrupted record run; the next `pytest --update-baselines` removes them:")
+    for path, size in files:
+        tr.write_line(f"  {_shown(path)} ({size} bytes)")
+
+
+def _summarize_unmatched_patterns(tr: Any, session: Any, rows: list[dict]) -> None:
+    """ini ``parity_tolerances``/``parity_policies`` patterns that matched no check of this run
+    (a typo leaves a tolerance unapplied without any other sign)."""
+    if not rows:
+        return
+    for key, patterns in (("parity_tolerances", session.check_tolerances), ("parity_policies", session.check_policies)):
+        for pattern in patterns:
+            if pattern not in session.patterns_used:
+                tr.write_line(f"ini {key}: pattern {pattern!r} matched no check of this run "
+                              "(a typo? check names are the first argument of parity.check)")
 
 
 def _unused_baselines(config: pytest.Config, session: Any) -> list[Path]:
@@ -730,6 +1019,10 @@ def _write_outputs(config: pytest.Config, session: Any, rows: list[dict]) -> Non
     from . import report
 
     meta = session.metadata(_recipe_names(config), config.invocation_params.args)
-    hist = report.append_history(rows, meta, history) if history else None
-    if out_dir:
-        report.write_report(rows, meta, out_dir, history=hist)
+    try:
+        hist = report.append_history(rows, meta, history) if history else None
+        if out_dir:
+            report.write_report(rows, meta, out_dir, history=hist)
+    except (OSError, ValueError, ImportError) as exc:  # checked at start-up; the disk can still fail
+        config.pluginmanager.get_plugin("terminalreporter").write_line(
+            f"npu-parity: ERROR: the report/history could not be written ({type(exc).__name__}: {exc})", red=True)

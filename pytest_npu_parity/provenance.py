@@ -11,7 +11,10 @@ still describes the current model and input:
 * ``describe_provenance(prov)`` — the one-line summary that reports and failure messages print.
 * ``fingerprint_tensors(obj)`` — a BLAKE2b digest of a nested structure of tensors and scalars.
 * ``fingerprint_module(module)`` — a BLAKE2b digest of a module's type and ``state_dict``,
-  cached per module object and invalidated by in-place edits.
+  cached per module object and invalidated by in-place edits; ``module_tensor_digests`` the
+  per-tensor digests behind it (a changed weight is named, never judged "close enough").
+* ``summarize_tensors(obj)`` / ``summaries_close`` — order-sensitive float64 summaries of inputs,
+  which tell last-bit differences of recomputed activations from a real change.
 
 Nothing here imports ``torch_npu``: on a machine without CANN that import can break ``import
 torch`` itself (see FINDINGS.md), so its version is read from package metadata unless the
@@ -487,13 +490,40 @@ def fingerprint_module(module: torch.nn.Module) -> str:
 # --------------------------------------------------------------------------------------------
 # summaries: staleness that survives last-bit differences between machines
 
-#: Relative difference under which two summaries describe the same data. Recomputing the same
-#: seeded weights or the same activations on another CPU (x86-64 vs the Arm hosts of Ascend
+#: Relative difference under which two input summaries describe the same data. Recomputing the
+#: same activations on another CPU (x86-64 vs the Arm hosts of Ascend
 #: servers, other SIMD paths or thread counts) changes last bits (~1e-7 relative); a different
 #: input window, seed or checkpoint changes these sums at O(1e-2) or more.
 SUMMARY_RTOL = 1e-4
 
-_SUMMARY_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, list]]" = weakref.WeakKeyDictionary()
+
+#: Elements per block of the position-weighted sum (bounds the float64 temporaries it needs).
+_PROJECTION_BLOCK = 1 << 20
+
+
+def _position_weights(start: int, stop: int) -> torch.Tensor:
+    """Weights in [-1, 1) of the flat positions ``start..stop-1``, float64: MurmurHash3's 32-bit
+    finalizer of the position, scaled to [-1, 1). Integer arithmetic only (int64, low 32 bits), so
+    every machine and torch version computes the same weights; a hash rather than a linear sequence,
+    so that the weights of one row and of another are unrelated (a row swap always moves the sum)."""
+    mask = 0xFFFFFFFF
+    h = torch.arange(start, stop, dtype=torch.int64)
+    h = (h ^ (h >> 32)) & mask
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & mask  # the product wraps in int64; its low 32 bits are exact
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & mask
+    h = h ^ (h >> 16)
+    return h.to(torch.float64) / float(1 << 31) - 1.0
+
+
+def _position_weighted_sum(flat: torch.Tensor) -> float:
+    """``sum_i w_i * x_i`` over a flat CPU tensor with ``_position_weights``, accumulated in float64."""
+    total = 0.0
+    for start in range(0, flat.numel(), _PROJECTION_BLOCK):
+        block = flat[start:start + _PROJECTION_BLOCK].to(torch.float64)
+        total += float((block * _position_weights(start, start + block.numel())).sum())
+    return total
 
 
 def _leaf_summary(name: str, tensor: torch.Tensor) -> list:
@@ -503,21 +533,27 @@ def _leaf_summary(name: str, tensor: torch.Tensor) -> list:
     if t.is_complex():
         t = torch.view_as_real(t)
     if t.numel() == 0:
-        return [name, 0, 0.0, 0.0, 0.0]
+        return [name, 0, 0.0, 0.0, 0.0, 0.0]
     if not t.is_floating_point():  # integer / bool leaves: small, exact in float64
         t = t.to(torch.float64)
     # Reductions accumulate in float64 without a float64 copy of the tensor (2.4x faster on a
     # 200 MB weight set than converting first; the totals agree to ~1e-12 relative).
     low, high = torch.aminmax(t)
     return [name, int(t.numel()), float(t.sum(dtype=torch.float64)),
-            float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2, max(-float(low), float(high))]
+            float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2, max(-float(low), float(high)),
+            _position_weighted_sum(t.reshape(-1))]
 
 
 def summarize_tensors(obj: Any) -> list:
-    """Per tensor leaf of a nested structure: ``[path, numel, sum, sum of squares, max |x|]`` (float64).
+    """Per tensor leaf of a nested structure: ``[path, numel, sum, sum of squares, max |x|,
+    position-weighted sum]`` (float64 numbers; ``path`` as ``.key``/``[i]``).
 
-    Used with ``summaries_close`` to tell a real change of input (another window, another seed)
-    from last-bit differences of the same computation on another machine.
+    The position-weighted sum ``sum_i w_i x_i`` (``w_i`` in [-1, 1) a hash of the flat position
+    ``i``) makes the summary order-sensitive: the same values in another order (rows swapped, a
+    transposed copy) change it by about the norm of what moved, while the other four numbers do
+    not change at all. Used with ``summaries_close`` to tell a real change of input (another
+    window, another seed, another order) from last-bit differences of the same computation on
+    another machine.
     """
     out: list = []
 
@@ -535,52 +571,83 @@ def summarize_tensors(obj: Any) -> list:
     return out
 
 
-_TENSOR_SUMMARY_CACHE = _PerTensorCache()
+#: Hex digits kept of each weight's digest in ``module_tensor_digests`` (64 bits: enough to name
+#: the tensors that changed; the module's full fingerprint is ``fingerprint_module``).
+TENSOR_DIGEST_HEX = 16
 
 
-def _cached_leaf_summary(name: str, tensor: torch.Tensor) -> list:
-    key = _tensor_key(tensor)
-    row = _TENSOR_SUMMARY_CACHE.get(tensor, key)
-    if row is None:
-        row = _leaf_summary(name, tensor)
-        _TENSOR_SUMMARY_CACHE.put(tensor, key, row)
-    return [name, *row[1:]]
+def module_tensor_digests(module: torch.nn.Module) -> dict[str, str]:
+    """``{state_dict name: 16 hex digits of its SHA-256 digest}`` for every parameter and persistent
+    buffer of ``module`` (digest over dtype, shape and bytes, as in ``fingerprint_module``; shared
+    with it through the per-tensor cache, so after ``fingerprint_module`` this costs no hashing).
 
+    Recorded in a baseline so that a change of weights names the tensors that changed: the seeded
+    weights are bitwise reproducible, so any differing digest is a different model, never a last-bit
+    difference.
 
-def summarize_module(module: torch.nn.Module) -> list:
-    """One summary row for a module's whole ``state_dict`` (``["<state_dict>", numel, sum, sum of
-    squares, max |x|]`` over every entry), cached like ``fingerprint_module``. One row, not one per
-    tensor, keeps baselines small (the full Aurora model has ~900 entries); another seed or
-    checkpoint moves these totals far beyond ``SUMMARY_RTOL``."""
+    Raises:
+        TypeError: if ``module`` is not a ``torch.nn.Module``.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module_tensor_digests expects a torch.nn.Module, got {type(module).__name__}")
     state = module.state_dict(keep_vars=True)
-    key = tuple((name, t.data_ptr(), getattr(t, "_version", 0), tuple(t.shape), str(t.dtype))
-                for name, t in state.items())
-    cached = _SUMMARY_CACHE.get(module)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    rows = [_cached_leaf_summary(name, t) for name, t in state.items()]
-    summary = [["<state_dict>", sum(r[1] for r in rows), sum(r[2] for r in rows), sum(r[3] for r in rows),
-                max((r[4] for r in rows), default=0.0)]]
-    _SUMMARY_CACHE[module] = (key, summary)
-    return summary
+    _digest_in_parallel(state)
+    return {name: _tensor_digest(t, name).hex()[:TENSOR_DIGEST_HEX] for name, t in state.items()}
+
+
+def weights_changed(recorded: Mapping[str, str] | None, now: Mapping[str, str], shown: int = 3) -> str:
+    """Describe how two ``module_tensor_digests`` differ: ``"weights changed (2 of 16 tensors, e.g.
+    'fc1.weight', 'fc2.bias')"``, naming added and removed tensors too; ``"weights changed (no
+    per-tensor digests recorded)"`` when ``recorded`` is None, ``"model class changed (same weights)"``
+    when every digest agrees (the fingerprint also covers the class name)."""
+    if recorded is None:
+        return "weights changed (no per-tensor digests recorded)"
+    changed = [n for n in now if n in recorded and recorded[n] != now[n]]
+    added = [n for n in now if n not in recorded]
+    removed = [n for n in recorded if n not in now]
+    if not (changed or added or removed):
+        return "model class changed (same weights)"
+    total = len(set(now) | set(recorded))
+
+    def names(items: list[str]) -> str:
+        head = ", ".join(repr(n) for n in items[:shown])
+        return head + (", …" if len(items) > shown else "")
+
+    parts = []
+    if changed:
+        parts.append(f"{len(changed)} of {total} tensors differ, e.g. {names(changed)}")
+    if added:
+        parts.append(f"{len(added)} new: {names(added)}")
+    if removed:
+        parts.append(f"{len(removed)} gone: {names(removed)}")
+    return "weights changed (" + "; ".join(parts) + ")"
 
 
 def summaries_close(recorded: list | None, now: list, rtol: float = SUMMARY_RTOL) -> str | None:
-    """``None`` when two summaries agree within ``rtol``, else a short description of the first difference.
+    """``None`` when two summaries (``summarize_tensors``) agree within ``rtol``, else a short
+    description of the first difference.
 
     Sums are compared relative to the leaf's scale (``sqrt(numel * sum of squares)``, a bound of
-    |sum|), so a sum that is near zero by cancellation is not over-sensitive.
+    |sum|), so a sum that is near zero by cancellation is not over-sensitive. The position-weighted
+    sum is compared relative to the leaf's L2 norm (its typical size): last-bit differences move it
+    by ~1e-7 of the norm, two swapped rows of ``m`` elements out of ``n`` by about
+    ``sqrt(2m/n)`` of it. A row of another length (a summary of an older layout) is a difference.
     """
     if recorded is None:
         return "no summary recorded"
     if len(recorded) != len(now):
         return f"{len(recorded)} tensors recorded, {len(now)} now"
-    for (name_a, n_a, s_a, q_a, m_a), (name_b, n_b, s_b, q_b, m_b) in zip(recorded, now):
+    for row_a, row_b in zip(recorded, now):
+        if len(row_a) != 6 or len(row_b) != 6:
+            return f"summary of {row_a[0] if row_a else '?'} has an unknown layout; re-record"
+        (name_a, n_a, s_a, q_a, m_a, p_a), (name_b, n_b, s_b, q_b, m_b, p_b) = row_a, row_b
         if name_a != name_b or n_a != n_b:
             return f"tensor {name_a or '<input>'} ({n_a} elements) vs {name_b or '<input>'} ({n_b} elements)"
         scale = math.sqrt(max(n_a, 1) * max(q_a, q_b)) or 1.0
+        norm = math.sqrt(max(q_a, q_b)) or 1.0
         for label, a, b, ref in (("sum", s_a, s_b, scale), ("sum of squares", q_a, q_b, max(q_a, q_b) or 1.0),
-                                 ("max |x|", m_a, m_b, max(m_a, m_b) or 1.0)):
+                                 ("max |x|", m_a, m_b, max(m_a, m_b) or 1.0),
+                                 ("position-weighted sum (the order of its values)", p_a, p_b, norm)):
             if abs(a - b) > rtol * ref:
                 return f"{label} of {name_a or '<input>'} differs: recorded {a:.9g}, now {b:.9g}"
     return None

@@ -283,10 +283,12 @@ class ParitySession:
             self.recipe_policies[recipe] = (parse_policy_spec(spec, source="ini", recipe=recipe)
                                             if isinstance(spec, str) else spec)
         self.check_policies = dict(check_policies or {})
+        self.patterns_used: set[str] = set()  # check_tolerances/check_policies patterns that matched a check
         self.golden_runner = golden_runner if golden_runner is not None else GoldenRunner()
         self._golden_memo: dict[tuple, Any] = {}
         self.records: list[CheckRecord] = []
         self.baseline_writes: dict[str, str] = {}  # test_id -> created/changed/unchanged/not written
+        self.not_written: dict[str, str] = {}  # test_id -> why not (failed, skipped, interrupted)
         self.baselines_used: set = set()
         self._copies: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         self._reference_memo: dict[tuple, dict] = {}
@@ -377,6 +379,8 @@ class ParitySession:
         for pattern, spec in self.check_policies.items():
             if pattern == check or fnmatch.fnmatchcase(check, pattern):
                 policy = parse_policy_spec(spec, source="ini", recipe=recipe)
+                if check:
+                    self.patterns_used.add(pattern)
                 break
         if marker is not None:
             policy = parse_policy_spec(marker, source="marker", recipe=recipe)
@@ -405,6 +409,8 @@ class ParitySession:
         for pattern, override in self.check_tolerances.items():
             if pattern == check or fnmatch.fnmatchcase(check, pattern):
                 tol = parse_tolerance_spec(override, source="ini", base=tol) if isinstance(override, str) else override
+                if check:
+                    self.patterns_used.add(pattern)
                 break
         if marker is not None:
             tol = marker
@@ -447,6 +453,7 @@ class ParityCase:
         self._pending: dict[str, Any] = {}
         self._baseline: Any = None
         self._baseline_loaded = False
+        self.not_written: str | None = None
 
     # -- public API ----------------------------------------------------------------------------
     @property
@@ -653,16 +660,21 @@ class ParityCase:
                            golden_policy=golden_policy, golden=golden if golden_policy is not None else None,
                            policy_note=note)
 
-    def finish(self, *, failed: bool = False) -> str | None:
-        """End of the test: in record mode write the baseline file.
+    def finish(self, *, failed: bool = False, outcome: str = "passed") -> str | None:
+        """End of the test: in record mode write the baseline file, with every check the test
+        recorded — or nothing at all.
 
         Args:
-            failed: the test failed (an exception after or between checks, a failed assertion);
-                then nothing is written, so a half-run test never replaces a complete baseline.
+            failed: the test failed (same as ``outcome="failed"``).
+            outcome: how the test's body ended: ``"passed"`` (it ran to its end) writes the file;
+                anything else (``"failed"``, ``"skipped"`` — ``pytest.skip()`` or an xfail between
+                checks —, ``"interrupted"`` — Ctrl-C, no call report at all) writes nothing, so a
+                half-run test never replaces a complete baseline with some of its checks.
 
         Returns:
             ``"created"``, ``"changed"`` or ``"unchanged"`` (see ``BaselineStore.write``),
-            ``"not written"`` for a failed test in record mode, or None when nothing was recorded.
+            ``"not written"`` for a test that did not pass in record mode (``self.not_written``
+            says why), or None when nothing was recorded.
 
         Raises:
             OSError: the file cannot be written (the old baseline is left intact).
@@ -670,7 +682,11 @@ class ParityCase:
         if not (self.session.update_baselines and self._pending):
             return None
         if failed:
+            outcome = "failed"
+        if outcome != "passed":
+            self.not_written = outcome
             self.session.baseline_writes[self.test_id] = "not written"
+            self.session.not_written[self.test_id] = outcome
             self.session.baselines_used.add(self.session.store.path_for(self.test_id))
             return "not written"
         from .provenance import collect_provenance
@@ -694,22 +710,22 @@ class ParityCase:
             raise ValueError(f"check name {name!r} is used twice in {self.test_id}; names must be unique per test")
 
     def _hashes(self, fn: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-        """Bitwise fingerprints of the input and the module, plus summaries that tell a real change
-        from last-bit differences of the same data recomputed on another machine (see
-        ``BaselineStore.check_fresh``). The summaries are callables, computed only where needed:
-        when recording, or when a hash differs from the recorded one (a full pass over Aurora's
-        weights costs about a second)."""
-        from .provenance import fingerprint_module, fingerprint_tensors, summarize_module, summarize_tensors
+        """Bitwise fingerprints of the input and the module, an order-sensitive input summary that
+        tells a real change from last-bit differences of the same activations recomputed on another
+        machine, and the module's per-tensor digests that name the weights that changed (see
+        ``BaselineStore.check_fresh``). The last two are callables, computed only where needed:
+        when recording, or when a hash differs from the recorded one."""
+        from .provenance import fingerprint_module, fingerprint_tensors, module_tensor_digests, summarize_tensors
 
         module = owner_module(fn)
         if module is not None:
             config = fingerprint_module(module)
-            config_summary: Callable[[], list] = lambda: summarize_module(module)  # noqa: E731
+            config_tensors: Callable[[], dict] = lambda: module_tensor_digests(module)  # noqa: E731
         else:
             config = fingerprint_tensors(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}")
-            config_summary = list
+            config_tensors = dict
         return {"input_hash": fingerprint_tensors((args, kwargs)), "config_hash": config,
-                "input_summary": lambda: summarize_tensors((args, kwargs)), "config_summary": config_summary}
+                "input_summary": lambda: summarize_tensors((args, kwargs)), "config_tensors": config_tensors}
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device, *, seed: int,
              patched: bool, grad: bool, audited: bool = False, recipe_context: bool = True):
@@ -806,7 +822,8 @@ class ParityCase:
             if mode == "baseline" or has_check:
                 if baseline is None:
                     raise self.session.store.missing_error(self.test_id)
-                entry = self.session.store.check_fresh(baseline, name, **hashes)
+                entry = self.session.store.check_fresh(baseline, name, **hashes, recipe=self.recipe.name,
+                                                       seed=call.seed)
                 expected: dict[str, torch.Tensor | None] = dict(entry.tensors)
                 expected.update({p: None for p in entry.none_leaves})
                 return expected, "baseline", baseline.describe()  # "<file> — <device, date, versions>"

@@ -88,9 +88,19 @@ def vacuity_problem(expected: Mapping[str, torch.Tensor | None]) -> str | None:
     Returns:
         A sentence such as ``"its reference output is constant: 'logits' is all 0 (4x96)"`` when
         every floating/complex leaf with more than one element holds a single value (all zero, all
-        NaN and any other constant), or None — also when no leaf has more than one element (a lone
-        loss value is not judged).
+        NaN and any other constant); ``"its output holds no tensor: ..."`` when no leaf is a
+        non-empty tensor (a function that returns ``None``, an empty tuple or only empty tensors
+        compares nothing); else None — also when no leaf has more than one element (a lone loss
+        value is not judged) or the only tensors are integer/bool ones (compared exactly).
     """
+    if not any(isinstance(t, torch.Tensor) and t.numel() > 0 for t in expected.values()):
+        if not expected:
+            what = "it is empty"
+        elif all(t is None for t in expected.values()):
+            what = "it is None" if list(expected) == [""] else f"all {len(expected)} leaves are None"
+        else:
+            what = "its tensors are empty"
+        return f"its output holds no tensor: {what}, so there is nothing to compare"
     judged = {path: t for path, t in expected.items() if _floating(t) and t.numel() > 1}
     if not judged:
         return None
@@ -396,6 +406,9 @@ class SelfCheck:
         weight = weight_teeth(case, call, expected, tol, self.weight_rtols)
         report["weight"] = weight
         problems = []
+        if not any(isinstance(e, torch.Tensor) and e.numel() > 0 and isinstance(actual.get(p), torch.Tensor)
+                   for p, e in expected.items()):
+            problems.append("its output holds no tensor to perturb")
         if toothless:
             first = next(iter(toothless))
             problems.append(f"output leaf {first or '<output>'!r}: {toothless[first]}"

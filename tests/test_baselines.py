@@ -168,8 +168,25 @@ def test_changed_input_hash_is_stale_with_reason(store):
 
 def test_changed_config_hash_is_stale(store):
     store.write(TEST_ID, make_checks(), PROV)
-    with pytest.raises(StaleBaselineError, match=r"model config hash changed \(recorded cfg-0, now cfg-1\)"):
+    with pytest.raises(StaleBaselineError, match=r"weights changed .*model fingerprint recorded cfg-0, now cfg-1"):
         store.check_fresh(store.load(TEST_ID), "model", input_hash="in-0", config_hash="cfg-1")
+
+
+def test_changed_weights_are_stale_naming_the_tensors_and_never_close_enough(store):
+    """Weights are bitwise reproducible: one ULP on one weight is another model, named in full."""
+    from pytest_npu_parity.provenance import fingerprint_module, module_tensor_digests
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    checks = make_checks(config_hash=fingerprint_module(layer))
+    checks["dec_layer_0"].meta["config_tensors"] = module_tensor_digests(layer)
+    store.write(TEST_ID, checks, PROV)
+    with torch.no_grad():
+        layer[1].weight[0, 0] = torch.nextafter(layer[1].weight[0, 0], torch.tensor(9.0))
+    with pytest.raises(StaleBaselineError) as info:
+        store.check_fresh(store.load(TEST_ID), "dec_layer_0", input_hash="in-0",
+                          config_hash=fingerprint_module(layer), config_tensors=lambda: module_tensor_digests(layer))
+    assert "weights changed (1 of 4 tensors differ, e.g. 'model.dec_layers.0.1.weight')" in str(info.value)
 
 
 def test_changed_shape_is_stale_naming_leaf_and_shapes(store):
@@ -494,7 +511,7 @@ def test_prune_refuses_paths_outside_the_store(store, tmp_path):
 def test_layout_with_class_and_params(store):
     root = store.suite_dir
     assert store.path_for("parity_suites/aurora/test_model.py::TestTrain::test_step[fp32]") == \
-        root / "parity_suites" / "aurora" / "test_model" / "TestTrain" / "test_step.fp32.safetensors"
+        root / "parity_suites" / "aurora" / "test_model" / "TestTrain+test_step.fp32.safetensors"
     assert store.path_for("test_top.py::test_plain") == root / "test_top" / "test_plain.safetensors"
 
 
@@ -502,14 +519,16 @@ def test_module_prefix_is_dropped(tmp_path):
     store = BaselineStore(tmp_path, "aurora", module_prefix="parity_suites/aurora")
     assert store.path_for(TEST_ID) == tmp_path.resolve() / "aurora" / "test_layers" / \
         "test_decoder_layer.bf16-batch.safetensors"
-    assert store.path_for("other/test_x.py::t") == tmp_path.resolve() / "aurora" / "other" / "test_x" / "t.safetensors"
+    with pytest.raises(BaselineError, match=r"not under parity_suites/aurora/.*use SuiteStores"):
+        store.path_for("other/test_x.py::t")  # it could share a file with parity_suites/aurora/other/test_x.py::t
 
 
 def test_suite_stores_route_by_suite(tmp_path):
     stores = SuiteStores(tmp_path)
     assert SuiteStores.suite_of(TEST_ID) == ("aurora", "parity_suites/aurora")
-    assert SuiteStores.suite_of("tests/test_x.py::t") == ("tests", "tests")
-    assert SuiteStores.suite_of("test_x.py::t") == ("default", "")
+    assert SuiteStores.suite_of("tests/test_x.py::t") == ("_rootdir", "")
+    assert SuiteStores.suite_of("test_x.py::t") == ("_rootdir", "")
+    assert stores.path_for("tests/test_x.py::t") == tmp_path.resolve() / "_rootdir" / "tests" / "test_x" / "t.safetensors"
     assert stores.path_for(TEST_ID) == tmp_path.resolve() / "aurora" / "test_layers" / \
         "test_decoder_layer.bf16-batch.safetensors"
     other = "parity_suites/bert/test_enc.py::test_e[fp32]"
@@ -639,7 +658,7 @@ def _recorded_with_summaries(tmp_path):
     x = torch.linspace(-3, 3, 1000)
     store = BaselineStore(tmp_path, "suite")
     meta = {"input_hash": fingerprint_tensors(x), "config_hash": "c", "input_summary": summarize_tensors(x),
-            "config_summary": []}
+            "config_tensors": {}}
     store.write("t.py::test", {"chk": CheckBaseline("chk", {"out": x * 2}, [], meta)}, {"device_type": "cpu"})
     return x, store, store.load("t.py::test")
 
@@ -653,13 +672,13 @@ def test_last_bit_differences_are_fresh_but_real_changes_are_stale(tmp_path):
     x, store, baseline = _recorded_with_summaries(tmp_path)
     ulp = torch.nextafter(x, torch.full_like(x, float("inf")))  # every element moved by one ULP
     entry = store.check_fresh(baseline, "chk", input_hash=fingerprint_tensors(ulp), config_hash="c",
-                              input_summary=summarize_tensors(ulp), config_summary=[])
+                              input_summary=summarize_tensors(ulp), config_tensors={})
     assert entry.meta["bitwise_input"] is False and entry.meta["bitwise_config"] is True
 
     other = x + 0.01  # a different input
     with pytest.raises(StaleBaselineError, match=r"input hash changed \(recorded .*\): sum of .* differs"):
         store.check_fresh(baseline, "chk", input_hash=fingerprint_tensors(other), config_hash="c",
-                          input_summary=summarize_tensors(other), config_summary=[])
+                          input_summary=summarize_tensors(other), config_tensors={})
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux)")
@@ -698,9 +717,9 @@ def test_summaries_are_computed_only_when_a_hash_differs(tmp_path):
         return lambda: calls.append(1) or summarize_tensors(t)
 
     store.check_fresh(baseline, "chk", input_hash=fingerprint_tensors(x), config_hash="c",
-                      input_summary=summary_of(x), config_summary=summary_of(x))
+                      input_summary=summary_of(x), config_tensors=summary_of(x))
     assert calls == []  # both hashes match: no pass over the data
     ulp = torch.nextafter(x, torch.full_like(x, float("inf")))
     entry = store.check_fresh(baseline, "chk", input_hash=fingerprint_tensors(ulp), config_hash="c",
-                              input_summary=summary_of(ulp), config_summary=summary_of(x))
+                              input_summary=summary_of(ulp), config_tensors=summary_of(x))
     assert calls == [1] and entry.meta["bitwise_input"] is False

@@ -329,5 +329,8 @@ def test_x(parity):
     parity.check("x", lambda t: t * 2, torch.ones(3))
 """)
     result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32")
-    result.stdout.fnmatch_lines(["*test_x*@pytest.mark.parity: verdict policy True is a bool*"])
-    assert result.ret != 0
+    # Caught at collection, before any test runs, naming the test and the keyword.
+    result.stderr.fnmatch_lines(["ERROR: @pytest.mark.parity: bad arguments",
+                                 "  test_marker_policy_of_the_wrong_type_is_an_error_naming_the_test.py::test_x[[]fp32]: "
+                                 "policy=True must be a non-empty string"])
+    assert result.ret == pytest.ExitCode.USAGE_ERROR

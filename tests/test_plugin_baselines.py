@@ -276,13 +276,21 @@ def test_interrupted_write_leaves_the_old_baseline_intact(pytester: pytest.Pytes
         "test_linear.fp32.safetensors", "test_tanh.fp32.safetensors"]  # no temporary file left behind
     assert SuiteStores(pytester.path / "baselines").load(TANH_ID).checks["tanh"].meta["recipe"] == "fp32"
 
-    # A killed writer (no Python cleanup) can leave its temporary file: later runs ignore it.
+    # A killed writer (no Python cleanup) can leave its temporary file: a compare run names it, the
+    # next record run (holding the store lock, so no live writer owns it) removes it and says so.
     conftest.unlink()
     leftover = (pytester.path / TANH_FILE).parent / ".test_tanh.fp32.safetensors.k1ll3d.tmp"
     leftover.write_bytes(b"partial")
+    result = pytester.runpytest("--npu-parity", "parity_suites")
+    result.stdout.fnmatch_lines(["baselines: 1 temporary file (7 bytes) left by an interrupted record run; "
+                                 "the next `pytest --update-baselines` removes them:",
+                                 "  baselines/demo/test_model/.test_tanh.fp32.safetensors.k1ll3d.tmp (7 bytes)"])
+    assert leftover.exists()
     result = _record(pytester)
-    result.stdout.fnmatch_lines(["baselines: 1 changed, 1 unchanged (2 files under baselines)"])
-    assert "unused (no collected" not in result.stdout.str() and leftover.exists()
+    result.stdout.fnmatch_lines(["baselines: 1 changed, 1 unchanged (2 files under baselines)",
+                                 "baselines: removed 1 temporary file (7 bytes) left by an interrupted record run:",
+                                 "  baselines/demo/test_model/.test_tanh.fp32.safetensors.k1ll3d.tmp (7 bytes)"])
+    assert "unused (no collected" not in result.stdout.str() and not leftover.exists()
 
 
 def test_failed_test_in_record_mode_writes_no_baseline(pytester: pytest.Pytester) -> None:

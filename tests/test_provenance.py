@@ -362,3 +362,33 @@ def test_parallel_module_hashing_gives_the_serial_digest(monkeypatch):
     with torch.no_grad():
         model[3].weight[0, 0] += 1
     assert fingerprint_module(model) != parallel
+
+
+def test_input_summaries_see_a_row_swap_but_not_last_bit_differences():
+    """The order-sensitive component: two swapped rows of 100 in a million elements are a change;
+    every element moved by one ULP (activations recomputed on another CPU) is not."""
+    from pytest_npu_parity.provenance import summaries_close, summarize_tensors
+
+    x = torch.randn(10_000, 100, generator=torch.Generator().manual_seed(0))
+    swapped = x.clone()
+    swapped[[17, 9000]] = x[[9000, 17]]
+    ulp = torch.nextafter(x, torch.full_like(x, float("inf")))
+    recorded = summarize_tensors({"x": x})
+    assert summaries_close(recorded, summarize_tensors({"x": ulp})) is None
+    why = summaries_close(recorded, summarize_tensors({"x": swapped}))
+    assert why is not None and why.startswith("position-weighted sum (the order of its values) of .x differs")
+    assert summaries_close(recorded, summarize_tensors({"x": x.flip(0)})) is not None
+
+
+def test_module_tensor_digests_name_each_weight_and_see_a_row_permutation():
+    from pytest_npu_parity.provenance import module_tensor_digests, weights_changed
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    before = module_tensor_digests(layer)
+    assert set(before) == {"weight", "bias"} and all(len(d) == 16 for d in before.values())
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight[[2, 1, 0]])
+    now = module_tensor_digests(layer)
+    assert now["bias"] == before["bias"] and now["weight"] != before["weight"]
+    assert weights_changed(before, now) == "weights changed (1 of 2 tensors differ, e.g. 'weight')"
