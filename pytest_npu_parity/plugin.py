@@ -469,9 +469,12 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"CANN {status.cann_version or '-'} · precision flags "
         + " ".join(f"{k}={v}" for k, v in flags.items()),
     ]
-    lines.append("npu-parity: verdicts " + " · ".join(
-        f"{recipe} {_policy_text(session.verdict_policy(recipe, ''), session.tolerance(recipe, ''))}"
-        for recipe in _recipe_names(config)) + (" (per-check choices in parity_policies)" if session.check_policies else ""))
+    def verdict(recipe: str) -> str:
+        text = _policy_text(session.verdict_policy(recipe, ''), session.tolerance(recipe, ''))
+        training = _policy_text(session.verdict_policy(recipe, '', training=True), session.tolerance(recipe, ''))
+        return f"{recipe} {text}" + (f" (training checks: {training})" if training != text else "")
+
+    lines.append("npu-parity: verdicts " + " · ".join(verdict(recipe) for recipe in _recipe_names(config)) + (" (per-check choices in parity_policies)" if session.check_policies else ""))
     if session.target.type != "npu" and not status.available and (status.torch_npu_version or _npu.quarantined()):
         lines.append(f"npu-parity: torch_npu is installed but the NPU is not used: {status.reason}")
     pinning = _worker_pinning_line(config)
