@@ -60,10 +60,19 @@ TRAINING_DEFAULT_POLICIES: dict[str, str] = {"fp32": "golden floor"}
 
 
 def is_training(fn: Any) -> bool:
-    """Whether ``fn`` is a module with a leaf submodule in training mode (dropout, batch statistics)."""
+    """Whether ``fn`` is a module that computes differently in training mode: a dropout (p > 0) or a
+    batch-norm layer in training mode. (A fresh ``nn.Linear`` is in training mode too but computes
+    the same; such modules keep the eval default.)"""
     if not isinstance(fn, torch.nn.Module):
         return False
-    return any(m.training for m in fn.modules() if next(m.children(), None) is None)
+    for m in fn.modules():
+        if not m.training:
+            continue
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            return True
+    return False
 
 
 @dataclass

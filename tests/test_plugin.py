@@ -243,9 +243,12 @@ def test_parity_policy_golden_passes_a_legitimate_bf16_variant(pytester: pytest.
     import pandas as pd
 
     pytester.makepyfile(SPLIT_K)
-    failed = pytester.runpytest("--npu-parity", "--parity-dtypes", "bf16")
+    failed = pytester.runpytest("--npu-parity", "--parity-dtypes", "bf16", "--parity-policy", "allclose")
     failed.assert_outcomes(failed=1)
     failed.stdout.fnmatch_lines(["*verdicts bf16 allclose rtol=0.001 atol=0.001 budget=0.001*"])
+    default = pytester.runpytest("--npu-parity", "--parity-dtypes", "bf16")  # the default: golden floor
+    default.assert_outcomes(passed=1)
+    default.stdout.fnmatch_lines(["*verdicts bf16 golden floor rmse<=2 max_rel<=10 mean_rel<=2 small<=2*"])
     # In a subprocess: pytester drops the modules first imported by an in-process run, and pandas
     # imported again would register its pyarrow extension types twice (ArrowKeyError).
     result = pytester.runpytest_subprocess("--npu-parity", "--parity-dtypes", "bf16", "--parity-policy", "golden",
@@ -286,7 +289,7 @@ def test_argument_wins(parity):
 
 
 @pytest.mark.parametrize("ini, message", [
-    ("parity_fp32_policy = goldne", "*ini parity_fp32_policy: verdict policy 'goldne'*expected 'allclose' or 'golden*"),
+    ("parity_fp32_policy = goldne", "*ini parity_fp32_policy: verdict policy 'goldne'*expected 'allclose', 'golden*"),
     ("parity_policies =\n    proj golden", "*ini parity_policies: line 'proj golden' needs*"),
     ("parity_policies =\n    proj: golden rmse=0.5", "*ini parity_policies:*rmse_ratio=0.5*must be >= 1*"),
 ])
@@ -316,7 +319,7 @@ def test_ini_bf16_policy_also_covers_bf16_weights(pytester: pytest.Pytester) -> 
     pytester.makepyfile(LINEAR_TEST)
     result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32,bf16,bf16-weights")
     result.assert_outcomes(passed=4)
-    result.stdout.fnmatch_lines(["*verdicts fp32 allclose rtol=1e-05 atol=1e-05 budget=0 · bf16 golden rmse<=2 "
+    result.stdout.fnmatch_lines(["*verdicts fp32 allclose rtol=1e-05 atol=1e-05 budget=0 (training checks: golden floor*) · bf16 golden rmse<=2 "
                                  "max_rel<=10 mean_rel<=2 small<=2 · bf16-weights golden rmse<=2*"])
 
 

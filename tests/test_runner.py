@@ -52,17 +52,46 @@ def case(recipe: str, patches=None, **session_kwargs) -> ParityCase:
     return ParityCase(session, "tests/test_runner.py::t", recipe, patches=patches)
 
 
-def test_default_policy_is_allclose_for_every_recipe():
-    assert set(DEFAULT_POLICIES.values()) == {"allclose"}
+def test_default_policies_follow_the_calibration():
+    # fp32 eval checks: allclose 1e-5; bf16 and fp32 training checks: golden with the allclose floor
+    assert DEFAULT_POLICIES["fp32"] == "allclose" and DEFAULT_POLICIES["bf16"] == "golden floor"
     record = case("fp32").check("proj", Proj(), X)
     assert record.golden_policy is None and record.policy == "allclose"
     assert {row["policy"] for row in record.rows()} == {"allclose"}
+    bf16 = case("bf16").check("proj", Proj(), X)
+    assert bf16.policy == "golden" and bf16.golden_policy.allclose_floor
+    train = case("fp32").check("proj_train", torch.nn.Sequential(Proj(), torch.nn.Dropout(0.1)).train(), X)
+    assert train.policy == "golden" and train.golden_policy.allclose_floor
+    assert case("fp32", recipe_policies={"fp32": "allclose"}).check(
+        "proj_train", torch.nn.Sequential(Proj(), torch.nn.Dropout(0.1)).train(), X).policy == "allclose"
+
+
+def test_is_training_means_dropout_or_batch_statistics():
+    from pytest_npu_parity.runner import is_training
+
+    assert not is_training(torch.nn.Linear(2, 2)) and not is_training(lambda x: x)  # fresh, but no mode effect
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.2))
+    assert is_training(net) and not is_training(net.eval())
+    assert not is_training(torch.nn.Sequential(torch.nn.Dropout(0.0)))
+    assert is_training(torch.nn.BatchNorm1d(2)) and not is_training(torch.nn.BatchNorm1d(2).eval())
+
+
+def test_allclose_floor_passes_a_leaf_within_tolerance_that_the_ratio_test_fails():
+    # fp32, a 3e-6 relative scale: inside allclose 1e-5 but far above the fp32 rounding of the reference
+    patches = target_patch(scale=1 + 3e-6)
+    with pytest.raises(ParityError):
+        case("fp32", patches, recipe_policies={"fp32": "golden"}).check("proj", Proj(), X)
+    floor = case("fp32", patches, recipe_policies={"fp32": "golden floor"}).check("proj", Proj(), X)
+    assert floor.status == "pass" and floor.result.leaves[0].within_floor
+    # beyond the allclose tolerance the ratio test decides again
+    with pytest.raises(ParityError, match="golden policy"):
+        case("fp32", target_patch(scale=1 + 1e-4), recipe_policies={"fp32": "golden floor"}).check("proj", Proj(), X)
 
 
 def test_golden_passes_a_bf16_split_k_variant_that_allclose_1e3_fails():
     # Two half-K products, each rounded to bf16, then summed: 29 % of the elements move by a bf16 step.
     with pytest.raises(ParityError, match="Mismatched elements"):
-        case("bf16", target_patch(split=True)).check("proj", Proj(), X)
+        case("bf16", target_patch(split=True), recipe_policies={"bf16": "allclose"}).check("proj", Proj(), X)
     record = case("bf16", target_patch(split=True), recipe_policies={"bf16": "golden"}).check("proj", Proj(), X)
     assert record.status == "pass" and record.policy == "golden"
     leaf = record.result.leaves[0]
