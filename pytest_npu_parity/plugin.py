@@ -73,9 +73,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--parity-worker-devices", default=None, metavar="INDICES",
                     help="pytest-xdist: comma-separated device indices, worker gwK runs on entry K mod n "
                          "(default: ini parity_worker_devices, else gwK runs on index K mod device count)")
-    group.addoption("--parity-policy", default=None, choices=("allclose", "golden"),
-                    help="verdict policy of every recipe: allclose (rtol/atol/budget; default) or golden (target and "
-                         "reference errors against a higher-precision CPU golden run, ratio limits 2/10/2/2; "
+    group.addoption("--parity-policy", default=None, choices=("allclose", "golden", "golden-floor"),
+                    help="verdict policy of every recipe and check: allclose (rtol/atol/budget), golden (target and "
+                         "reference errors against a higher-precision CPU golden run, ratio limits 2/10/2/2) or "
+                         "golden-floor (golden, a leaf within allclose passes; the default of bf16 and of fp32 "
+                         "training checks; fp32 eval checks default to allclose); "
                          "'golden msprobe op=…' in ini or the marker for msprobe 26.2.0's standard); replaces ini parity_<recipe>_policy, while ini parity_policies lines, the "
                          "marker's policy= and parity.check(policy=...) still choose per check")
     group.addoption("--parity-audit", action="store_true", default=False,
@@ -161,7 +163,7 @@ def _policy_overrides(config: pytest.Config) -> tuple[dict, dict]:
 
     per_recipe: dict = {}
     per_check: dict = {}
-    option = config.getoption("parity_policy")
+    option = (config.getoption("parity_policy") or "").replace("golden-floor", "golden floor") or None
     for recipe in ("fp32", "bf16"):
         key = f"parity_{recipe}_policy"
         spec = option or config.getini(key).strip()
