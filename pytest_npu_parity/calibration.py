@@ -11,7 +11,9 @@ shared seeded randomness, NPU patch set on the target side):
 
   - *legitimate variants* (a correct port may differ this way): the patch set alone; PyTorch's
     transformer slow path instead of its fast path; a split-K linear (K in ``SPLIT_K_CHUNKS``
-    chunks, fp32 accumulation); another intra-op thread count; TF32/HF32-like reduced-mantissa
+    chunks, fp32 accumulation); another intra-op thread count; another CPU kernel path (ATen's
+    default kernels, oneDNN capped at AVX2) and another torch release (``NPU_PARITY_OTHER_PYTHON``),
+    both computed by a child process (``child_targets``); TF32/HF32-like reduced-mantissa
     matmul/linear/conv inputs (10 explicit mantissa bits, rounded to nearest); the target on CUDA
     when a GPU is present;
   - *real faults* (a port bug): one weight scaled by (1 + 1e-4) and (1 + 1e-3); the causal mask
