@@ -332,3 +332,23 @@ def test_fault_weight_follows_the_catalogue_choice():
     sc = C.ScenarioContext(check=type("Check", (), {"name": "demo", "fault_weight": "bias"})(), aurora=None,
                            fn=layer, module=layer, recipe="fp32")
     assert C.fault_weight(sc) == "bias"
+
+
+def test_child_process_variants_are_declared_with_their_environment(monkeypatch):
+    by_name = {s.name: s for s in C.SCENARIOS}
+    kernel, release = by_name["cpu_kernel_path"], by_name["torch_release"]
+    assert kernel.kind == release.kind == "variant"
+    assert dict(kernel.env) == {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    monkeypatch.delenv(C.OTHER_PYTHON_ENV, raising=False)
+    assert C.OTHER_PYTHON_ENV in release.unavailable()
+    monkeypatch.setenv(C.OTHER_PYTHON_ENV, "/nonexistent/python")
+    assert "not an executable" in release.unavailable()
+    monkeypatch.setenv(C.OTHER_PYTHON_ENV, __import__("sys").executable)
+    assert release.unavailable() is None and release.python() == __import__("sys").executable
+
+
+def test_child_targets_reports_a_failing_child(monkeypatch):
+    scenario = C.Scenario("broken", "variant", "a child that cannot start", C._nothing,
+                          env=(("X", "1"),), python=lambda: "/bin/false")
+    with pytest.raises(RuntimeError, match="calibration child for broken failed"):
+        C.child_targets(scenario, ["decoder_layer_0"], ["fp32"], 0)
