@@ -346,3 +346,21 @@ def test_torch_version_mismatch_note():
     note = torch_version_mismatch({"torch": "1.13.0+cu117"})
     assert note.startswith("Note: torch-version mismatch — the baseline was recorded with torch 1.13.0+cu117, "
                            f"this run uses torch {torch.__version__}.")
+
+
+def test_rounding_level_gradients_leave_their_parameters_out_of_a_train_step():
+    from pytest_npu_parity.runner import rounding_level_params
+
+    torch.manual_seed(0)
+    # the bias before a training-mode BatchNorm: the loss does not depend on it, its gradient is noise
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 1))
+    batch = {"input": torch.randn(8, 4)}
+    record = case("fp32").train_step("step", net, batch, loss_fn=lambda out: out.pow(2).mean())
+    note = record.extra.get("policy_note", "")
+    assert "1 parameter(s) after the step not compared (param.0.bias)" in note
+    leaves = {row["leaf"] for row in record.rows()}
+    assert "grad.0.bias" in leaves and "param.0.bias" not in leaves and "param.0.weight" in leaves
+    assert rounding_level_params({"grad.a": torch.tensor([1.0, -2.0]), "param.a": torch.zeros(2),
+                                  "grad.b": torch.tensor([1e-12]), "param.b": torch.zeros(1)}) == {"param.b"}
+    assert rounding_level_params({"grad.a": torch.tensor([1.0]), "param.a": torch.zeros(1),
+                                  "grad.b": torch.tensor([1e-3]), "param.b": torch.zeros(1)}) == set()

@@ -147,19 +147,19 @@ def _flow_loss_inputs(model, batch, x_dec, prototypes) -> dict[str, torch.Tensor
 
 def _layernorm_decoder_layer(model) -> torch.nn.Module:
     """An ``AuroraDecoderLayer`` with ``norm_mode='layer'``: decoder layer 0's attention and FFN weights,
-    LayerNorm scales/shifts drawn from a seeded generator (so a kernel ignoring them would fail)."""
+    LayerNorm scales/shifts from the version-stable generator (``stable_init``: 1·(1 + ε) and a 0.1-std
+    shift, so a kernel ignoring them would fail; ``torch.randn`` would draw other numbers on another
+    CPU kernel path)."""
     from aurora.modeling_aurora import AuroraDecoderLayer
+
+    from ..stable_init import stable_init_
 
     config = copy.deepcopy(model.config)
     config.norm_mode = "layer"
     layer = AuroraDecoderLayer(config, 0)
+    stable_init_(layer, seed=1234)  # the norms are the tensors that keep these values
     source = model.model.dec_layers[0].state_dict()
     layer.load_state_dict({k: v for k, v in source.items() if not k.startswith("norm")}, strict=False)
-    gen = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for norm in (layer.norm1, layer.norm2, layer.norm3):
-            norm.weight.copy_(1 + 0.1 * torch.randn(norm.weight.shape, generator=gen))
-            norm.bias.copy_(0.1 * torch.randn(norm.bias.shape, generator=gen))
     return layer.eval()
 
 
