@@ -64,6 +64,8 @@ def x() -> torch.Tensor:
 
 
 def _session(**kwargs) -> ParitySession:
+    # Localization judges by allclose; training checks would default to the golden floor (no localization).
+    kwargs.setdefault("recipe_policies", {"fp32": "allclose", "bf16": "allclose"})
     return ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[failure_hook], **kwargs)
 
 
