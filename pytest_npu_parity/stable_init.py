@@ -32,10 +32,8 @@ whether the module's own init made it a constant (a property of the model's code
 * constant ``c ≠ 0`` (LayerNorm/BatchNorm scales): ``c · (1 + ε)``, ε uniform with std 0.1;
 * BatchNorm ``running_var``: uniform on ``[0.5, 1.5]`` (positive, not the identity);
 * anything else (random draws, ``torch.eye``, data-derived tables), matrices and higher:
-  uniform with std ``1/sqrt(fan_in)`` (LeCun variance: a layer keeps its input's scale),
-  ``fan_in = shape[1] · prod(shape[2:])``. PyTorch's default ``nn.Linear`` bound ``1/sqrt(fan_in)``
-  has a third of that variance, so each layer shrinks its output by √3; with it the attention
-  block's fp32 check moved by only 0.99 of the 1e-5 tolerance for a 1e-4 weight fault;
+  uniform on ``±1/sqrt(fan_in)`` — PyTorch's default ``nn.Linear``/``nn.Conv*`` bound
+  (``kaiming_uniform_(a=sqrt(5))``), ``fan_in = shape[1] · prod(shape[2:])``;
   vectors: uniform with std 0.1.
 
 A uniform distribution on ``±b`` has std ``b/sqrt(3)``; "uniform with std s" means ``b = s·sqrt(3)``.
@@ -129,7 +127,7 @@ def _draw(name: str, tensor: torch.Tensor, seed: int) -> torch.Tensor:
     if constant == 0.0:
         bound = (MATRIX_STD if matrix else VECTOR_STD) * _SQRT3
     else:
-        bound = _SQRT3 / math.sqrt(_fan_in(shape)) if matrix else VECTOR_STD * _SQRT3
+        bound = 1.0 / math.sqrt(_fan_in(shape)) if matrix else VECTOR_STD * _SQRT3
     return stable_uniform(shape, seed, name, -bound, bound)
 
 

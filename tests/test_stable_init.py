@@ -87,8 +87,7 @@ def test_rules():
     sd = net.state_dict()
     assert written == [k for k, v in sd.items() if v.is_floating_point()]
     assert "bn.num_batches_tracked" not in written
-    assert float(sd["lin.weight"].abs().max()) <= math.sqrt(3 / 16)  # std 1/sqrt(fan_in): LeCun variance
-    assert abs(float(stable_uniform((100_000,), 0, "v", -math.sqrt(3 / 16), math.sqrt(3 / 16)).std()) - 0.25) < 0.01
+    assert float(sd["lin.weight"].abs().max()) <= 1 / math.sqrt(16)  # PyTorch's default Linear bound
     assert 0.7 < float(sd["norm.weight"].min()) and float(sd["norm.weight"].max()) < 1.3  # 1 · (1 + ε)
     assert float(sd["norm.bias"].abs().max()) <= 0.1 * math.sqrt(3) + 1e-7 and float(sd["norm.bias"].abs().min()) > 0
     assert bool(((sd["bn.running_var"] >= 0.5) & (sd["bn.running_var"] < 1.5)).all())
