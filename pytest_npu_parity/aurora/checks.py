@@ -276,8 +276,11 @@ def _catalogue() -> list[AuroraCheck]:
                     _module("model.dec_layers.0.self_attn"), fault_weight="v_proj.weight"))
     add(AuroraCheck("attention_cross_rope", "AuroraAttention", "model.dec_layers.0.cross_attn",
                     _module("model.dec_layers.0.cross_attn"), fault_weight="v_proj.weight"))
+    # o_proj (no bias): the output is linear in it, so (1 + 1e-4) moves it by exactly 1e-4·|y|; this
+    # block's outputs are small (|y| <= 0.21), and through v_proj (biased) a 1e-4 scale reached only
+    # 0.99 of the fp32 tolerance (o_proj: 1.7).
     add(AuroraCheck("attention_guided_bias", "AuroraAttention", "model.enc_layers.0.self_attn",
-                    _module("model.enc_layers.0.self_attn"), fault_weight="v_proj.weight"))
+                    _module("model.enc_layers.0.self_attn"), fault_weight="o_proj.weight"))
     add(AuroraCheck("ffn", "AuroraFFN", "model.dec_layers.0.ffn_layer", _module("model.dec_layers.0.ffn_layer")))
     add(AuroraCheck("encoder_layer_0", "AuroraEncoderLayer", "model.enc_layers.0", _module("model.enc_layers.0")))
     add(AuroraCheck("encoder_layer_0_train", "AuroraEncoderLayer", "model.enc_layers.0",
