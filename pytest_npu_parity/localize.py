@@ -17,11 +17,13 @@ under the check's tolerance (the ``compare`` rule: more than ``budget`` of the e
 local error is its total error.
 
 Memory stays bounded by descending level by level instead of storing every activation of the
-model: a pass records only the calls made directly inside one *scope* (at first the check's module
-call, or the check's function for a bound method such as ``generate``); the earliest child with a
-local error becomes the next scope, and only that child is run again, on each side from its own
-recorded inputs. A full Aurora forward holds ≈ 2 900 submodule calls and ≈ 1.2 GB of outputs; one
-level of it holds a few MB. The descent stops at a module without submodules, or at a scope none of
+model: a pass records only the calls made inside one *scope* (at first the check's module call, or
+the check's function for a bound method such as ``generate``) down to ``RECORD_DEPTH`` levels (its
+children and their children); the earliest child with a local error becomes the next scope, whose
+own calls that pass already recorded; below those, only the culprit is run again, on each side from
+its own recorded inputs. A full Aurora forward holds ≈ 2 900 submodule calls and ≈ 1.2 GB of
+outputs; two levels of it hold a few MB, and a whole-model descent needs two passes of the model
+instead of four. The descent stops at a module without submodules, or at a scope none of
 whose children diverges locally: then the divergence starts in that module's own code (e.g. a mask
 its ``forward`` builds and hands to a child), and the table shows which child first inherits it.
 
@@ -51,9 +53,12 @@ level. The ``Localizer`` therefore
   shape or dtype (that is the difference), and — as before — never for a failure raised before a
   comparison (a stale, missing or corrupt baseline, an exception);
 * keeps to a time budget per session (``budget_s``, wall seconds; the plugin's
-  ``--parity-localize-budget``): once it is spent, failing checks are not localized (unless an
-  earlier descent answers them for free) and say so with the command that localizes one; a descent
-  running past the budget stops between levels and says where. ``forced`` lifts the budget.
+  ``--parity-localize-budget``): a localization starts only when its expected cost
+  (``COST_FACTOR`` × its check's own duration) fits in what is left, so cheap submodule checks are
+  still localized after an expensive whole-model one; a check that does not fit is not localized
+  (unless an earlier descent answers it for free) and says so with the command that localizes it;
+  a descent running past the budget stops between levels and says where. ``forced`` lifts the
+  budget.
 """
 from __future__ import annotations
 
@@ -78,12 +83,18 @@ from .rng import same_randomness
 MAX_LEVELS = 16
 #: Local re-runs per level, at most (each is one submodule run on the target).
 MAX_LOCAL_RUNS = 64
+#: Levels of calls one pass records below its scope (children, grandchildren): the next level of
+#: the descent comes from the same pass, without running the culprit again.
+RECORD_DEPTH = 2
 #: Calls shown after the first divergence in its level, and gradients after the first failing one.
 CONTEXT_ROWS = 2
 #: Default localization budget of one session, wall seconds (``Localizer``). Measured on the Aurora
 #: main job (README, Performance): a fault failing every whole-model and decoder check keeps the
 #: red run within about twice the green one on 2 cores.
-DEFAULT_BUDGET_S = 30.0
+DEFAULT_BUDGET_S = 10.0
+#: A localization's expected cost in units of its check's own duration (``CheckRecord.duration_s``):
+#: two hooked passes, a few local re-runs and smaller passes below (measured on Aurora: 2–3×).
+COST_FACTOR = 3.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,8 +155,8 @@ class Localization:
         first_gradient: the first gradient leaf out of tolerance in backward order, or None.
         notes: remarks (non-reproducible re-runs, calls on one side only, limits reached, levels
             reused from another check's localization).
-        calls_hooked: submodule calls seen in the first pass; levels: passes made; local_runs:
-            local re-runs made.
+        calls_hooked: submodule calls seen in the first pass; levels: levels compared here (not
+            reused); passes: hooked runs made on each side; local_runs: local re-runs made.
         reused_from: ``"<check> (<test id>)"`` whose localization answered the levels below some
             scope of this one (nothing was run for them), or None.
         stopped: ``"budget"`` when the descent stopped between levels because the time budget was
@@ -162,6 +173,7 @@ class Localization:
     notes: list[str] = field(default_factory=list)
     calls_hooked: int = 0
     levels: int = 0
+    passes: int = 0
     local_runs: int = 0
     reused_from: str | None = None
     stopped: str | None = None
@@ -191,8 +203,8 @@ class Localization:
     def format(self) -> str:
         """The text appended to the failure message: summary, how it was measured, the short table."""
         if self.levels:
-            how = (f"forward hooks on {self.calls_hooked} submodule calls, {self.levels} level(s), "
-                   f"{self.local_runs} local re-run(s)")
+            how = (f"forward hooks on {self.calls_hooked} submodule calls, {self.levels} level(s) in "
+                   f"{self.passes} pass(es), {self.local_runs} local re-run(s)")
         else:
             how = "nothing re-run (answered by an earlier localization, see the note)"
         lines = [self.summary(), f"Localized against {self.reference}: {how}.",
@@ -256,10 +268,20 @@ class _Call:
     rng: tuple | None = None
     state: tuple | None = None
     output: dict[str, torch.Tensor] | None = None
+    parent: tuple[str, int] | None = None
+    rec_depth: int = 0
 
     @property
     def key(self) -> tuple[str, int]:
         return self.name, self.index
+
+
+@dataclass
+class _View:
+    """The recorded calls of one pass made directly inside one call (``_Recorder.view``)."""
+
+    calls: list[_Call]
+    counts: Counter
 
 
 def _cpu_copy(obj: Any) -> Any:
@@ -330,16 +352,19 @@ def _mode_state(device_type: str) -> tuple[bool, bool, torch.dtype]:
 
 
 class _Recorder:
-    """Forward hooks on every submodule of ``root`` for one pass; records the calls made directly
-    inside ``scope`` (a call key ``(name, k)``, or None: calls made outside any hooked module)."""
+    """Forward hooks on every submodule of ``root`` for one pass; records the calls made inside
+    ``scope`` (a call key ``(name, k)``, or None: calls made outside any hooked module) down to
+    ``depth`` levels (1: directly inside it), in completion order."""
 
-    def __init__(self, root: torch.nn.Module, scope: tuple[str, int] | None, device_type: str):
+    def __init__(self, root: torch.nn.Module, scope: tuple[str, int] | None, device_type: str,
+                 depth: int = RECORD_DEPTH):
         self.names: dict[torch.nn.Module, str] = {}
         for name, module in root.named_modules():
             self.names.setdefault(module, name)
         self.scope = scope
+        self.depth = depth
         self.device_type = device_type
-        self.stack: list[tuple[_Call, bool]] = []
+        self.stack: list[tuple[_Call, int]] = []
         self.counts: Counter = Counter()
         self.calls: list[_Call] = []
         self.last_done: dict[str, int] = {}
@@ -361,21 +386,33 @@ class _Recorder:
         name = self.names[module]
         call = _Call(name, self.counts[name], type(module).__name__)
         self.counts[name] += 1
-        parent = self.stack[-1][0].key if self.stack else None
-        recorded = parent == self.scope
-        if recorded:
+        parent, parent_depth = (self.stack[-1][0].key, self.stack[-1][1]) if self.stack else (None, 0)
+        depth = 1 if parent == self.scope else parent_depth + 1 if 0 < parent_depth < self.depth else 0
+        if depth:
             call.inputs = _cpu_copy((args, kwargs))
             call.rng = _rng_state()
             call.state = _mode_state(self.device_type)
-        self.stack.append((call, recorded))
+            call.parent, call.rec_depth = parent, depth
+        self.stack.append((call, depth))
 
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        call, recorded = self.stack.pop()
+        call, depth = self.stack.pop()
         self.done += 1
         self.last_done[call.name] = self.done
-        if recorded:
+        if depth:
             call.output = output_leaves(output)
             self.calls.append(call)
+
+    def view(self, parent: tuple[str, int] | None) -> _View:
+        """The recorded calls made directly inside the call ``parent`` (the scope: ``self.scope``)."""
+        calls = [c for c in self.calls if c.parent == parent and c.rec_depth]
+        return _View(calls, Counter(c.name for c in calls))
+
+    def release(self, keep: _Call) -> None:
+        """Drop the tensors of every recorded call except ``keep`` and the calls made inside it."""
+        for c in self.calls:
+            if c is not keep and c.parent != keep.key:
+                c.inputs = c.output = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -488,7 +525,7 @@ def _same(a: Any, b: Any) -> bool:
 class _Level:
     """The calls of one scope on both sides, compared, with local re-runs where needed."""
 
-    def __init__(self, depth: int, order_prefix: tuple, ref_rec: _Recorder, tgt_rec: _Recorder, base: str = ""):
+    def __init__(self, depth: int, order_prefix: tuple, ref_rec: _View, tgt_rec: _View, base: str = ""):
         self.depth = depth
         self.order_prefix = order_prefix
         self.base = base  # display path of the scope ("" for the check's own module without a prefix)
@@ -684,6 +721,7 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
     levels: list[Any] = []
     shared: list[tuple[int, tuple]] = []  # (level index, cache key) of the scopes that can be shared
     first_pass: _Recorder | None = None
+    views: tuple[_View, _View] | None = None  # the next level's calls, when the last pass recorded them
     while len(levels) < MAX_LEVELS:
         base = _join(prefix, scope_name or "")
         key = None
@@ -704,24 +742,28 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
                 break
         if cached_only:
             return None
-        if levels and deadline is not None and time.perf_counter() >= deadline:
+        if views is None and levels and deadline is not None and time.perf_counter() >= deadline:
             loc.stopped = "budget"
             loc.notes.append(f"the descent stopped at {levels[-1].sites[levels[-1].culprit].path}: the session's "
                              "localization budget is spent (localize with the budget lifted to go deeper)")
             break
         if key is not None:
             shared.append((len(levels), key))
-        tgt_rec, tgt_out = tgt.record(scope_pair[1] if scope_pair else None, scope_key)
-        ref_rec, ref_out = ref.record(scope_pair[0] if scope_pair else None, scope_key)
-        if scope_pair is not None:
-            for side, out, rec in (("reference", ref_out, scope_pair[0]), ("target", tgt_out, scope_pair[1])):
-                if not _same(out, rec.output):
-                    loc.notes.append(f"running {rec.name} again on the {side} side from its recorded inputs did not "
-                                     "reproduce its output bitwise; the rows below it may be inexact")
-        if first_pass is None:
-            first_pass = ref_rec
-            loc.calls_hooked = ref_rec.done
-        level = _Level(len(levels), order_prefix, ref_rec, tgt_rec, base)
+        if views is None:  # a pass of the scope on each side (the first, or below what a pass recorded)
+            tgt_rec, tgt_out = tgt.record(scope_pair[1] if scope_pair else None, scope_key)
+            ref_rec, ref_out = ref.record(scope_pair[0] if scope_pair else None, scope_key)
+            loc.passes += 1
+            if scope_pair is not None:
+                for side, out, rec in (("reference", ref_out, scope_pair[0]), ("target", tgt_out, scope_pair[1])):
+                    if not _same(out, rec.output):
+                        loc.notes.append(f"running {rec.name} again on the {side} side from its recorded inputs did "
+                                         "not reproduce its output bitwise; the rows below it may be inexact")
+            if first_pass is None:
+                first_pass = ref_rec
+                loc.calls_hooked = ref_rec.done
+            views = (ref_rec.view(scope_key), tgt_rec.view(scope_key))
+        level = _Level(len(levels), order_prefix, views[0], views[1], base)
+        views = None
         levels.append(level)
         loc.levels += 1
         loc.local_runs += _judge_level(level, ref, tgt, tol, prefix, context_rows, max_local_runs, loc)
@@ -735,12 +777,11 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
         scope_key = (ref_call.name, 0)  # in a pass of the scope alone, its call is the first
         scope_name = ref_call.name
         order_prefix = order_prefix + (level.sites[level.culprit].order[-1] - 0.5,)
-        # Keep only what the next pass needs; the rest of this level's tensors can go.
-        for r, t in level.pairs:
-            if r is not ref_call:
-                r.inputs = r.output = None
-                if t is not None:
-                    t.inputs = t.output = None
+        if ref_call.rec_depth < ref_rec.depth and tgt_call.rec_depth < tgt_rec.depth:
+            views = (ref_rec.view(ref_call.key), tgt_rec.view(tgt_call.key))  # recorded by this pass
+        # Keep only what the next level needs; the rest of this pass's tensors can go.
+        ref_rec.release(ref_call)
+        tgt_rec.release(tgt_call)
     root_name = prefix or f"<{type(call.module).__name__}>"
     if _scope_key(call) is None:
         root_name = f"{root_name}.{getattr(call.fn, '__name__', 'fn')}()"
@@ -931,6 +972,13 @@ class Localizer:
         """True once the budget is spent (never when ``forced`` or without a budget)."""
         return not self.forced and self.budget_s is not None and self.spent_s >= self.budget_s
 
+    def fits(self, record: Any) -> bool:
+        """Whether a localization of ``record``'s check may start: its expected cost
+        (``COST_FACTOR`` × the check's own duration) fits in what is left of the budget."""
+        if self.forced or self.budget_s is None:
+            return True
+        return self.spent_s + COST_FACTOR * float(getattr(record, "duration_s", 0.0) or 0.0) <= self.budget_s
+
     def __call__(self, case: Any, record: Any, call: Any, result: CompareResult) -> str | None:
         if call.module is None:
             return None
@@ -940,7 +988,7 @@ class Localizer:
             self.skipped["structure"] += 1
             return (f"(First-divergence localization not run: the outputs differ in structure, shape or dtype "
                     f"({problem}); that difference is the finding, no submodule run would add to it.)")
-        over = self.over_budget
+        over = not self.fits(record)
         start = time.perf_counter()
         deadline = None if self.forced or self.budget_s is None else start + self.budget_s - self.spent_s
         try:
@@ -956,9 +1004,11 @@ class Localizer:
             self.skipped["budget"] += 1
             command = (self.hint.format(test_id=shlex.quote(record.test_id)) if self.hint
                        else "a Localizer with forced=True")
-            return (f"(First-divergence localization skipped: this session's localization budget of "
-                    f"{self.budget_s:g} s is spent ({self.spent_s:.1f} s on earlier failures). To localize this "
-                    f"check: {command})")
+            left = max(0.0, self.budget_s - self.spent_s)
+            return (f"(First-divergence localization skipped: it would take about "
+                    f"{COST_FACTOR * record.duration_s:.2g} s, more than the {left:.2g} s left of this session's "
+                    f"localization budget of {self.budget_s:g} s ({self.spent_s:.2g} s went to earlier failures). "
+                    f"To localize this check: {command})")
         record.extra["localization"] = loc.to_rows()
         if loc.reused_from is not None:
             record.extra["localization_reused"] = loc.reused_from

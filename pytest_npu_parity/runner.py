@@ -174,7 +174,7 @@ class StaleSuite:
         suite: the baseline store's suite name (``baselines.SuiteStores.suite_of``).
         directory: the directory holding the suite's test files (what the fix records), relative
             like the test ids.
-        cause: ``weights``, ``input`` or ``weights+input`` (``stale_cause``).
+        cause: what every stale check of a model shares: ``weights``, ``input`` or ``weights+input``.
         checks: (test id, check, recipe) of every stale check of the suite (also of free functions
             whose input changed with the model).
         fresh: checks of the suite whose baseline still matched (free functions only, by construction).
@@ -198,8 +198,10 @@ class StaleSuite:
 def stale_suites(rows: list[dict[str, Any]]) -> list[StaleSuite]:
     """Suites where the model (or the inputs) changed for every check: report rows (``CheckRecord.rows``)
     grouped by suite; a suite qualifies when at least two of its checks are stale, every check of a
-    module (``weights`` set) that met a baseline is stale, and all of them for the same cause
-    (``stale_cause``; ``other`` never qualifies). Suites are those of ``baselines.SuiteStores``.
+    module (``weights`` set) that met a baseline is stale, and all of those share a cause
+    (``stale_cause``: ``weights`` in ``weights`` and ``weights+input``; ``other`` never qualifies).
+    Suites are those of ``baselines.SuiteStores``; free-function checks count as stale members
+    when stale and otherwise as ``fresh``.
     """
     import os
 
@@ -220,15 +222,20 @@ def stale_suites(rows: list[dict[str, Any]]) -> list[StaleSuite]:
     for suite, suite_rows in sorted(by_suite.items()):
         stale = [r for r in suite_rows if r.get("baseline_error") == "stale"]
         of_modules = [r for r in suite_rows if r.get("weights")]
-        causes = {r.get("stale_cause") for r in of_modules}
-        if (len(stale) < 2 or not of_modules or any(r.get("baseline_error") != "stale" for r in of_modules)
-                or len(causes) != 1 or causes == {"other"} or None in causes):
+        if len(stale) < 2 or not of_modules or any(r.get("baseline_error") != "stale" for r in of_modules):
+            continue
+        # The cause every check of a model shares (a submodule's captured input changes with the
+        # weights that computed it: "weights+input" there, "weights" for the whole model).
+        common = {"weights", "input"}
+        for r in of_modules:
+            common &= set(str(r.get("stale_cause") or "").split("+"))
+        if not common:
             continue
         files = sorted({r["test_id"].partition("::")[0] for r in stale})
         directory = os.path.dirname(os.path.commonpath(files)) if len(files) == 1 else os.path.commonpath(files)
         provenance = next((str(r["reference_provenance"]).rpartition(" — ")[2] for r in stale
                            if r.get("reference_provenance")), None)
-        found.append(StaleSuite(suite, directory or ".", causes.pop(),
+        found.append(StaleSuite(suite, directory or ".", "+".join(c for c in ("weights", "input") if c in common),
                                 sorted((r["test_id"], r["check"], r["recipe"]) for r in stale),
                                 len(suite_rows) - len(stale), provenance))
     return found

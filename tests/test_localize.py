@@ -217,14 +217,31 @@ def test_a_broken_failure_hook_never_hides_the_failure(net, x):
 
 
 def test_recorder_keeps_only_the_calls_of_its_scope(net, x):
-    with _Recorder(net, ("", 0), "cpu") as recorder, torch.no_grad():
+    with _Recorder(net, ("", 0), "cpu", depth=1) as recorder, torch.no_grad():
         net(x)
     assert [c.name for c in recorder.calls] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
     assert recorder.done == 1 + 4 * 4 + 1  # every call was seen (for ordering), few were kept
-    with _Recorder(net, ("blocks.1", 0), "cpu") as recorder, torch.no_grad():
+    with _Recorder(net, ("blocks.1", 0), "cpu", depth=1) as recorder, torch.no_grad():
         net(x)
     assert [c.name for c in recorder.calls] == ["blocks.1.a", "blocks.1.drop", "blocks.1.b"]
     assert all(c.inputs is not None and c.output for c in recorder.calls)
+
+
+def test_recorder_records_two_levels_so_the_next_level_needs_no_pass(net, x):
+    with _Recorder(net, ("", 0), "cpu") as recorder, torch.no_grad():
+        net(x)
+    assert len(recorder.calls) == 4 * 4 + 1  # blocks and head, and every call inside a block
+    assert [c.name for c in recorder.view(("", 0)).calls] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+    assert [c.name for c in recorder.view(("blocks.2", 0)).calls] == ["blocks.2.a", "blocks.2.drop", "blocks.2.b"]
+    block = recorder.view(("", 0)).calls[2]
+    recorder.release(block)  # what the next level needs stays, the rest goes
+    assert all((c.output is not None) == (c is block or c.parent == block.key) for c in recorder.calls)
+
+
+def test_a_whole_model_descent_makes_one_pass_per_two_levels(net, x):
+    case = ParityCase(_session(), "t::passes", patches=_scaled(net, "blocks.2.b.weight"))
+    message, _ = _fail(case, "net", net, x)
+    assert "2 level(s) in 1 pass(es)" in message  # blocks.2, then its Linear, from the first pass
 
 
 def test_output_leaves_walks_tuples_and_mappings():
@@ -345,7 +362,7 @@ def test_a_spent_budget_skips_localization_and_names_the_command(net, x):
                            net, x)
     assert len(calls) == 2  # the check's own runs only
     assert "localization" not in extra and extra["localization_skipped"] == "budget"
-    assert "budget of 0 s is spent" in message
+    assert "more than the 0 s left of this session's localization budget of 0 s" in message
     assert "pytest --npu-parity --parity-localize 't.py::test_net[fp32]'" in message
     assert localizer.skipped["budget"] == 1
     forced = Localizer(budget_s=0, forced=True)
@@ -354,14 +371,37 @@ def test_a_spent_budget_skips_localization_and_names_the_command(net, x):
     assert _first(extra)["submodule"] == "head"
 
 
-def test_a_descent_stops_between_levels_when_the_budget_runs_out(net, x):
-    localizer = Localizer(budget_s=1e-9)  # not spent when the failure comes; spent after one level
+class Outer(torch.nn.Module):
+    """``Net`` one level deeper: its blocks' children are below what the first pass records."""
+
+    def __init__(self, net: Net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_descent_stops_between_passes_when_the_budget_runs_out(net, x, monkeypatch):
+    import pytest_npu_parity.localize as localize_module
+
+    monkeypatch.setattr(localize_module, "COST_FACTOR", 0.0)  # it may start; the budget ends after one pass
+    localizer = Localizer(budget_s=1e-9)
     session = ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[localizer])
-    message, extra = _fail(ParityCase(session, "t::net", patches=_scaled(net, "blocks.2.b.weight")), "net", net, x)
-    assert _first(extra)["submodule"] == "blocks.2"  # level 0 only: the block, not its Linear
+    model = Outer(net).eval()
+    message, extra = _fail(ParityCase(session, "t::outer", patches=_scaled(net, "blocks.2.b.weight")), "outer",
+                           model, x)
+    assert _first(extra)["submodule"] == "net.blocks.2"  # two levels from the first pass, not its Linear
     assert extra["localization_stopped"] == "budget"
-    assert "the descent stopped at blocks.2" in message
+    assert "the descent stopped at net.blocks.2" in message
     assert len(localizer.cache) == 0  # an incomplete descent is not shared
+
+
+def test_a_localization_that_does_not_fit_the_budget_is_not_started(net, x):
+    localizer = Localizer(budget_s=1e-9)  # nothing spent, but no check runs in a nanosecond
+    session = ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[localizer])
+    message, extra = _fail(ParityCase(session, "t::net", patches=_scaled(net, "head.weight")), "net", net, x)
+    assert extra["localization_skipped"] == "budget" and "First-divergence localization skipped: it would take" in message
 
 
 class Retyped(torch.nn.Module):
