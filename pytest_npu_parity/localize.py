@@ -570,14 +570,16 @@ class _Answer:
     """The levels a descent found below one scope, relative to it (paths, depths, orders).
 
     ``levels``: per level ``(depth, order_prefix, base, sites, culprit)`` relative to the scope;
-    ``origin``: ``"'<check>' (<test id>)"`` of the localization that computed them.
+    ``origin``: ``"'<check>' (<test id>)"`` of the localization that computed them; ``stopped``:
+    that descent stopped at the budget (its deepest level is where it stopped).
     """
 
     origin: str
     levels: list[tuple[int, tuple, str, list[Site], int | None]]
+    stopped: str | None = None
 
     @classmethod
-    def of(cls, origin: str, levels: list[Any]) -> "_Answer | None":
+    def of(cls, origin: str, levels: list[Any], stopped: str | None = None) -> "_Answer | None":
         """The answer of ``levels[0]``'s scope: ``levels`` from that scope down (None when a path
         does not lie below the scope's, which sharing cannot rebase)."""
         top = levels[0]
@@ -595,7 +597,7 @@ class _Answer:
                 sites.append(Site(rel, site.module_type, site.depth - top.depth, site.order[cut:], site.total,
                                   site.local, site.inherited, site.verdict))
             out.append((lv.depth - top.depth, lv.order_prefix[cut:], rel_base, sites, lv.culprit))
-        return cls(origin, out)
+        return cls(origin, out, stopped)
 
     def rebuild(self, depth: int, order_prefix: tuple, base: str) -> list[_LevelView]:
         """The levels placed below a scope at ``depth`` with ``order_prefix`` and display path ``base``."""
@@ -662,9 +664,11 @@ class LocalizationCache:
             return None
 
     def get(self, key: tuple | None) -> _Answer | None:
+        """The levels stored for ``key`` (``key()``'s tuple), or None (also for a None key)."""
         return None if key is None else self._answers.get(key)
 
     def put(self, key: tuple, answer: _Answer | None) -> None:
+        """Keep ``answer`` for ``key``; the first answer stored for a key stays (None is ignored)."""
         if answer is not None:
             self._answers.setdefault(key, answer)
 
@@ -735,6 +739,7 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
             if answer is not None:
                 levels += answer.rebuild(len(levels), order_prefix, base)
                 loc.reused_from = answer.origin
+                loc.stopped = loc.stopped or answer.stopped
                 loc.notes.append(f"the levels from {base or '<' + type(call.module).__name__ + '>'} down are those "
                                  f"of the localization of check {answer.origin}: the same module and weights, "
                                  "reference inputs, random state, recipe and patch set, so nothing was re-run "
@@ -785,10 +790,10 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
     root_name = prefix or f"<{type(call.module).__name__}>"
     if _scope_key(call) is None:
         root_name = f"{root_name}.{getattr(call.fn, '__name__', 'fn')}()"
-    if cache is not None and loc.stopped is None:
+    if cache is not None:  # also a descent stopped at the budget: later checks get as far for free
         origin = f"{record.check!r} ({record.test_id})"
         for index, key in shared:
-            cache.put(key, _Answer.of(origin, levels[index:]))
+            cache.put(key, _Answer.of(origin, levels[index:], loc.stopped))
     _conclude(loc, levels, root_name, context_rows)
     if call.kind == "train_step" and first_pass is not None:
         _gradients(loc, result, first_pass.last_done, context_rows)

@@ -346,7 +346,8 @@ class ParitySession:
             extra run (see ``ParityCase._run``).
         failure_hooks: callables ``(case, record, call, result) -> str | None`` (``call`` a
             ``CheckCall``), run when a check is out of tolerance; their text is appended to the
-            failure message (``localize.failure_hook``: first-divergence localization).
+            failure message (``localize.Localizer``: first-divergence localization within a budget,
+            shared across checks; ``localize.failure_hook``: without either).
         check_hooks: callables ``(case, record, call, actual, expected) -> str | None`` run after
             every comparison (pass or fail; ``actual``/``expected`` the CPU leaves); a returned
             text fails the check with that text (``selfcheck.SelfCheck``: ``--parity-selfcheck``).
