@@ -743,7 +743,7 @@ def _stale_suites(config: pytest.Config) -> list:
 
 
 class _StaleSuiteReport:
-    """A suite whose model (or inputs) changed for every check: said once, before pytest's FAILURES,
+    """A suite whose model (or inputs) changed as a whole (``runner.stale_suites``): said once, before pytest's FAILURES,
     with the one command that fixes it; each of its tests' failures is cut to one line pointing there."""
 
     @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -770,8 +770,8 @@ class _StaleSuiteReport:
             tr.section(f"npu-parity: every baseline of suite {suite.suite!r} is stale", sep="=", bold=True)
             recorded = f" (recorded on {suite.provenance})" if suite.provenance else ""
             tr.write_line(f"{_CAUSE_TEXT[suite.cause].capitalize()} since its baselines were recorded{recorded}: "
-                          f"{len(suite.checks)} checks of {len(tests)} tests are stale — every check of a model "
-                          "in the suite" + (f"; {suite.fresh} other checks still matched" if suite.fresh else "") + ".")
+                          f"{len(suite.checks)} checks of {len(tests)} tests are stale"
+                          + (f"; {suite.fresh} other checks still matched" if suite.fresh else "") + ".")
             tr.write_line(f"Fix it once, on a trusted machine: {fix}")
             example = messages.get(suite.checks[0])
             if example:
