@@ -22,6 +22,13 @@ Measures on one machine, in one run:
     ``clone`` of the pair (the bytes a comparison must read; a clone of one tensor is reported too); baseline load throughput (``BaselineStore.load`` of every committed Aurora
     baseline, including the checksum) vs reading the same bytes.
 (e) peak resident memory of the bare process and of the pytest subprocess.
+(f) red runs, in the same run as the green one: the suite with one fault everywhere (the first FFN
+    weight of every decoder layer × (1 + 1e-3) on the target side only: every whole-model and
+    decoder check fails and is diagnosed within the localization budget) and the suite with stale
+    baselines (every weight of the model × (1 + 1e-3) before the session: the model changed for
+    every check, as when another torch version draws the weights). Both are injected by a pytest
+    plugin this script writes to a temporary directory (``-p npu_parity_bench_faults``), never by
+    the shipped suite. Each is reported against the bare compute and against the green run.
 
 Results are printed as a table and written as JSON (``benchmarks/results/bench_suite.json``;
 ``bench_suite_quick.json`` with ``--quick``). No timing is asserted anywhere.
@@ -32,6 +39,7 @@ Usage::
     python benchmarks/bench_suite.py --quick                         # 6 checks, fp32 only (development)
     python benchmarks/bench_suite.py --repeat 3 --recipes fp32       # min/median over 3 repetitions
     python benchmarks/bench_suite.py --skip-plugin --compare-mib 64  # bare compute and throughput only
+    python benchmarks/bench_suite.py --scenarios green,fault         # green and one red run
 
 Exit status 0 when the run finished (whatever the numbers), 1 when the pytest run failed, 2 on bad
 arguments.
@@ -62,6 +70,72 @@ SUITE_FILES = ["parity_suites/aurora/test_model.py", "parity_suites/aurora/test_
 #: whole model, and the training step (covers every kind of check at a fraction of the cost).
 QUICK_CHECKS = ["resample_24", "ffn", "decoder_layer_0", "encoder_layer_0_train", "aurora_model"]
 TRAIN_STEP = "train_step"
+#: The pytest runs of (b) and (f): name -> what is injected (``NPU_PARITY_BENCH_FAULT``).
+SCENARIOS = {"green": None, "fault": "ffn", "stale": "weights"}
+#: Relative size of the injected fault and of the stale-weights change.
+FAULT_FACTOR = 1 + 1e-3
+
+#: The plugin the red runs load (written to a temporary directory; not part of the shipped suite).
+FAULT_PLUGIN = '''"""Benchmark fault injection for the Aurora suite (written by benchmarks/bench_suite.py).
+
+NPU_PARITY_BENCH_FAULT=ffn      target side only: decoder FFN first weights x FACTOR inside the patch
+                                set (their .data swapped for scaled copies made once, swapped back on
+                                exit: no copy per run, and the host model's fingerprint never changes,
+                                as a device kernel fault leaves the host model alone)
+NPU_PARITY_BENCH_FAULT=weights  every floating weight of the model x FACTOR before the session (stale)
+"""
+import contextlib
+import os
+
+import torch
+
+FACTOR = float(os.environ.get("NPU_PARITY_BENCH_FACTOR", "1.001"))
+MODE = os.environ.get("NPU_PARITY_BENCH_FAULT", "")
+
+
+def pytest_configure(config):
+    from pytest_npu_parity.aurora import checks, factory, patches
+
+    def model():
+        return factory.get_model("full", seed=int(os.environ.get("NPU_PARITY_AURORA_SEED", "0")))
+
+    if MODE == "ffn":
+        upstream = patches.patched
+        faulty = {}
+
+        @contextlib.contextmanager
+        def patched(device=None, **kwargs):
+            weights = [model().get_parameter(f"model.dec_layers.{i}.ffn_layer.ffn.0.weight")
+                       for i in range(checks.DEC_LAYERS)]
+            for w in weights:
+                if id(w) not in faulty:
+                    faulty[id(w)] = (w, w.data, w.data * FACTOR)
+            with upstream(device, **kwargs) as applied:
+                for w in weights:
+                    w.data = faulty[id(w)][2]
+                try:
+                    yield applied
+                finally:
+                    for w in weights:
+                        w.data = faulty[id(w)][1]
+
+        patches.patched = patched
+    elif MODE == "weights":
+        upstream_get = factory.get_model
+        changed = set()
+
+        def get_model(size="full", *args, **kwargs):
+            m = upstream_get(size, *args, **kwargs)
+            if size == "full" and id(m) not in changed:
+                with torch.no_grad():
+                    for p in m.parameters():
+                        if p.is_floating_point():
+                            p.mul_(FACTOR)
+                changed.add(id(m))
+            return m
+
+        factory.get_model = get_model
+'''
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,7 +146,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="repetitions of the bare loop and of the pytest run (min and median reported)")
     parser.add_argument("--reference", choices=("auto", "cpu"), default="auto",
                         help="auto: stored baselines (no reference run); cpu: live CPU reference on both sides")
-    parser.add_argument("--skip-plugin", action="store_true", help="skip the pytest runs (b, c)")
+    parser.add_argument("--skip-plugin", action="store_true", help="skip the pytest runs (b, c, f)")
+    parser.add_argument("--scenarios", default="green,fault,stale",
+                        help="pytest runs to time: green (the suite as shipped), fault (one fault everywhere on "
+                             "the target), stale (the model's weights changed); default all three")
+    parser.add_argument("--pytest-args", default="",
+                        help="extra arguments for every pytest run (e.g. '--parity-localize-budget 60')")
     parser.add_argument("--vs-msprobe", type=int, default=None, metavar="ELEMENTS",
                         help="only time compare.compare against msprobe's dump compare on a float32 pair of ELEMENTS "
                              "elements (e.g. 67108864) and write benchmarks/results/compare_vs_msprobe.json")
@@ -88,6 +167,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [r for r in args.recipes if r not in RECIPES]
     if unknown:
         parser.error(f"--recipes: unknown {unknown}; known: {', '.join(RECIPES)}")
+    args.scenarios = [x for x in args.scenarios.split(",") if x]
+    bad = [x for x in args.scenarios if x not in SCENARIOS]
+    if bad or "green" not in args.scenarios:
+        parser.error(f"--scenarios: {bad or 'green is required (red runs are reported against it)'}; "
+                     f"known: {', '.join(SCENARIOS)}")
+    args.pytest_args = args.pytest_args.split()
     args.compare_mib = args.compare_mib or (64 if args.quick else 256)
     name = "bench_suite_quick.json" if args.quick else "bench_suite.json"
     args.out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name
@@ -261,13 +346,21 @@ def _node_ids(names: list[str], recipes: list[str], quick: bool) -> list[str]:
     return ids
 
 
-def _pytest(extra: list[str], node_ids: list[str], recipes: list[str], reference: str) -> dict[str, Any]:
-    """One pytest subprocess: wall and CPU seconds (children's user+system), exit code, durations."""
+def _pytest(extra: list[str], node_ids: list[str], recipes: list[str], reference: str,
+            fault: str | None = None, plugin_dir: str | None = None) -> dict[str, Any]:
+    """One pytest subprocess: wall and CPU seconds (children's user+system), exit code, durations;
+    ``fault``: the ``NPU_PARITY_BENCH_FAULT`` mode of the plugin in ``plugin_dir`` (red runs)."""
     cmd = [sys.executable, "-m", "pytest", "--npu-parity", "-p", "no:cacheprovider", "-q",
            "--parity-dtypes", ",".join(recipes), "--parity-reference", reference, *extra, *node_ids]
+    env = dict(os.environ)
+    if fault:
+        cmd[3:3] = ["-p", "npu_parity_bench_faults"]
+        env["PYTHONPATH"] = os.pathsep.join([plugin_dir, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else plugin_dir
+        env["NPU_PARITY_BENCH_FAULT"] = fault
+        env["NPU_PARITY_BENCH_FACTOR"] = repr(FAULT_FACTOR)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -277,17 +370,37 @@ def _pytest(extra: list[str], node_ids: list[str], recipes: list[str], reference
         if m:
             durations.setdefault(m.group(3), {})[m.group(2)] = float(m.group(1))
     tail = "\n".join(proc.stdout.splitlines()[-3:])
+    outcomes = {}
+    for line in proc.stdout.splitlines()[-3:]:
+        for n, what in re.findall(r"(\d+) (passed|failed|error|errors|skipped)", line):
+            outcomes[what.rstrip("s") if what == "errors" else what] = int(n)
+    notes = [line for line in proc.stdout.splitlines()
+             if line.startswith(("localization", "baselines not usable", "Fix it once", "npu-parity: every"))
+             or "every baseline of suite" in line]
     return {"cmd": " ".join(cmd[1:]), "wall": wall, "cpu": cpu, "rc": proc.returncode, "durations": durations,
-            "tail": tail, "stderr_tail": proc.stderr[-2000:] if proc.returncode not in (0, 5) else ""}
+            "tail": tail, "outcomes": outcomes, "notes": notes, "fault": fault,
+            "stderr_tail": proc.stderr[-2000:] if proc.returncode not in (0, 1, 5) else ""}
 
 
-def plugin(names: list[str], recipes: list[str], reference: str, repeat: int, quick: bool) -> dict[str, Any]:
-    """(b): pytest startup + collection (``--co``), then the suite run, each ``repeat`` times."""
+def plugin(names: list[str], recipes: list[str], reference: str, repeat: int, quick: bool,
+           scenarios: list[str] = ("green",), extra: list[str] = ()) -> dict[str, Any]:
+    """(b), (f): pytest startup + collection (``--co``), then the suite run of each scenario, each
+    ``repeat`` times, interleaved (green, fault, stale, green, …) so that a change of the machine's
+    load falls on every scenario alike."""
+    import tempfile
+
     node_ids = _node_ids(names, recipes, quick)
     pytest_ref = "cpu" if reference == "cpu" else "auto"
-    collect = [_pytest(["--co"], node_ids, recipes, pytest_ref) for _ in range(repeat)]
-    runs = [_pytest(["--durations=0", "--durations-min=0"], node_ids, recipes, pytest_ref) for _ in range(repeat)]
-    return {"collect": collect, "runs": runs, "peak_rss_mib": _maxrss_mib(resource.RUSAGE_CHILDREN)}
+    collect = [_pytest(["--co", *extra], node_ids, recipes, pytest_ref) for _ in range(repeat)]
+    runs: dict[str, list] = {name: [] for name in scenarios}
+    with tempfile.TemporaryDirectory(prefix="npu-parity-bench-") as plugin_dir:
+        Path(plugin_dir, "npu_parity_bench_faults.py").write_text(FAULT_PLUGIN)
+        for _ in range(repeat):
+            for name in scenarios:
+                runs[name].append(_pytest(["--durations=0", "--durations-min=0", *extra], node_ids, recipes,
+                                          pytest_ref, fault=SCENARIOS[name], plugin_dir=plugin_dir))
+    return {"collect": collect, "runs": runs["green"], "scenarios": runs,
+            "peak_rss_mib": _maxrss_mib(resource.RUSAGE_CHILDREN)}
 
 
 def _test_key(node_id: str) -> str | None:
@@ -444,6 +557,18 @@ def summarize(bare_res: dict, plugin_res: dict | None, recipes: list[str]) -> di
         bare_calls = total["build_wall"] + total["run_wall"] + total["reference_wall"]
         out["ratio"]["calls_wall"] = calls_total / bare_calls if bare_calls else None
         out["plugin"]["calls_wall"] = calls_total
+        scen: dict[str, Any] = {}
+        for name, runs in plugin_res.get("scenarios", {}).items():
+            wall = min(r["wall"] for r in runs) - min(col_wall)
+            cpu = min(r["cpu"] for r in runs) - min(col_cpu)
+            scen[name] = {"suite_wall": wall, "suite_cpu": cpu, "run_wall": _summary([r["wall"] for r in runs]),
+                          "vs_bare_wall": wall / out["bare"]["total_wall"], "vs_bare_cpu": cpu / out["bare"]["total_cpu"],
+                          "outcomes": runs[-1].get("outcomes", {}), "notes": runs[-1].get("notes", []),
+                          "rc": [r["rc"] for r in runs]}
+        for entry in scen.values():
+            entry["vs_green_wall"] = entry["suite_wall"] / scen["green"]["suite_wall"] if "green" in scen else None
+            entry["vs_green_cpu"] = entry["suite_cpu"] / scen["green"]["suite_cpu"] if "green" in scen else None
+        out["scenarios"] = scen
     out["groups"] = groups
     return out
 
@@ -478,6 +603,20 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"{name[:31]:32}{g['checks']:7d}{bare_wall:9.2f}{g['plugin_call_wall']:10.2f}{ratio}")
         lines.append(f"{'all (per-test call time)':32}{'':7}{'':9}{p['calls_wall']:10.2f}"
                      f"{s['ratio']['calls_wall']:8.2f}")
+    if s.get("scenarios"):
+        lines.append("")
+        lines.append(f"{'scenario (suite = run - collection)':38}{'wall s':>8}{'CPU s':>8}{'/bare':>7}{'/green':>8}"
+                     f"{'  failed/passed':>16}")
+        labels = {"green": "green (stored baselines)", "fault": f"fault: dec FFN weights x{FAULT_FACTOR:g}",
+                  "stale": f"stale: model weights x{FAULT_FACTOR:g}"}
+        for name, e in s["scenarios"].items():
+            o = e["outcomes"]
+            lines.append(f"{labels.get(name, name):38}{e['suite_wall']:8.1f}{e['suite_cpu']:8.1f}"
+                         f"{e['vs_bare_wall']:7.2f}{e['vs_green_wall']:8.2f}"
+                         f"{str(o.get('failed', 0)) + '/' + str(o.get('passed', 0)):>16}")
+        for name, e in s["scenarios"].items():
+            for note in e["notes"]:
+                lines.append(f"  {name}: {note[:150]}")
     t = result.get("throughput")
     if t:
         lines.append("")
@@ -511,7 +650,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     bare_res = bare(names, args.recipes, args.reference, args.repeat)
     throughput_res = throughput(args.compare_mib, args.repeat)
-    plugin_res = None if args.skip_plugin else plugin(names, args.recipes, args.reference, args.repeat, args.quick)
+    plugin_res = None if args.skip_plugin else plugin(names, args.recipes, args.reference, args.repeat, args.quick,
+                                                      args.scenarios, args.pytest_args)
     result["load_after"] = list(os.getloadavg())
     result["elapsed_s"] = time.perf_counter() - started
     result["bare"] = bare_res
@@ -521,13 +661,19 @@ def main(argv: list[str] | None = None) -> int:
                               "pytest": plugin_res["peak_rss_mib"] if plugin_res else None}
     if plugin_res:
         result["plugin"] = {"collect": [{k: v for k, v in r.items() if k != "durations"} for r in plugin_res["collect"]],
-                            "runs": plugin_res["runs"]}
+                            "runs": plugin_res["runs"],
+                            "scenarios": {name: [{k: v for k, v in r.items() if k != "durations"} for r in runs]
+                                          for name, runs in plugin_res["scenarios"].items() if name != "green"}}
     text = table(result)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result["table"] = text
     args.out.write_text(json.dumps(result, indent=1, default=str))
     print(f"\nwritten {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    red = [r for name, runs in (plugin_res or {}).get("scenarios", {}).items() if name != "green" for r in runs]
+    if any(r["rc"] not in (0, 1) for r in red):  # a red run fails its tests (1); anything else broke
+        print("a red pytest run did not finish:\n" + red[-1]["tail"] + red[-1]["stderr_tail"], file=sys.stderr)
+        return 1
     if plugin_res and any(r["rc"] != 0 for r in plugin_res["runs"]):
         print("pytest run failed:\n" + plugin_res["runs"][-1]["tail"] + plugin_res["runs"][-1]["stderr_tail"],
               file=sys.stderr)

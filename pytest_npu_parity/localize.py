@@ -17,11 +17,13 @@ under the check's tolerance (the ``compare`` rule: more than ``budget`` of the e
 local error is its total error.
 
 Memory stays bounded by descending level by level instead of storing every activation of the
-model: a pass records only the calls made directly inside one *scope* (at first the check's module
-call, or the check's function for a bound method such as ``generate``); the earliest child with a
-local error becomes the next scope, and only that child is run again, on each side from its own
-recorded inputs. A full Aurora forward holds ≈ 2 900 submodule calls and ≈ 1.2 GB of outputs; one
-level of it holds a few MB. The descent stops at a module without submodules, or at a scope none of
+model: a pass records only the calls made inside one *scope* (at first the check's module call, or
+the check's function for a bound method such as ``generate``) down to ``RECORD_DEPTH`` levels (its
+children and their children); the earliest child with a local error becomes the next scope, whose
+own calls that pass already recorded; below those, only the culprit is run again, on each side from
+its own recorded inputs. A full Aurora forward holds ≈ 2 900 submodule calls and ≈ 1.2 GB of
+outputs; two levels of it hold a few MB, and a whole-model descent needs two passes of the model
+instead of four. The descent stops at a module without submodules, or at a scope none of
 whose children diverges locally: then the divergence starts in that module's own code (e.g. a mask
 its ``forward`` builds and hands to a child), and the table shows which child first inherits it.
 
@@ -37,6 +39,26 @@ masking and noise replay exactly: the shared random stream is restored per call)
 hooked (no ``register_full_backward_hook``): the step already compares every parameter's gradient,
 so those leaves are ordered by backward order — the reverse of the forward completion order of the
 modules owning them — and the first gradient out of tolerance is named.
+
+Within a budget (``Localizer``, the session's failure hook in the plugin): a red run often fails
+everywhere at once, and every failing check of one model would otherwise re-run both sides level by
+level. The ``Localizer`` therefore
+
+* shares what it computed: every scope a descent entered (a module, its weights, the reference's
+  inputs to it, the random stream's state, grad/autocast mode, recipe, target, patch set and
+  tolerance) keeps the levels found below it, so a later check whose module and inputs are the same
+  — a submodule check on the activations its model handed that module, a whole-model check whose
+  inner ``AuroraModel`` call is the same — gets its answer without running anything;
+* runs only where a run can tell something: not for a check whose outputs differ in structure,
+  shape or dtype (that is the difference), and — as before — never for a failure raised before a
+  comparison (a stale, missing or corrupt baseline, an exception);
+* keeps to a time budget per session (``budget_s``, wall seconds; the plugin's
+  ``--parity-localize-budget``): a localization starts only when its expected cost
+  (``COST_FACTOR`` × its check's own duration) fits in what is left, so cheap submodule checks are
+  still localized after an expensive whole-model one; a check that does not fit is not localized
+  (unless an earlier descent answers it for free) and says so with the command that localizes it;
+  a descent running past the budget stops between levels and says where. ``forced`` lifts the
+  budget.
 """
 from __future__ import annotations
 
@@ -44,6 +66,8 @@ import contextlib
 import copy
 import math
 import random
+import shlex
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -59,8 +83,18 @@ from .rng import same_randomness
 MAX_LEVELS = 16
 #: Local re-runs per level, at most (each is one submodule run on the target).
 MAX_LOCAL_RUNS = 64
+#: Levels of calls one pass records below its scope (children, grandchildren): the next level of
+#: the descent comes from the same pass, without running the culprit again.
+RECORD_DEPTH = 2
 #: Calls shown after the first divergence in its level, and gradients after the first failing one.
 CONTEXT_ROWS = 2
+#: Default localization budget of one session, wall seconds (``Localizer``). Measured on the Aurora
+#: main job (README, Performance): a fault failing every whole-model and decoder check keeps the
+#: red run within about twice the green one on 2 cores.
+DEFAULT_BUDGET_S = 10.0
+#: A localization's expected cost in units of its check's own duration (``CheckRecord.duration_s``):
+#: two hooked passes, a few local re-runs and smaller passes below (measured on Aurora: 2–3×).
+COST_FACTOR = 3.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,9 +153,14 @@ class Localization:
             None when a module without submodules diverges (``first`` itself).
         gradients: train steps: the gradient rows shown, in backward order (JSON-able dicts).
         first_gradient: the first gradient leaf out of tolerance in backward order, or None.
-        notes: remarks (non-reproducible re-runs, calls on one side only, limits reached).
-        calls_hooked: submodule calls seen in the first pass; levels: passes made; local_runs:
-            local re-runs made.
+        notes: remarks (non-reproducible re-runs, calls on one side only, limits reached, levels
+            reused from another check's localization).
+        calls_hooked: submodule calls seen in the first pass; levels: levels compared here (not
+            reused); passes: hooked runs made on each side; local_runs: local re-runs made.
+        reused_from: ``"<check> (<test id>)"`` whose localization answered the levels below some
+            scope of this one (nothing was run for them), or None.
+        stopped: ``"budget"`` when the descent stopped between levels because the time budget was
+            spent (``first`` is then the deepest divergence found so far), else None.
     """
 
     check: str
@@ -134,7 +173,10 @@ class Localization:
     notes: list[str] = field(default_factory=list)
     calls_hooked: int = 0
     levels: int = 0
+    passes: int = 0
     local_runs: int = 0
+    reused_from: str | None = None
+    stopped: str | None = None
 
     def to_rows(self) -> list[dict[str, Any]]:
         """The table as JSON-able dicts (``record.extra["localization"]``): activation rows, then
@@ -160,9 +202,12 @@ class Localization:
 
     def format(self) -> str:
         """The text appended to the failure message: summary, how it was measured, the short table."""
-        lines = [self.summary(),
-                 f"Localized against {self.reference}: forward hooks on {self.calls_hooked} submodule calls, "
-                 f"{self.levels} level(s), {self.local_runs} local re-run(s).",
+        if self.levels:
+            how = (f"forward hooks on {self.calls_hooked} submodule calls, {self.levels} level(s) in "
+                   f"{self.passes} pass(es), {self.local_runs} local re-run(s)")
+        else:
+            how = "nothing re-run (answered by an earlier localization, see the note)"
+        lines = [self.summary(), f"Localized against {self.reference}: {how}.",
                  "(local: the target's submodule on the reference's inputs vs the reference; inherited: the "
                  "target's output vs that re-run; err/tol: max |diff| / (atol + rtol·|reference|), > 1 fails)"]
         lines += [f"Note: {note}" for note in self.notes]
@@ -223,10 +268,20 @@ class _Call:
     rng: tuple | None = None
     state: tuple | None = None
     output: dict[str, torch.Tensor] | None = None
+    parent: tuple[str, int] | None = None
+    rec_depth: int = 0
 
     @property
     def key(self) -> tuple[str, int]:
         return self.name, self.index
+
+
+@dataclass
+class _View:
+    """The recorded calls of one pass made directly inside one call (``_Recorder.view``)."""
+
+    calls: list[_Call]
+    counts: Counter
 
 
 def _cpu_copy(obj: Any) -> Any:
@@ -297,16 +352,19 @@ def _mode_state(device_type: str) -> tuple[bool, bool, torch.dtype]:
 
 
 class _Recorder:
-    """Forward hooks on every submodule of ``root`` for one pass; records the calls made directly
-    inside ``scope`` (a call key ``(name, k)``, or None: calls made outside any hooked module)."""
+    """Forward hooks on every submodule of ``root`` for one pass; records the calls made inside
+    ``scope`` (a call key ``(name, k)``, or None: calls made outside any hooked module) down to
+    ``depth`` levels (1: directly inside it), in completion order."""
 
-    def __init__(self, root: torch.nn.Module, scope: tuple[str, int] | None, device_type: str):
+    def __init__(self, root: torch.nn.Module, scope: tuple[str, int] | None, device_type: str,
+                 depth: int = RECORD_DEPTH):
         self.names: dict[torch.nn.Module, str] = {}
         for name, module in root.named_modules():
             self.names.setdefault(module, name)
         self.scope = scope
+        self.depth = depth
         self.device_type = device_type
-        self.stack: list[tuple[_Call, bool]] = []
+        self.stack: list[tuple[_Call, int]] = []
         self.counts: Counter = Counter()
         self.calls: list[_Call] = []
         self.last_done: dict[str, int] = {}
@@ -328,21 +386,33 @@ class _Recorder:
         name = self.names[module]
         call = _Call(name, self.counts[name], type(module).__name__)
         self.counts[name] += 1
-        parent = self.stack[-1][0].key if self.stack else None
-        recorded = parent == self.scope
-        if recorded:
+        parent, parent_depth = (self.stack[-1][0].key, self.stack[-1][1]) if self.stack else (None, 0)
+        depth = 1 if parent == self.scope else parent_depth + 1 if 0 < parent_depth < self.depth else 0
+        if depth:
             call.inputs = _cpu_copy((args, kwargs))
             call.rng = _rng_state()
             call.state = _mode_state(self.device_type)
-        self.stack.append((call, recorded))
+            call.parent, call.rec_depth = parent, depth
+        self.stack.append((call, depth))
 
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        call, recorded = self.stack.pop()
+        call, depth = self.stack.pop()
         self.done += 1
         self.last_done[call.name] = self.done
-        if recorded:
+        if depth:
             call.output = output_leaves(output)
             self.calls.append(call)
+
+    def view(self, parent: tuple[str, int] | None) -> _View:
+        """The recorded calls made directly inside the call ``parent`` (the scope: ``self.scope``)."""
+        calls = [c for c in self.calls if c.parent == parent and c.rec_depth]
+        return _View(calls, Counter(c.name for c in calls))
+
+    def release(self, keep: _Call) -> None:
+        """Drop the tensors of every recorded call except ``keep`` and the calls made inside it."""
+        for c in self.calls:
+            if c is not keep and c.parent != keep.key:
+                c.inputs = c.output = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,6 +452,17 @@ class _Side:
             if state is not None and (state[1], state[2]) != _mode_state(self.device.type)[1:]:
                 stack.enter_context(torch.autocast(self.device.type, dtype=state[2], enabled=state[1]))
             yield root
+
+    def entry(self) -> tuple[tuple[tuple, dict], tuple, tuple]:
+        """``(inputs, random state, mode state)`` the check's own module call starts from on this
+        side, in the form a ``_Recorder`` records a scope's call (for ``LocalizationCache.key``)."""
+        from .runner import _move
+
+        dtype = self.case.recipe.weights_dtype
+        with self.running():
+            inputs = (_cpu_copy(_move(tuple(self.call.args), self.device, dtype)),
+                      _cpu_copy(_move(dict(self.call.kwargs), self.device, dtype)))
+            return inputs, _rng_state(), _mode_state(self.device.type)
 
     def run_root(self, root: torch.nn.Module) -> Any:
         """The check's own call on this side (inputs placed as ``ParityCase._run`` places them)."""
@@ -444,9 +525,10 @@ def _same(a: Any, b: Any) -> bool:
 class _Level:
     """The calls of one scope on both sides, compared, with local re-runs where needed."""
 
-    def __init__(self, depth: int, order_prefix: tuple, ref_rec: _Recorder, tgt_rec: _Recorder):
+    def __init__(self, depth: int, order_prefix: tuple, ref_rec: _View, tgt_rec: _View, base: str = ""):
         self.depth = depth
         self.order_prefix = order_prefix
+        self.base = base  # display path of the scope ("" for the check's own module without a prefix)
         self.ref_rec, self.tgt_rec = ref_rec, tgt_rec
         tgt_by_key = {c.key: c for c in tgt_rec.calls}
         ref_keys = {c.key for c in ref_rec.calls}
@@ -461,6 +543,136 @@ class _Level:
         return f"{path}#{call.index}" if self.ref_rec.counts[call.name] > 1 else path
 
 
+@dataclass
+class _LevelView:
+    """A level taken from an earlier localization (``_Answer.rebuild``): its sites and culprit."""
+
+    depth: int
+    order_prefix: tuple
+    base: str
+    sites: list[Site]
+    culprit: int | None
+
+
+def _join(base: str, rel: str) -> str:
+    return f"{base}.{rel}" if base and rel else base or rel
+
+
+def _relative(path: str, base: str) -> str | None:
+    """``path`` below ``base`` (``"a.b.c"`` below ``"a"`` is ``"b.c"``), or None if it is not below."""
+    if not base:
+        return path
+    return path[len(base) + 1:] if path.startswith(base + ".") else None
+
+
+@dataclass
+class _Answer:
+    """The levels a descent found below one scope, relative to it (paths, depths, orders).
+
+    ``levels``: per level ``(depth, order_prefix, base, sites, culprit)`` relative to the scope;
+    ``origin``: ``"'<check>' (<test id>)"`` of the localization that computed them; ``stopped``:
+    that descent stopped at the budget (its deepest level is where it stopped).
+    """
+
+    origin: str
+    levels: list[tuple[int, tuple, str, list[Site], int | None]]
+    stopped: str | None = None
+
+    @classmethod
+    def of(cls, origin: str, levels: list[Any], stopped: str | None = None) -> "_Answer | None":
+        """The answer of ``levels[0]``'s scope: ``levels`` from that scope down (None when a path
+        does not lie below the scope's, which sharing cannot rebase)."""
+        top = levels[0]
+        cut, base = len(top.order_prefix), top.base
+        out = []
+        for lv in levels:
+            rel_base = _relative(lv.base, base) if lv is not top else ""
+            if rel_base is None:
+                return None
+            sites = []
+            for site in lv.sites:
+                rel = _relative(site.path, base)
+                if rel is None:
+                    return None
+                sites.append(Site(rel, site.module_type, site.depth - top.depth, site.order[cut:], site.total,
+                                  site.local, site.inherited, site.verdict))
+            out.append((lv.depth - top.depth, lv.order_prefix[cut:], rel_base, sites, lv.culprit))
+        return cls(origin, out, stopped)
+
+    def rebuild(self, depth: int, order_prefix: tuple, base: str) -> list[_LevelView]:
+        """The levels placed below a scope at ``depth`` with ``order_prefix`` and display path ``base``."""
+        views = []
+        for rel_depth, rel_prefix, rel_base, sites, culprit in self.levels:
+            views.append(_LevelView(depth + rel_depth, order_prefix + rel_prefix, _join(base, rel_base), [
+                Site(_join(base, site.path), site.module_type, depth + site.depth, order_prefix + site.order,
+                     site.total, site.local, site.inherited, site.verdict) for site in sites], culprit))
+        return views
+
+
+def _patch_key(patches: Any) -> Any:
+    """What identifies a patch factory across checks: a function's code, closure values and
+    defaults (the suite's ``lambda device: patches.patched(device)`` is a new object per test, the
+    same code every time), else the object itself."""
+    code = getattr(patches, "__code__", None)
+    if patches is None or code is None:
+        return patches
+    try:
+        key = (code, tuple(c.cell_contents for c in patches.__closure__ or ()), patches.__defaults__)
+        hash(key)
+    except (TypeError, ValueError):  # an unhashable closure value, an empty cell
+        return patches
+    return key
+
+
+class LocalizationCache:
+    """What localizations of one session share: the levels found below every scope a descent entered.
+
+    Keyed by the scope's module object (kept alive by the key, so its ``id`` is never reused), the
+    fingerprint of its weights (``provenance.fingerprint_module``: an edited weight is a new key),
+    the fingerprints of the reference's inputs to it and of the random stream's state when it was
+    called, the grad/autocast mode it ran under, the recipe, the target, the patch set
+    (``_patch_key``), the tolerance and the table's limits. The *first divergence* below a scope is
+    decided by local comparisons (the target's module on the reference's inputs), so it depends on
+    these alone; the total and inherited columns of a shared row are those of the check that
+    computed it. Modules with a submodule in training mode, train steps and bound methods' own
+    scopes are not shared.
+    """
+
+    def __init__(self) -> None:
+        self._answers: dict[tuple, _Answer] = {}
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+    def key(self, case: Any, call: Any, name: str, inputs: Any, rng: tuple, state: tuple, tol: Tolerance,
+            limits: tuple) -> tuple | None:
+        """The key of the scope ``name`` (a module path in ``call.module``; ``""`` for the module
+        itself) entered with reference ``inputs`` (``(args, kwargs)``), random state ``rng`` and mode
+        ``state``; None where it cannot be shared."""
+        from .provenance import fingerprint_module, fingerprint_tensors
+
+        if call.kind != "check":
+            return None
+        try:
+            module = call.module.get_submodule(name) if name else call.module
+            if any(m.training for m in module.modules()):
+                return None
+            return (module, fingerprint_module(module), fingerprint_tensors(inputs), fingerprint_tensors(rng),
+                    tuple(state), case.recipe.name, str(case.target), _patch_key(case.patches),
+                    (tol.rtol, tol.atol, tol.budget), limits)
+        except (AttributeError, TypeError, ValueError):  # no such submodule, an input that cannot be hashed
+            return None
+
+    def get(self, key: tuple | None) -> _Answer | None:
+        """The levels stored for ``key`` (``key()``'s tuple), or None (also for a None key)."""
+        return None if key is None else self._answers.get(key)
+
+    def put(self, key: tuple, answer: _Answer | None) -> None:
+        """Keep ``answer`` for ``key``; the first answer stored for a key stays (None is ignored)."""
+        if answer is not None:
+            self._answers.setdefault(key, answer)
+
+
 def _scope_key(call: Any) -> tuple[str, int] | None:
     """The first scope: the module's own call (a module check, a train step's forward), or None for
     a bound method such as ``generate`` (the calls it makes outside any hooked module)."""
@@ -468,7 +680,9 @@ def _scope_key(call: Any) -> tuple[str, int] | None:
 
 
 def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
-             context_rows: int = CONTEXT_ROWS, max_local_runs: int = MAX_LOCAL_RUNS) -> Localization | None:
+             context_rows: int = CONTEXT_ROWS, max_local_runs: int = MAX_LOCAL_RUNS,
+             cache: LocalizationCache | None = None, deadline: float | None = None,
+             cached_only: bool = False) -> Localization | None:
     """Find the first submodule call whose own computation differs between the sides.
 
     Args:
@@ -478,9 +692,15 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
         result: the failing ``CompareResult`` (a train step's gradient leaves are ordered from it).
         context_rows: calls shown after the first divergence (and gradients after the first failing).
         max_local_runs: local re-runs per level, at most.
+        cache: levels shared with other localizations of the session (``LocalizationCache``): a
+            scope found there is answered without running; every scope entered is stored.
+        deadline: ``time.perf_counter()`` value after which no further level is started (the
+            descent stops, ``Localization.stopped`` is ``"budget"``); None: no limit.
+        cached_only: answer only from ``cache`` (return None when the check's own scope is not there).
 
     Returns:
-        A ``Localization``, or None for a check of a free function (no module to hook).
+        A ``Localization``, or None for a check of a free function (no module to hook), or with
+        ``cached_only`` when the cache does not answer.
 
     Raises:
         Whatever the computation raises when run again (the failure hook reports it).
@@ -496,25 +716,61 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
     ref = _Side(case, call, torch.device("cpu"), patched=False)
     tgt = _Side(case, call, case.target, patched=True)
     prefix = record.submodule or ""
+    limits = (context_rows, max_local_runs)
 
     scope_pair: tuple[_Call, _Call] | None = None
     scope_key = _scope_key(call)
+    scope_name: str | None = "" if scope_key is not None else None  # None: a bound method's own calls
     order_prefix: tuple = ()
-    levels: list[_Level] = []
+    levels: list[Any] = []
+    shared: list[tuple[int, tuple]] = []  # (level index, cache key) of the scopes that can be shared
     first_pass: _Recorder | None = None
+    views: tuple[_View, _View] | None = None  # the next level's calls, when the last pass recorded them
     while len(levels) < MAX_LEVELS:
-        tgt_rec, tgt_out = tgt.record(scope_pair[1] if scope_pair else None, scope_key)
-        ref_rec, ref_out = ref.record(scope_pair[0] if scope_pair else None, scope_key)
-        if scope_pair is not None:
-            for side, out, rec in (("reference", ref_out, scope_pair[0]), ("target", tgt_out, scope_pair[1])):
-                if not _same(out, rec.output):
-                    loc.notes.append(f"running {rec.name} again on the {side} side from its recorded inputs did not "
-                                     "reproduce its output bitwise; the rows below it may be inexact")
-        if first_pass is None:
-            first_pass = ref_rec
-            loc.calls_hooked = ref_rec.done
-        level = _Level(len(levels), order_prefix, ref_rec, tgt_rec)
+        base = _join(prefix, scope_name or "")
+        key = None
+        if cache is not None and scope_name is not None:
+            if scope_pair is None:
+                inputs, rng, state = ref.entry()
+            else:
+                inputs, rng, state = scope_pair[0].inputs, scope_pair[0].rng, scope_pair[0].state
+            key = cache.key(case, call, scope_name, inputs, rng, state, tol, limits)
+            answer = cache.get(key)
+            if answer is not None:
+                levels += answer.rebuild(len(levels), order_prefix, base)
+                loc.reused_from = answer.origin
+                loc.stopped = loc.stopped or answer.stopped
+                loc.notes.append(f"the levels from {base or '<' + type(call.module).__name__ + '>'} down are those "
+                                 f"of the localization of check {answer.origin}: the same module and weights, "
+                                 "reference inputs, random state, recipe and patch set, so nothing was re-run "
+                                 "for them (their total and inherited columns are that check's)")
+                break
+        if cached_only:
+            return None
+        if views is None and levels and deadline is not None and time.perf_counter() >= deadline:
+            loc.stopped = "budget"
+            loc.notes.append(f"the descent stopped at {levels[-1].sites[levels[-1].culprit].path}: the session's "
+                             "localization budget is spent (localize with the budget lifted to go deeper)")
+            break
+        if key is not None:
+            shared.append((len(levels), key))
+        if views is None:  # a pass of the scope on each side (the first, or below what a pass recorded)
+            tgt_rec, tgt_out = tgt.record(scope_pair[1] if scope_pair else None, scope_key)
+            ref_rec, ref_out = ref.record(scope_pair[0] if scope_pair else None, scope_key)
+            loc.passes += 1
+            if scope_pair is not None:
+                for side, out, rec in (("reference", ref_out, scope_pair[0]), ("target", tgt_out, scope_pair[1])):
+                    if not _same(out, rec.output):
+                        loc.notes.append(f"running {rec.name} again on the {side} side from its recorded inputs did "
+                                         "not reproduce its output bitwise; the rows below it may be inexact")
+            if first_pass is None:
+                first_pass = ref_rec
+                loc.calls_hooked = ref_rec.done
+            views = (ref_rec.view(scope_key), tgt_rec.view(scope_key))
+        level = _Level(len(levels), order_prefix, views[0], views[1], base)
+        views = None
         levels.append(level)
+        loc.levels += 1
         loc.local_runs += _judge_level(level, ref, tgt, tol, prefix, context_rows, max_local_runs, loc)
         if level.culprit is None:
             break
@@ -524,17 +780,20 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
             break  # a module without submodules: the divergence is in its own computation
         scope_pair = (ref_call, tgt_call)
         scope_key = (ref_call.name, 0)  # in a pass of the scope alone, its call is the first
+        scope_name = ref_call.name
         order_prefix = order_prefix + (level.sites[level.culprit].order[-1] - 0.5,)
-        # Keep only what the next pass needs; the rest of this level's tensors can go.
-        for r, t in level.pairs:
-            if r is not ref_call:
-                r.inputs = r.output = None
-                if t is not None:
-                    t.inputs = t.output = None
-    loc.levels = len(levels)
+        if ref_call.rec_depth < ref_rec.depth and tgt_call.rec_depth < tgt_rec.depth:
+            views = (ref_rec.view(ref_call.key), tgt_rec.view(tgt_call.key))  # recorded by this pass
+        # Keep only what the next level needs; the rest of this pass's tensors can go.
+        ref_rec.release(ref_call)
+        tgt_rec.release(tgt_call)
     root_name = prefix or f"<{type(call.module).__name__}>"
     if _scope_key(call) is None:
         root_name = f"{root_name}.{getattr(call.fn, '__name__', 'fn')}()"
+    if cache is not None:  # also a descent stopped at the budget: later checks get as far for free
+        origin = f"{record.check!r} ({record.test_id})"
+        for index, key in shared:
+            cache.put(key, _Answer.of(origin, levels[index:], loc.stopped))
     _conclude(loc, levels, root_name, context_rows)
     if call.kind == "train_step" and first_pass is not None:
         _gradients(loc, result, first_pass.last_done, context_rows)
@@ -657,10 +916,111 @@ def _gradients(loc: Localization, result: CompareResult, last_done: dict[str, in
 
 
 def failure_hook(case: Any, record: Any, call: Any, result: CompareResult) -> str | None:
-    """``ParitySession`` failure hook: localize, keep the table in ``record.extra["localization"]``
-    and return the text for the failure message (None for a check of a free function)."""
+    """``ParitySession`` failure hook without budget or sharing: localize, keep the table in
+    ``record.extra["localization"]`` and return the text for the failure message (None for a check
+    of a free function). The plugin uses a ``Localizer`` instead."""
     loc = localize(case, record, call, result)
     if loc is None:
         return None
     record.extra["localization"] = loc.to_rows()
     return loc.format()
+
+
+def structural_problem(result: CompareResult) -> str | None:
+    """``"<leaf>: <problem>"`` of the first leaf whose outputs differ in structure, shape or dtype
+    (``LeafResult.problem``), or None when every leaf was compared by value."""
+    for leaf in result.leaves:
+        if leaf.problem is not None:
+            return f"{leaf.path or '<output>'}: {leaf.problem}"
+    return None
+
+
+class Localizer:
+    """The ``ParitySession`` failure hook of a session: localization within a time budget, shared
+    across the failing checks (module doc).
+
+    Args:
+        budget_s: wall seconds the session may spend localizing (``DEFAULT_BUDGET_S``); None: no
+            limit. Localizations answered from the cache cost nothing and run even when it is spent.
+        forced: localize every failing check whatever the budget (``--parity-localize``).
+        hint: the command that localizes one check despite the budget, with ``{test_id}`` for its
+            shell-quoted test id (the plugin gives ``pytest --npu-parity --parity-localize {test_id}``).
+
+    Attributes:
+        spent_s: wall seconds spent localizing so far; ``cache``: the ``LocalizationCache``;
+        localized / reused / skipped: checks localized by running, answered from the cache, and not
+            localized (a ``Counter`` by reason: ``budget``, ``structure``).
+
+    Per failing check it sets ``record.extra``: ``localization`` (the table, as ``failure_hook``),
+    ``localization_s`` (seconds this check spent), ``localization_reused`` (the check whose
+    localization answered it), ``localization_skipped`` (``budget`` or ``structure``) and
+    ``localization_stopped`` (``budget``: the descent stopped between levels).
+
+    Raises:
+        ValueError: ``budget_s`` negative or not finite.
+    """
+
+    def __init__(self, budget_s: float | None = DEFAULT_BUDGET_S, *, forced: bool = False, hint: str | None = None):
+        if budget_s is not None and not (math.isfinite(budget_s) and budget_s >= 0):
+            raise ValueError(f"localization budget {budget_s!r}: give a number of seconds >= 0")
+        self.budget_s = budget_s
+        self.forced = forced
+        self.hint = hint
+        self.spent_s = 0.0
+        self.cache = LocalizationCache()
+        self.localized = 0
+        self.reused = 0
+        self.skipped: Counter = Counter()
+
+    @property
+    def over_budget(self) -> bool:
+        """True once the budget is spent (never when ``forced`` or without a budget)."""
+        return not self.forced and self.budget_s is not None and self.spent_s >= self.budget_s
+
+    def fits(self, record: Any) -> bool:
+        """Whether a localization of ``record``'s check may start: its expected cost
+        (``COST_FACTOR`` × the check's own duration) fits in what is left of the budget."""
+        if self.forced or self.budget_s is None:
+            return True
+        return self.spent_s + COST_FACTOR * float(getattr(record, "duration_s", 0.0) or 0.0) <= self.budget_s
+
+    def __call__(self, case: Any, record: Any, call: Any, result: CompareResult) -> str | None:
+        if call.module is None:
+            return None
+        problem = structural_problem(result)
+        if problem is not None:
+            record.extra["localization_skipped"] = "structure"
+            self.skipped["structure"] += 1
+            return (f"(First-divergence localization not run: the outputs differ in structure, shape or dtype "
+                    f"({problem}); that difference is the finding, no submodule run would add to it.)")
+        over = not self.fits(record)
+        start = time.perf_counter()
+        deadline = None if self.forced or self.budget_s is None else start + self.budget_s - self.spent_s
+        try:
+            loc = localize(case, record, call, result, cache=self.cache, deadline=deadline, cached_only=over)
+        finally:
+            elapsed = time.perf_counter() - start
+            self.spent_s += elapsed
+            record.extra["localization_s"] = elapsed
+        if loc is None:
+            if not over:
+                return None
+            record.extra["localization_skipped"] = "budget"
+            self.skipped["budget"] += 1
+            command = (self.hint.format(test_id=shlex.quote(record.test_id)) if self.hint
+                       else "a Localizer with forced=True")
+            left = max(0.0, self.budget_s - self.spent_s)
+            return (f"(First-divergence localization skipped: it would take about "
+                    f"{COST_FACTOR * record.duration_s:.2g} s, more than the {left:.2g} s left of this session's "
+                    f"localization budget of {self.budget_s:g} s ({self.spent_s:.2g} s went to earlier failures). "
+                    f"To localize this check: {command})")
+        record.extra["localization"] = loc.to_rows()
+        if loc.reused_from is not None:
+            record.extra["localization_reused"] = loc.reused_from
+        if loc.levels:
+            self.localized += 1
+        else:
+            self.reused += 1
+        if loc.stopped is not None:
+            record.extra["localization_stopped"] = loc.stopped
+        return loc.format()

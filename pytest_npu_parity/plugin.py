@@ -82,6 +82,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "marker's policy= and parity.check(policy=...) still choose per check")
     group.addoption("--parity-audit", action="store_true", default=False,
                     help="record a device-propagation audit of every target run (costs time)")
+    group.addoption("--parity-localize", action="store_true", default=False,
+                    help="localize the first divergence of every failing check of the selected tests, whatever "
+                         "the localization budget (e.g. with -k NAME or a node id)")
+    group.addoption("--parity-localize-budget", default=None, metavar="SECONDS",
+                    help="wall seconds a session may spend localizing failing checks (first-divergence tables); "
+                         "later failures say they were not localized and how to localize one; 0 turns "
+                         f"localization off (default: ini parity_localize_budget or {_default_budget():g})")
     group.addoption("--parity-selfcheck", action="store_true", default=False,
                     help="prove every check has teeth: after it passes, perturb the target's output (and, for a "
                          "module, one weight) beyond the tolerance and require a failure; also require the "
@@ -95,6 +102,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("parity_lock_timeout", "seconds a record run waits for another record run on the same "
                   "baseline store to finish (default 1800)", default="1800")
     parser.addini("parity_worker_devices", "default for --parity-worker-devices", default="")
+    parser.addini("parity_localize_budget", "default for --parity-localize-budget (seconds)",
+                  default=str(_default_budget()))
     parser.addini("parity_paths", "what --update-baselines runs when given no path", type="linelist",
                   default=["parity_suites"])
     parser.addini("parity_tolerances", type="linelist", default=[],
@@ -109,6 +118,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("parity_policies", type="linelist", default=[],
                   help="per-check verdict policy, one per line: '<check name or glob>: golden [rmse=3 …] # reason' "
                        "or '<check name or glob>: allclose'")
+
+
+def _default_budget() -> float:
+    from .localize import DEFAULT_BUDGET_S
+
+    return DEFAULT_BUDGET_S
+
+
+def _localize_budget(config: pytest.Config) -> float:
+    """Seconds of ``--parity-localize-budget`` (or ini ``parity_localize_budget``); a usage error otherwise."""
+    option = config.getoption("parity_localize_budget")
+    where = "--parity-localize-budget" if option is not None else "ini parity_localize_budget"
+    value = option if option is not None else config.getini("parity_localize_budget")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not (seconds >= 0 and seconds != float("inf")):
+        raise pytest.UsageError(f"{where}={value!r}: give the seconds localization may take in this session, a "
+                                "number >= 0 (0 turns it off); --parity-localize localizes the selected tests "
+                                "whatever the budget")
+    return seconds
 
 
 def _opt(config: pytest.Config, name: str, ini: str) -> Any:
@@ -246,6 +277,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(explain_import_error(exc)) from None
     _recipe_names(config)  # validate early
     config.stash[SESSION_KEY] = _make_session(config)
+    config.pluginmanager.register(_StaleSuiteReport(), "npu-parity-stale-suites")
 
 
 def _record_parity_paths(config: pytest.Config) -> None:
@@ -293,7 +325,9 @@ def _make_session(config: pytest.Config):
     return ParitySession(
         target, reference=reference, update_baselines=config.getoption("update_baselines"),
         store=_make_store(config), check_tolerances=per_check, recipe_tolerances=per_recipe, seed=seed,
-        audit_factory=audit_factory, failure_hooks=[localize.failure_hook],
+        audit_factory=audit_factory,
+        failure_hooks=[localize.Localizer(_localize_budget(config), forced=config.getoption("parity_localize"),
+                                          hint="pytest --npu-parity --parity-localize {test_id}")],
         check_hooks=[selfcheck.SelfCheck()] if config.getoption("parity_selfcheck") else [],
         recipe_policies=recipe_policies, check_policies=check_policies,
     )
@@ -819,6 +853,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     _summarize_policies(tr, rows)
     _summarize_teeth(tr, rows)
     _summarize_baseline_problems(tr, rows, session)
+    _summarize_localization(tr, rows, session)
     _summarize_writes(tr, session)
     _summarize_temporary_files(tr, config)
     _summarize_unmatched_patterns(tr, session, rows)
@@ -900,13 +935,20 @@ def _summarize_teeth(tr: Any, rows: list[dict]) -> None:
 
 
 def _summarize_baseline_problems(tr: Any, rows: list[dict], session: Any) -> None:
-    """List the checks whose baseline was missing, stale, corrupt or unsafe, and how to re-record them."""
+    """List the checks whose baseline was missing, stale, corrupt or unsafe, and how to re-record them
+    (the checks of a suite-wide stale suite in one line: its section opens the summary)."""
     problems = [row for row in _per_check(rows).values() if row.get("baseline_error")]
     if not problems:
         return
     kinds = Counter(row["baseline_error"] for row in problems)
     tr.write_line("baselines not usable: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())))
     width = max(len(k) for k in kinds)
+    suites = _stale_suites(tr.config)
+    covered = {check for suite in suites for check in suite.checks}
+    for suite in suites:
+        tr.write_line(f"  {'stale'.ljust(width)}  {len(suite.checks)} checks of suite {suite.suite!r}: "
+                      f"{_CAUSE_TEXT[suite.cause]} (see the top of the summary)")
+    problems = [row for row in problems if (row["test_id"], row["check"], row["recipe"]) not in covered]
     for row in sorted(problems, key=lambda r: (r["baseline_error"], r["test_id"], r["check"])):
         where = f" ({_shown(row['baseline_file'])})" if row.get("baseline_file") else ""
         tr.write_line(f"  {row['baseline_error'].ljust(width)}  {row['test_id']} check {row['check']!r}{where}")
@@ -916,6 +958,97 @@ def _summarize_baseline_problems(tr: Any, rows: list[dict], session: Any) -> Non
 
         tr.write_line(f"re-record them on a trusted machine with: {session.store.update_command} "
                       + " ".join(shlex.quote(test_id) for test_id in redo))
+
+
+def _summarize_localization(tr: Any, rows: list[dict], session: Any) -> None:
+    """How many failing checks were localized (in how many seconds, how many answered by another
+    check's descent), and how many were not, why, and the command that localizes one."""
+    import shlex
+
+    first = list(_per_check(rows).values())
+    localized = [r for r in first if r.get("localization")]
+    skipped = [r for r in first if r.get("localization_skipped") == "budget"]
+    structure = [r for r in first if r.get("localization_skipped") == "structure"]
+    if not (localized or skipped or structure):
+        return
+    if localized:
+        seconds = sum(float(r.get("localization_s") or 0) for r in first)
+        reused = sum(1 for r in localized if r.get("localization_reused"))
+        stopped = sum(1 for r in localized if r.get("localization_stopped"))
+        tr.write_line(f"localization: {len(localized)} failing check{'s' * (len(localized) != 1)} localized in "
+                      f"{seconds:.1f} s ({reused} answered by an earlier check's descent"
+                      + (f", {stopped} stopped at the budget" if stopped else "") + ")")
+    if skipped:
+        hook = next((h for h in session.failure_hooks if hasattr(h, "budget_s")), None)
+        budget = f"{hook.budget_s:g} s" if hook is not None and hook.budget_s is not None else "spent"
+        example = sorted(skipped, key=lambda r: r["test_id"])[0]["test_id"]
+        tr.write_line(f"localization skipped for {len(skipped)} check{'s' * (len(skipped) != 1)}: budget ({budget}, "
+                      f"--parity-localize-budget); run `pytest --npu-parity --parity-localize "
+                      f"{shlex.quote(example)}` (or -k NAME --parity-localize) to see one")
+    if structure:
+        tr.write_line(f"localization not run for {len(structure)} check{'s' * (len(structure) != 1)}: their outputs "
+                      "differ in structure, shape or dtype")
+
+
+_CAUSE_TEXT = {"weights": "the model's weights changed", "input": "the inputs changed",
+               "weights+input": "the model's weights and the inputs changed"}
+STALE_KEY = pytest.StashKey["list"]()  # runner.StaleSuite of this session, computed once at the summary
+
+
+def _stale_suites(config: pytest.Config) -> list:
+    """``runner.stale_suites`` of this session's rows (computed once)."""
+    if STALE_KEY not in config.stash:
+        from .runner import stale_suites
+
+        config.stash[STALE_KEY] = stale_suites(config.stash[ROWS_KEY]) if ROWS_KEY in config.stash else []
+    return config.stash[STALE_KEY]
+
+
+class _StaleSuiteReport:
+    """A suite whose model (or inputs) changed as a whole (``runner.stale_suites``): said once, before pytest's FAILURES,
+    with the one command that fixes it; each of its tests' failures is cut to one line pointing there."""
+
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> Iterator[None]:
+        if SESSION_KEY in config.stash and getattr(config, "workeroutput", None) is None:
+            try:
+                self._report(terminalreporter, config)
+            except Exception as exc:  # noqa: BLE001 - a summary must never break the run's report
+                terminalreporter.write_line(f"npu-parity: suite-wide stale check failed: {type(exc).__name__}: {exc}")
+        yield
+
+    @staticmethod
+    def _report(tr: Any, config: pytest.Config) -> None:
+        suites = _stale_suites(config)
+        if not suites:
+            return
+        session = config.stash[SESSION_KEY]
+        messages = {(r["test_id"], r["check"], r["recipe"]): r.get("problem") for r in config.stash[ROWS_KEY]
+                    if r.get("baseline_error")}
+        short: dict[str, str] = {}
+        for suite in suites:
+            fix = suite.fix(session.store.update_command)
+            tests = sorted({t for t, _, _ in suite.checks})
+            tr.section(f"npu-parity: every baseline of suite {suite.suite!r} is stale", sep="=", bold=True)
+            recorded = f" (recorded on {suite.provenance})" if suite.provenance else ""
+            tr.write_line(f"{_CAUSE_TEXT[suite.cause].capitalize()} since its baselines were recorded{recorded}: "
+                          f"{len(suite.checks)} checks of {len(tests)} tests are stale"
+                          + (f"; {suite.fresh} other checks still matched" if suite.fresh else "") + ".")
+            tr.write_line(f"Fix it once, on a trusted machine: {fix}")
+            example = messages.get(suite.checks[0])
+            if example:
+                tr.write_line(f"For example, {suite.checks[0][0]}: {example}")
+            for test_id, check, recipe in suite.checks:
+                short.setdefault(test_id, f"check {check!r} ({recipe}): baseline stale: {_CAUSE_TEXT[suite.cause]} for "
+                                          f"the whole suite {suite.suite!r}; see 'every baseline of suite "
+                                          f"{suite.suite!r} is stale' above the failures; fix: {fix}")
+        failing = {(r["test_id"], r["check"], r["recipe"]) for r in config.stash[ROWS_KEY]
+                   if r.get("verdict") in ("fail", "error")}
+        covered = {c for suite in suites for c in suite.checks}
+        explained = {t for t in short if all(c in covered for c in failing if c[0] == t)}
+        for report in tr.stats.get("failed", []):
+            if getattr(report, "when", None) == "call" and report.nodeid in explained:
+                report.longrepr = short[report.nodeid]
 
 
 _WRITE_ORDER = ("created", "changed", "unchanged", "not written")

@@ -91,6 +91,12 @@ class CheckRecord:
     ``extra["vacuous"]`` (``selfcheck.vacuity_problem``), ``extra["teeth"]``/``teeth_problem``
     (``--parity-selfcheck``); a failing check's first-divergence table is ``extra["localization"]``
     (``localize.Localization.to_rows()``, a JSON-able list of dicts).
+    ``weights`` is the fingerprint of the module the check ran (``provenance.fingerprint_module``;
+    None for a free function or a ``compare``); a stale baseline's record also holds
+    ``extra["stale_cause"]``: what the recorded fingerprints say changed, ``weights``, ``input`` or
+    ``weights+input`` (``other`` when neither hash differs). Localization (``localize.Localizer``)
+    adds ``extra`` keys ``localization_s``, ``localization_reused``, ``localization_skipped`` and
+    ``localization_stopped``; these and ``stale_cause`` also go into the check's rows.
     ``golden_policy`` is the ``golden.GoldenPolicy`` the check was judged by, or None for the
     allclose tolerance; a check that asked for the golden but could not get one (``GoldenRunner``
     raised ``GoldenUnavailableError``) is judged by allclose and says why in ``extra["policy_note"]``.
@@ -113,6 +119,7 @@ class CheckRecord:
     message: str | None = None
     extra: dict = field(default_factory=dict)
     golden_policy: Any = None
+    weights: str | None = None
 
     @property
     def policy(self) -> str:
@@ -129,6 +136,7 @@ class CheckRecord:
             "duration_s": self.duration_s, "policy": self.policy,
             "golden_policy": self.golden_policy.describe() if self.golden_policy is not None else None,
             "policy_note": self.extra.get("policy_note"),
+            "weights": self.weights[:16] if self.weights else None,
         }
         counts = (self.audit or {}).get("counts", {})
         for kind in ("mixed_device", "h2d", "d2h", "host_sync", "cpu_fallback", "fp64"):
@@ -138,7 +146,7 @@ class CheckRecord:
             row = dict(base, leaf=None, verdict=self.status, problem=self.message,
                        rtol=self.tolerance.rtol, atol=self.tolerance.atol, budget=self.tolerance.budget,
                        tolerance_source=self.tolerance.source, tolerance_reason=self.tolerance.reason)
-            for key in ("baseline_error", "baseline_file"):
+            for key in ("baseline_error", "baseline_file", "stale_cause"):
                 if key in self.extra:
                     row[key] = self.extra[key]
             return [dict(row, **self._extra_columns(first=True))]
@@ -157,11 +165,108 @@ class CheckRecord:
         """Row columns from ``extra``: ``vacuous``/``vacuous_ok``/``teeth``/``teeth_problem`` on every
         row, the first-divergence table ``localization`` (JSON text) on the check's first row only."""
         columns = {k: self.extra[k] for k in ("vacuous", "vacuous_ok", "teeth", "teeth_problem") if k in self.extra}
+        if first:
+            columns.update({k: self.extra[k] for k in _LOCALIZATION_COLUMNS if k in self.extra})
         if first and self.extra.get("localization") is not None:
             import json
 
             columns["localization"] = json.dumps(self.extra["localization"], default=str)
         return columns
+
+
+#: ``CheckRecord.extra`` keys ``localize.Localizer`` sets, exported on a check's first row.
+_LOCALIZATION_COLUMNS = ("localization_s", "localization_reused", "localization_skipped", "localization_stopped")
+
+
+def stale_cause(recorded_meta: dict, hashes: dict[str, Any]) -> str:
+    """What a stale baseline entry's recorded fingerprints say changed: ``weights`` (the module's
+    ``config_hash``), ``input`` (``input_hash``), ``weights+input``, or ``other`` (neither: a leaf,
+    shape or dtype).
+
+    Args:
+        recorded_meta: the stored check's metadata (``baselines.CheckBaseline.meta``).
+        hashes: the current ``input_hash`` and ``config_hash`` (hex strings).
+    """
+    changed = [label for label, key in (("weights", "config_hash"), ("input", "input_hash"))
+               if recorded_meta.get(key) != hashes.get(key)]
+    return "+".join(changed) or "other"
+
+
+@dataclass
+class StaleSuite:
+    """A suite whose checks of a model found their baselines stale for one cause (``stale_suites``).
+
+    Attributes:
+        suite: the baseline store's suite name (``baselines.SuiteStores.suite_of``).
+        directory: the directory holding the suite's test files (what the fix records), relative
+            like the test ids.
+        cause: what every stale check of a model shares: ``weights``, ``input`` or ``weights+input``.
+        checks: (test id, check, recipe) of every stale check of the suite (also of free functions
+            whose input changed with the model).
+        fresh: checks of the suite whose baseline still matched (free functions, another model).
+        provenance: one recording's provenance line (``Baseline.describe()`` after its " — "), or None.
+    """
+
+    suite: str
+    directory: str
+    cause: str
+    checks: list[tuple[str, str, str]]
+    fresh: int
+    provenance: str | None = None
+
+    def fix(self, update_command: str) -> str:
+        """The one command that re-records the suite: ``<update_command> <directory>``."""
+        import shlex
+
+        return f"{update_command} {shlex.quote(self.directory)}"
+
+
+def stale_suites(rows: list[dict[str, Any]]) -> list[StaleSuite]:
+    """Suites where the model (or the inputs) changed for the suite as a whole: report rows
+    (``CheckRecord.rows``) grouped by suite; a suite qualifies when at least two of its checks are
+    stale, more than half of its checks of a module (``weights`` set) that met a baseline are stale,
+    and those share a cause (``stale_cause``: ``weights`` in ``weights`` and ``weights+input``;
+    ``other`` never qualifies). A second model of the suite whose baselines still match (the
+    Aurora suite's tiny training-step model) does not hide it. Suites are those of
+    ``baselines.SuiteStores``; every stale check of the suite is a member, the others ``fresh``.
+    """
+    import os
+
+    from .baselines import SuiteStores
+
+    per_check: dict[tuple, dict] = {}
+    for row in rows:
+        per_check.setdefault((row["test_id"], row["check"], row["recipe"]), row)
+    by_suite: dict[str, list[dict]] = {}
+    for row in per_check.values():
+        if row.get("baseline_error") == "stale" or row.get("reference") == "baseline":
+            try:
+                suite = SuiteStores.suite_of(row["test_id"])[0]
+            except Exception:  # noqa: BLE001 - a node id no store maps: not part of any suite
+                continue
+            by_suite.setdefault(suite, []).append(row)
+    found = []
+    for suite, suite_rows in sorted(by_suite.items()):
+        stale = [r for r in suite_rows if r.get("baseline_error") == "stale"]
+        of_modules = [r for r in suite_rows if r.get("weights")]
+        stale_modules = [r for r in of_modules if r.get("baseline_error") == "stale"]
+        if len(stale) < 2 or 2 * len(stale_modules) <= len(of_modules):
+            continue
+        # The cause the stale checks of a model share (a submodule's captured input changes with
+        # the weights that computed it: "weights+input" there, "weights" for the whole model).
+        common = {"weights", "input"}
+        for r in stale_modules:
+            common &= set(str(r.get("stale_cause") or "").split("+"))
+        if not common:
+            continue
+        files = sorted({r["test_id"].partition("::")[0] for r in stale})
+        directory = os.path.dirname(os.path.commonpath(files)) if len(files) == 1 else os.path.commonpath(files)
+        provenance = next((str(r["reference_provenance"]).rpartition(" — ")[2] for r in stale
+                           if r.get("reference_provenance")), None)
+        found.append(StaleSuite(suite, directory or ".", "+".join(c for c in ("weights", "input") if c in common),
+                                sorted((r["test_id"], r["check"], r["recipe"]) for r in stale),
+                                len(suite_rows) - len(stale), provenance))
+    return found
 
 
 @dataclass
@@ -269,7 +374,8 @@ class ParitySession:
             extra run (see ``ParityCase._run``).
         failure_hooks: callables ``(case, record, call, result) -> str | None`` (``call`` a
             ``CheckCall``), run when a check is out of tolerance; their text is appended to the
-            failure message (``localize.failure_hook``: first-divergence localization).
+            failure message (``localize.Localizer``: first-divergence localization within a budget,
+            shared across checks; ``localize.failure_hook``: without either).
         check_hooks: callables ``(case, record, call, actual, expected) -> str | None`` run after
             every comparison (pass or fail; ``actual``/``expected`` the CPU leaves); a returned
             text fails the check with that text (``selfcheck.SelfCheck``: ``--parity-selfcheck``).
@@ -630,13 +736,14 @@ class ParityCase:
         """The tail shared by ``check`` and ``train_step``: record the reference run in record mode;
         else get the reference (baseline or live CPU), run the target under the patch set, judge
         (under ``golden_policy`` with the golden from ``golden_run``, when given)."""
+        weights = hashes["config_hash"] if call.module is not None else None
         if self.session.update_baselines:
             leaves, _ = run(self.target, patched=False)
             return self._record_pending(name, leaves, hashes, call.seed, submodule, tol, start, group)
         try:
             expected, reference, provenance = self._reference(name, run, hashes, call)
         except BaselineError as exc:
-            self._baseline_error(name, exc, tol, submodule, group, start)
+            self._baseline_error(name, exc, tol, submodule, group, start, weights)
             raise
         actual, audit = run(self.target, patched=True, audited=self.session.audit_factory is not None)
         golden, note = None, None
@@ -659,7 +766,7 @@ class ParityCase:
                     "±lr; their grad.* leaves are compared")
         return self._judge(name, actual, expected, tol, reference, provenance, submodule, start, audit,
                            call=call, group=group, golden_policy=golden_policy if golden is not None else None,
-                           golden=golden, policy_note=note)
+                           golden=golden, policy_note=note, weights=weights)
 
     def compare(self, name: str, actual: Any, expected: Any, *, rtol: float | None = None,
                 atol: float | None = None, budget: float | None = None, reason: str | None = None,
@@ -859,8 +966,15 @@ class ParityCase:
             if mode == "baseline" or has_check:
                 if baseline is None:
                     raise self.session.store.missing_error(self.test_id)
-                entry = self.session.store.check_fresh(baseline, name, **hashes, recipe=self.recipe.name,
-                                                       seed=call.seed)
+                try:
+                    entry = self.session.store.check_fresh(baseline, name, **hashes, recipe=self.recipe.name,
+                                                           seed=call.seed)
+                except StaleBaselineError as exc:
+                    # What changed, from the recorded fingerprints (for the suite-wide summary), and
+                    # which recording it was.
+                    exc.stale_cause = stale_cause(baseline.checks[name].meta, hashes)
+                    exc.provenance = baseline.describe()
+                    raise
                 expected: dict[str, torch.Tensor | None] = dict(entry.tensors)
                 expected.update({p: None for p in entry.none_leaves})
                 return expected, "baseline", baseline.describe()  # "<file> — <device, date, versions>"
@@ -871,15 +985,18 @@ class ParityCase:
         return memo[key][1], "cpu", None
 
     def _baseline_error(self, name: str, exc: BaselineError, tol: Tolerance, submodule: str | None,
-                        group: str | None, start: float) -> CheckRecord:
+                        group: str | None, start: float, weights: str | None = None) -> CheckRecord:
         """Keep an ``error`` record for a check whose baseline is missing, stale, corrupt or unsafe."""
         kinds = ((MissingBaselineError, "missing"), (StaleBaselineError, "stale"),
                  (CorruptBaselineError, "corrupt"), (UnsafeBaselineError, "unsafe"))
         kind = next((label for cls, label in kinds if isinstance(exc, cls)), "unreadable")
+        extra = {"baseline_error": kind, "baseline_file": str(exc.path) if exc.path else None}
+        if getattr(exc, "stale_cause", None):
+            extra["stale_cause"] = exc.stale_cause
         record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
                              "baseline", tol, status="error", submodule=submodule, group=group,
                              message=str(exc), duration_s=time.perf_counter() - start,
-                             extra={"baseline_error": kind, "baseline_file": str(exc.path) if exc.path else None})
+                             reference_provenance=getattr(exc, "provenance", None), extra=extra, weights=weights)
         self._keep(record)
         return record
 
@@ -901,7 +1018,8 @@ class ParityCase:
 
     def _judge(self, name, actual, expected, tol, reference, provenance, submodule, start, audit,
                call: CheckCall | None, group=None, vacuous_ok: str | None = None, golden_policy: Any = None,
-               golden: dict | None = None, policy_note: str | None = None) -> CheckRecord:
+               golden: dict | None = None, policy_note: str | None = None,
+               weights: str | None = None) -> CheckRecord:
         from .selfcheck import vacuity_problem
 
         if golden_policy is not None:
@@ -916,7 +1034,7 @@ class ParityCase:
         record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
                              reference, tol, status="pass" if result.passed else "fail", submodule=submodule,
                              group=group, result=result, reference_provenance=provenance, audit=audit,
-                             duration_s=time.perf_counter() - start, golden_policy=golden_policy)
+                             duration_s=time.perf_counter() - start, golden_policy=golden_policy, weights=weights)
         if policy_note:
             record.extra["policy_note"] = policy_note
         self._keep(record)

@@ -15,7 +15,7 @@ import torch
 
 from pytest_npu_parity.baselines import BaselineStore
 from pytest_npu_parity.compare import ParityError
-from pytest_npu_parity.localize import Localization, _Recorder, failure_hook, localize, output_leaves
+from pytest_npu_parity.localize import Localization, Localizer, _Recorder, failure_hook, localize, output_leaves
 from pytest_npu_parity.selfcheck import scaled_parameter
 from pytest_npu_parity.runner import ParityCase, ParitySession
 
@@ -219,14 +219,31 @@ def test_a_broken_failure_hook_never_hides_the_failure(net, x):
 
 
 def test_recorder_keeps_only_the_calls_of_its_scope(net, x):
-    with _Recorder(net, ("", 0), "cpu") as recorder, torch.no_grad():
+    with _Recorder(net, ("", 0), "cpu", depth=1) as recorder, torch.no_grad():
         net(x)
     assert [c.name for c in recorder.calls] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
     assert recorder.done == 1 + 4 * 4 + 1  # every call was seen (for ordering), few were kept
-    with _Recorder(net, ("blocks.1", 0), "cpu") as recorder, torch.no_grad():
+    with _Recorder(net, ("blocks.1", 0), "cpu", depth=1) as recorder, torch.no_grad():
         net(x)
     assert [c.name for c in recorder.calls] == ["blocks.1.a", "blocks.1.drop", "blocks.1.b"]
     assert all(c.inputs is not None and c.output for c in recorder.calls)
+
+
+def test_recorder_records_two_levels_so_the_next_level_needs_no_pass(net, x):
+    with _Recorder(net, ("", 0), "cpu") as recorder, torch.no_grad():
+        net(x)
+    assert len(recorder.calls) == 4 * 4 + 1  # blocks and head, and every call inside a block
+    assert [c.name for c in recorder.view(("", 0)).calls] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+    assert [c.name for c in recorder.view(("blocks.2", 0)).calls] == ["blocks.2.a", "blocks.2.drop", "blocks.2.b"]
+    block = recorder.view(("", 0)).calls[2]
+    recorder.release(block)  # what the next level needs stays, the rest goes
+    assert all((c.output is not None) == (c is block or c.parent == block.key) for c in recorder.calls)
+
+
+def test_a_whole_model_descent_makes_one_pass_per_two_levels(net, x):
+    case = ParityCase(_session(), "t::passes", patches=_scaled(net, "blocks.2.b.weight"))
+    message, _ = _fail(case, "net", net, x)
+    assert "2 level(s) in 1 pass(es)" in message  # blocks.2, then its Linear, from the first pass
 
 
 def test_output_leaves_walks_tuples_and_mappings():
@@ -282,3 +299,152 @@ def test_calls_made_on_one_side_only_are_named(x):
     rows = {r["submodule"]: r for r in extra["localization"]}
     assert rows["first"]["verdict"] == "ok" and rows["last"]["verdict"] == "inherited"
     assert "starts in <Gated> itself" in message  # the gate is Gated's own code
+
+
+# --------------------------------------------------------------------------------------------
+# Localizer: sharing, budget, failures that are already explained
+
+
+def _block_input(net: Net, x: torch.Tensor, index: int) -> torch.Tensor:
+    """What block ``index`` receives in a clean eval forward of ``net`` (a suite's captured input)."""
+    seen = []
+    handle = net.blocks[index].register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().clone()))
+    with torch.no_grad():
+        net(x)
+    handle.remove()
+    return seen[0]
+
+
+def _counting(module: torch.nn.Module) -> list:
+    calls: list = []
+    module.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def test_a_submodule_check_is_answered_by_the_whole_model_localization(net, x):
+    localizer = Localizer(budget_s=None)
+    session = ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[localizer])
+    patch = _scaled(net, "blocks.2.b.weight")
+    block_x = _block_input(net, x, 2)
+    _, whole = _fail(ParityCase(session, "t::net", patches=patch), "net", net, x)
+    assert _first(whole)["submodule"] == "blocks.2.b" and localizer.localized == 1
+    calls = _counting(net.blocks[2].b)
+    message, extra = _fail(ParityCase(session, "t::block", patches=patch), "block", net.blocks[2], block_x,
+                           submodule="blocks.2")
+    assert len(calls) == 2  # the check's own reference and target runs: the localization ran nothing
+    assert localizer.reused == 1 and extra["localization_reused"] == "'net' (t::net)"
+    assert "First divergence: blocks.2.b (Linear)" in message and "nothing re-run" in message
+    # The shared answer is the one a localization of its own finds.
+    _, alone = _fail(ParityCase(_session(), "t::alone", patches=patch), "block", net.blocks[2], block_x,
+                     submodule="blocks.2")
+    assert _first(extra)["submodule"] == _first(alone)["submodule"]
+    assert _first(extra)["local_err_ratio"] == pytest.approx(_first(alone)["local_err_ratio"])
+
+
+def test_other_inputs_weights_or_patch_sets_are_not_shared(net, x):
+    localizer = Localizer(budget_s=None)
+    session = ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[localizer])
+    block_x = _block_input(net, x, 2)
+    _fail(ParityCase(session, "t::net", patches=_scaled(net, "blocks.2.b.weight")), "net", net, x)
+    _, other_input = _fail(ParityCase(session, "t::in", patches=_scaled(net, "blocks.2.b.weight")), "block",
+                           net.blocks[2], block_x * 1.5, submodule="blocks.2")
+    _, other_fault = _fail(ParityCase(session, "t::fault", patches=_scaled(net, "blocks.2.a.weight")), "block",
+                           net.blocks[2], block_x, submodule="blocks.2")
+    assert "localization_reused" not in other_input and "localization_reused" not in other_fault
+    assert _first(other_fault)["submodule"] == "blocks.2.a"
+    assert localizer.localized == 3 and localizer.reused == 0
+
+
+def test_a_spent_budget_skips_localization_and_names_the_command(net, x):
+    hint = "pytest --npu-parity --parity-localize {test_id}"
+    localizer = Localizer(budget_s=0, hint=hint)
+    session = ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[localizer])
+    calls = _counting(net.head)
+    message, extra = _fail(ParityCase(session, "t.py::test_net[fp32]", patches=_scaled(net, "head.weight")), "net",
+                           net, x)
+    assert len(calls) == 2  # the check's own runs only
+    assert "localization" not in extra and extra["localization_skipped"] == "budget"
+    assert "more than the 0 s left of this session's localization budget of 0 s" in message
+    assert "pytest --npu-parity --parity-localize 't.py::test_net[fp32]'" in message
+    assert localizer.skipped["budget"] == 1
+    forced = Localizer(budget_s=0, forced=True)
+    session = ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[forced])
+    _, extra = _fail(ParityCase(session, "t::forced", patches=_scaled(net, "head.weight")), "net", net, x)
+    assert _first(extra)["submodule"] == "head"
+
+
+class Outer(torch.nn.Module):
+    """``Net`` one level deeper: its blocks' children are below what the first pass records."""
+
+    def __init__(self, net: Net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_a_descent_stops_between_passes_when_the_budget_runs_out(net, x, monkeypatch):
+    import pytest_npu_parity.localize as localize_module
+
+    monkeypatch.setattr(localize_module, "COST_FACTOR", 0.0)  # it may start; the budget ends after one pass
+    localizer = Localizer(budget_s=1e-9)
+    session = ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[localizer])
+    model = Outer(net).eval()
+    message, extra = _fail(ParityCase(session, "t::outer", patches=_scaled(net, "blocks.2.b.weight")), "outer",
+                           model, x)
+    assert _first(extra)["submodule"] == "net.blocks.2"  # two levels from the first pass, not its Linear
+    assert extra["localization_stopped"] == "budget"
+    assert "the descent stopped at net.blocks.2" in message
+    # Shared as far as it went: a check of the inner net (a scope of that descent) gets it for free.
+    message, extra = _fail(ParityCase(session, "t::inner", patches=_scaled(net, "blocks.2.b.weight")), "inner",
+                           net, x, submodule="net")
+    assert extra["localization_reused"] == "'outer' (t::outer)" and extra["localization_stopped"] == "budget"
+    assert _first(extra)["submodule"] == "net.blocks.2"
+
+
+def test_a_localization_that_does_not_fit_the_budget_is_not_started(net, x):
+    localizer = Localizer(budget_s=1e-9)  # nothing spent, but no check runs in a nanosecond
+    session = ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[localizer])
+    message, extra = _fail(ParityCase(session, "t::net", patches=_scaled(net, "head.weight")), "net", net, x)
+    assert extra["localization_skipped"] == "budget" and "First-divergence localization skipped: it would take" in message
+
+
+class Retyped(torch.nn.Module):
+    """Returns float64 on the target side (a structure/dtype failure, not a numeric one)."""
+
+    wrong = False
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y.double() if self.wrong else y
+
+
+def test_a_dtype_mismatch_is_not_localized(x):
+    torch.manual_seed(0)
+    model = Retyped().eval()
+
+    @contextlib.contextmanager
+    def wrong(device):
+        Retyped.wrong = True
+        try:
+            yield
+        finally:
+            Retyped.wrong = False
+    localizer = Localizer(budget_s=None)
+    session = ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[localizer])
+    calls = _counting(model.lin)
+    message, extra = _fail(ParityCase(session, "t::dtype", patches=wrong), "retyped", model, x)
+    assert len(calls) == 2
+    assert extra["localization_skipped"] == "structure" and "localization" not in extra
+    assert "localization not run: the outputs differ in structure, shape or dtype (<output>: dtype mismatch" in message
+
+
+def test_localizer_refuses_a_bad_budget():
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="localization budget"):
+            Localizer(budget_s=bad)

@@ -364,3 +364,22 @@ def test_rounding_level_gradients_leave_their_parameters_out_of_a_train_step():
                                   "grad.b": torch.tensor([1e-12]), "param.b": torch.zeros(1)}) == {"param.b"}
     assert rounding_level_params({"grad.a": torch.tensor([1.0]), "param.a": torch.zeros(1),
                                   "grad.b": torch.tensor([1e-3]), "param.b": torch.zeros(1)}) == set()
+
+
+def test_stale_suites_needs_most_checks_of_a_model_stale_for_one_cause():
+    from pytest_npu_parity.runner import stale_suites
+
+    def row(test, cause=None, weights="ab12", reference="baseline"):
+        return {"test_id": f"parity_suites/demo/test_m.py::{test}", "check": test, "recipe": "fp32",
+                "reference": reference, "weights": weights,
+                **({"baseline_error": "stale", "stale_cause": cause} if cause else {})}
+
+    found = stale_suites([row("a", "weights"), row("b", "weights+input"), row("f", "input", weights=None),
+                          row("tiny")])  # a second model whose baseline still matches
+    assert [(s.suite, s.directory, s.cause, len(s.checks), s.fresh) for s in found] == [
+        ("demo", "parity_suites/demo", "weights", 3, 1)]
+    assert found[0].fix("pytest --update-baselines") == "pytest --update-baselines parity_suites/demo"
+    assert stale_suites([row("a", "weights"), row("b", "input")]) == []  # no shared cause
+    assert stale_suites([row("a", "weights"), row("b", "weights"), row("c"), row("d")]) == []  # half fresh
+    assert stale_suites([row("a", "weights")]) == []  # one stale check is not suite-wide
+    assert stale_suites([row("a", "other"), row("b", "other")]) == []  # a leaf or dtype, not the model

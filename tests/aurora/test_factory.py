@@ -245,9 +245,9 @@ def test_bad_arguments():
         build_model("tiny", seed=-1)
 
 
-def test_full_model_measured_size():
+def test_full_model_measured_size(aurora_full):
     """FINDINGS: 210.8 M parameters (ViT-base and BERT-base frozen) from the package config.json."""
-    model = build_model("full", seed=0)
+    model = aurora_full  # build_model("full", seed=0), built once per process (get_model)
     total, trainable = factory.parameter_counts(model)
     assert round(total / 1e6, 1) == 210.8
     vit = sum(p.numel() for p in model.model.VisionEncoder.model.parameters())

@@ -11,8 +11,10 @@ larger than the inherited one:
 * a wrong attention scale: layer 4's self-attention divides its scores by head_dim^(1/4) instead of
   sqrt(head_dim).
 
-The reference is a live CPU run of the unpatched upstream model. Each localization re-runs the full
-model a few times (about 5 full forwards), so this module takes a minute or two on 2 cores.
+The reference is a live CPU run of the unpatched upstream model. The three faults share one
+``Localizer`` (as a session does), and the scaled-weight case also checks decoder layer 4 on the
+activations the model hands it (``decoder_layer_4``, as the suite does): the whole model's descent
+answers it without running anything.
 """
 from __future__ import annotations
 
@@ -23,22 +25,27 @@ import types
 import pytest
 import torch
 
-from pytest_npu_parity.aurora import checks, factory, patches
+from pytest_npu_parity.aurora import checks, patches
 from pytest_npu_parity.compare import ParityError
-from pytest_npu_parity.localize import failure_hook
+from pytest_npu_parity.localize import Localizer
 from pytest_npu_parity.runner import ParityCase, ParitySession
 
 LAYER = "model.dec_layers.4"
 
 
 @pytest.fixture(scope="module")
-def ctx() -> checks.AuroraContext:
-    return checks.build_context(factory.get_model("full"), checks.suite_batch())
+def ctx(aurora_ctx) -> checks.AuroraContext:
+    return aurora_ctx  # tests/conftest.py: built once per process
 
 
 @pytest.fixture(scope="module")
-def session() -> ParitySession:
-    return ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[failure_hook])
+def localizer() -> Localizer:
+    return Localizer(budget_s=None)
+
+
+@pytest.fixture(scope="module")
+def session(localizer) -> ParitySession:
+    return ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[localizer])
 
 
 def _scaled_weight(layer: torch.nn.Module):
@@ -90,7 +97,7 @@ FAULTS = {"scaled_weight": _scaled_weight, "dropped_mask": _dropped_mask, "wrong
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-def test_full_forward_failure_names_the_faulty_decoder_layer(ctx, session, fault):
+def test_full_forward_failure_names_the_faulty_decoder_layer(ctx, session, localizer, fault):
     layer = ctx.submodule(LAYER)
 
     @contextlib.contextmanager
@@ -120,3 +127,23 @@ def test_full_forward_failure_names_the_faulty_decoder_layer(ctx, session, fault
     if fault == "dropped_mask":  # the mask is built in the layer's own forward, not in a child
         assert first["submodule"] == LAYER and "in its own code outside its submodules" in message
     assert math.isfinite(first["local_max_abs"])
+    if fault != "scaled_weight":
+        return
+    # The decoder-layer check on the activations the model handed layer 4: answered by the descent
+    # above (same module, weights, reference inputs, random state, recipe and patch set), nothing run.
+    calls = []
+    handle = layer.register_forward_pre_hook(lambda *_: calls.append(1))
+    check = checks.BY_NAME["decoder_layer_4"]
+    fn, args, kwargs = check.build(ctx)
+    case = ParityCase(session, "tests/aurora/test_localize_aurora.py::layer", "fp32", patches=target_patches)
+    try:
+        with pytest.raises(ParityError) as info:
+            case.check(check.name, fn, *args, submodule=check.submodule, **kwargs)
+    finally:
+        handle.remove()
+    assert len(calls) == 2  # the check's own reference and target runs
+    extra = case.records[-1].extra
+    assert extra["localization_reused"].startswith("'forward_eval'"), str(info.value)
+    shared = [row for row in extra["localization"] if row.get("first_divergence")]
+    assert [row["submodule"] for row in shared] == [first["submodule"]]
+    assert shared[0]["local_err_ratio"] == first["local_err_ratio"]

@@ -18,7 +18,7 @@ import contextlib
 import pytest
 import torch
 
-from pytest_npu_parity.aurora import checks, factory, patches
+from pytest_npu_parity.aurora import checks, patches
 from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.runner import ParityCase, ParitySession, owner_module
 
@@ -27,8 +27,8 @@ CAUSAL = [c for c in checks.CHECKS
 
 
 @pytest.fixture(scope="module")
-def ctx() -> checks.AuroraContext:
-    return checks.build_context(factory.get_model("full"), checks.suite_batch())
+def ctx(aurora_ctx) -> checks.AuroraContext:
+    return aurora_ctx  # tests/conftest.py: built once per process, shared with the localization proofs
 
 
 @pytest.fixture(scope="module")
