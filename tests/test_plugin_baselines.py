@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from pytester_helpers import edit_module
 import torch
 
 import pytest_npu_parity.baselines as baselines_module
@@ -78,13 +79,6 @@ def _suite(pytester: pytest.Pytester, name: str, module: str = "test_model") -> 
     return module
 
 
-def _edit(module: Path, old: str, new: str) -> None:
-    """Replace ``old`` in ``module`` and move its mtime forward, so no cached bytecode is reused."""
-    text = module.read_text()
-    assert old in text
-    stat = module.stat()
-    module.write_text(text.replace(old, new))
-    os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))
 
 
 def _record(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
@@ -135,7 +129,7 @@ def test_changed_computation_fails_against_the_named_baseline_then_records_as_ch
         pytester: pytest.Pytester) -> None:
     module = _project(pytester)
     _record(pytester)
-    _edit(module, "SHIFT = 0.0", "SHIFT = 1e-3")
+    edit_module(module, "SHIFT = 0.0", "SHIFT = 1e-3")
 
     result = pytester.runpytest("--npu-parity", "parity_suites")
     result.assert_outcomes(passed=1, failed=1)
@@ -155,7 +149,7 @@ def test_changed_computation_fails_against_the_named_baseline_then_records_as_ch
 def test_changed_input_makes_the_baseline_stale_with_the_reason(pytester: pytest.Pytester) -> None:
     module = _project(pytester)
     _record(pytester)
-    _edit(module, "SCALE = 1.0", "SCALE = 2.0")
+    edit_module(module, "SCALE = 1.0", "SCALE = 2.0")
 
     result = pytester.runpytest("--npu-parity", "parity_suites")  # auto: a stale baseline is no fallback
     result.assert_outcomes(passed=1, failed=1)
@@ -260,7 +254,7 @@ def test_interrupted_write_leaves_the_old_baseline_intact(pytester: pytest.Pytes
     module = _project(pytester)
     _record(pytester)
     old = (pytester.path / TANH_FILE).read_bytes()
-    _edit(module, "SHIFT = 0.0", "SHIFT = 0.5")
+    edit_module(module, "SHIFT = 0.0", "SHIFT = 0.5")
     conftest = pytester.path / "parity_suites" / "conftest.py"
     conftest.write_text(INTERRUPT_ON_RENAME)
 
@@ -297,7 +291,7 @@ def test_failed_test_in_record_mode_writes_no_baseline(pytester: pytest.Pytester
     module = _project(pytester)
     _record(pytester)
     old = (pytester.path / TANH_FILE).read_bytes()
-    _edit(module, 'parity.check("tanh", shifted_tanh, torch.linspace(-2, 2, 10))',
+    edit_module(module, 'parity.check("tanh", shifted_tanh, torch.linspace(-2, 2, 10))',
           'parity.check("tanh", shifted_tanh, torch.linspace(-2, 2, 10) * 3)\n    assert False, "after the check"')
     result = pytester.runpytest("--update-baselines")
     result.assert_outcomes(passed=1, failed=1)

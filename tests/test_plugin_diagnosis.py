@@ -2,11 +2,11 @@
 model changed for every check reported once, before the failures, with the one command that fixes it."""
 from __future__ import annotations
 
-import os
 import textwrap
 from pathlib import Path
 
 import pytest
+from pytester_helpers import edit_module
 
 # pytester forgets modules first imported during an in-process run; import what every run needs once.
 import hypothesis  # noqa: F401
@@ -91,12 +91,6 @@ def _project(pytester: pytest.Pytester) -> Path:
     return module
 
 
-def _edit(module: Path, old: str, new: str) -> None:
-    text = module.read_text()
-    assert old in text
-    stat = module.stat()
-    module.write_text(text.replace(old, new))
-    os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))
 
 
 FIRST_ID = "parity_suites/demo/test_diag.py::test_layer_a[fp32]"
@@ -104,7 +98,7 @@ FIRST_ID = "parity_suites/demo/test_diag.py::test_layer_a[fp32]"
 
 def test_a_spent_budget_is_said_once_in_the_summary_with_the_command(pytester: pytest.Pytester) -> None:
     module = _project(pytester)
-    _edit(module, "FAULT = 1.0", "FAULT = 1.001")
+    edit_module(module, "FAULT = 1.0", "FAULT = 1.001")
     result = pytester.runpytest("--npu-parity", "--parity-reference=cpu", "--parity-localize-budget=0", "parity_suites")
     result.assert_outcomes(failed=4, passed=2)  # test_net x3 and test_layer_a; layer_b and tanh are clean
     result.stdout.fnmatch_lines([
@@ -125,7 +119,7 @@ def test_a_spent_budget_is_said_once_in_the_summary_with_the_command(pytester: p
 
 def test_the_default_budget_localizes_and_the_summary_counts(pytester: pytest.Pytester) -> None:
     module = _project(pytester)
-    _edit(module, "FAULT = 1.0", "FAULT = 1.001")
+    edit_module(module, "FAULT = 1.0", "FAULT = 1.001")
     result = pytester.runpytest("--npu-parity", "--parity-reference=cpu", "parity_suites")
     result.assert_outcomes(failed=4, passed=2)
     out = result.stdout.str()
@@ -149,7 +143,7 @@ def test_a_bad_budget_is_a_usage_error_naming_the_option(pytester: pytest.Pytest
 def test_a_model_changed_for_the_whole_suite_is_said_once_with_the_fix(pytester: pytest.Pytester) -> None:
     module = _project(pytester)
     assert pytester.runpytest("--update-baselines", "parity_suites").ret == 0
-    _edit(module, "SEED = 0", "SEED = 1")
+    edit_module(module, "SEED = 0", "SEED = 1")
     result = pytester.runpytest("--npu-parity", "parity_suites")
     result.assert_outcomes(failed=5, passed=1)  # every check of the net is stale; tanh still matches
     out = result.stdout.str()
@@ -176,7 +170,7 @@ def test_a_model_changed_for_the_whole_suite_is_said_once_with_the_fix(pytester:
 def test_one_stale_check_among_fresh_ones_is_not_suite_wide(pytester: pytest.Pytester) -> None:
     module = _project(pytester)
     assert pytester.runpytest("--update-baselines", "parity_suites").ret == 0
-    _edit(module, "X * k)", "X * k * (1.5 if k == 3 else 1))")  # one check's input changes
+    edit_module(module, "X * k)", "X * k * (1.5 if k == 3 else 1))")  # one check's input changes
     result = pytester.runpytest("--npu-parity", "parity_suites")
     result.assert_outcomes(failed=1, passed=5)
     out = result.stdout.str()

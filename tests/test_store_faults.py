@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pytester_helpers import edit_module
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -57,12 +58,6 @@ def _project(pytester: pytest.Pytester, module: str = TWO_TESTS, ini: str = "") 
     return path
 
 
-def _edit(module: Path, old: str, new: str) -> None:
-    text = module.read_text()
-    assert old in text
-    stat = module.stat()
-    module.write_text(text.replace(old, new))
-    os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))  # no stale bytecode
 
 
 def _record(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
@@ -103,14 +98,14 @@ def test_a_test_stopped_between_its_checks_keeps_its_complete_baseline(pytester:
     module = _project(pytester, HALF_RUN)
     _record(pytester, "parity_suites")
     before = (pytester.path / TWO_FILE).read_bytes()
-    _edit(module, "STOP = None", f"STOP = {stop!r}")
+    edit_module(module, "STOP = None", f"STOP = {stop!r}")
     result = pytester.runpytest("--update-baselines", "parity_suites", no_reraise_ctrlc=True)
     result.stdout.fnmatch_lines(["baselines: 1 not written (1 file under baselines)",
                                  f"  not written  {TWO_FILE}  <- {TWO_ID.replace('[', '[[]')} (the test *)"])
     assert (pytester.path / TWO_FILE).read_bytes() == before
     assert set(SuiteStores(pytester.path / "baselines").load(TWO_ID).checks) == {"first", "second"}
     # and the next compare run compares `second` with the baseline, not with a live CPU run
-    _edit(module, f"STOP = {stop!r}", "STOP = None")
+    edit_module(module, f"STOP = {stop!r}", "STOP = None")
     result = pytester.runpytest("--npu-parity", "parity_suites")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["reference: 2 checks vs baseline *"])
@@ -376,7 +371,7 @@ def test_rows(parity, layer):
 def test_the_same_values_in_another_order_are_stale(pytester: pytest.Pytester, what: str, message: str) -> None:
     module = _project(pytester, ROWS_MODULE)
     _record(pytester, "parity_suites")
-    _edit(module, f"{what} = False", f"{what} = True")
+    edit_module(module, f"{what} = False", f"{what} = True")
     result = pytester.runpytest("--npu-parity", "parity_suites")
     result.assert_outcomes(failed=1)
     result.stdout.re_match_lines([r".*stale for check 'rows': " + message.replace("(", r"\(").replace(")", r"\)")
