@@ -543,57 +543,43 @@ def import_torch() -> Any:
                 os.environ[AUTOLOAD_ENV] = saved
 
 
-#: Attribute that marks the stand-in ``quarantine_torch_npu`` leaves in ``sys.modules``.
-QUARANTINE_MARK = "__npu_parity_unusable__"
 #: Environment variable carrying a quarantine's reason to subprocesses (spawned ranks).
 QUARANTINE_ENV = "NPU_PARITY_TORCH_NPU_UNUSABLE"
-
-
-class TorchNpuUnusable(AttributeError):
-    """Raised by any attribute of a quarantined torch_npu: the message is the cause and its fix."""
+_QUARANTINED: str | None = None
 
 
 def quarantine_torch_npu(reason: str) -> None:
-    """Stand in for a torch_npu that cannot be imported in this process.
+    """Mark a torch_npu that cannot be imported in this process as absent.
 
     The real wheel registers a ``torch.backends`` entry point, so with CANN missing a bare
     ``import torch`` fails ("Failed to load the backend extension: torch_npu"), and every
     ``import torch_npu`` fails again on ``libhccl.so`` — including the one inside Hugging Face
-    transformers' ``is_torch_npu_available()`` (transformers/utils/import_utils.py, 4.57: it runs
-    ``import torch_npu`` whenever ``find_spec("torch_npu")`` finds the package), which every
-    transformers model import reaches. After the failure has been diagnosed, this puts a module
-    object named ``torch_npu`` into ``sys.modules`` whose every public attribute raises
-    :class:`TorchNpuUnusable` with ``reason``: ``import torch_npu`` succeeds and
-    ``hasattr(torch, "npu")`` stays False, so transformers (and aurora) see "no NPU", while any
-    use of torch_npu says why it is unusable. ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` is left set, as
-    the real wheel's ``__init__`` leaves it, so subprocesses can ``import torch`` too, and
+    transformers' ``is_torch_npu_available()`` (transformers/utils/import_utils.py, 4.57: it runs an
+    unguarded ``import torch_npu`` whenever ``importlib.util.find_spec("torch_npu")`` finds the
+    package), which every transformers model import reaches. After the failure has been diagnosed,
+    this sets ``sys.modules["torch_npu"] = None``: ``find_spec`` then returns None (CPython's
+    ``importlib.util.find_spec`` for a ``None`` entry), so transformers sees no NPU, and
+    ``import torch_npu`` raises ``ImportError`` ("import of torch_npu halted"), which is what the
+    usual ``try: import torch_npu / except ImportError`` probes expect (msprobe's
+    ``pytorch/common/utils.py``). ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` is left set, as the real
+    wheel's ``__init__`` leaves it, so subprocesses can ``import torch`` too, and
     ``NPU_PARITY_TORCH_NPU_UNUSABLE`` carries the reason to them (:func:`prepare_torch` there
-    quarantines at once instead of probing again).
+    quarantines at once instead of probing again). The reason stays available through
+    :func:`quarantined`, ``npu_status().reason``, the report header and the doctor.
 
     Args:
         reason: the one-sentence cause and fix (``npu_status().reason``).
     """
-    import types
-
-    module = types.ModuleType("torch_npu", f"torch_npu is unusable in this process: {reason}")
-
-    def __getattr__(name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise TorchNpuUnusable(f"torch_npu.{name}: torch_npu is unusable in this process: {reason}")
-
-    module.__getattr__ = __getattr__  # type: ignore[attr-defined]
-    module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
-    setattr(module, QUARANTINE_MARK, reason)
-    sys.modules["torch_npu"] = module
+    global _QUARANTINED
+    sys.modules["torch_npu"] = None  # type: ignore[assignment]
+    _QUARANTINED = reason
     os.environ[AUTOLOAD_ENV] = "0"
     os.environ[QUARANTINE_ENV] = reason
 
 
 def quarantined() -> str | None:
     """The reason torch_npu was quarantined in this process (:func:`quarantine_torch_npu`), or None."""
-    module = sys.modules.get("torch_npu")
-    return getattr(module, QUARANTINE_MARK, None) if module is not None else None
+    return _QUARANTINED if "torch_npu" in sys.modules and sys.modules["torch_npu"] is None else None
 
 
 def prepare_torch() -> str | None:
@@ -605,8 +591,8 @@ def prepare_torch() -> str | None:
     themselves, it does what torch's autoload would do, safely: ``import torch`` with autoload off,
     then ``import torch_npu`` explicitly (``npu_status``). A torch_npu that loads stays loaded,
     exactly as autoload leaves it; one that does not is quarantined
-    (:func:`quarantine_torch_npu`), so conftests, transformers and aurora import normally and the
-    run goes on without the NPU.
+    (:func:`quarantine_torch_npu`: marked absent), so conftests, transformers, aurora and msprobe
+    import normally and the run goes on without the NPU.
 
     Returns:
         None when torch_npu is absent or usable; else the sentence that says why the NPU is not
@@ -640,10 +626,10 @@ def _probe_status() -> NpuStatus:
     def unavailable(reason: str, version: str | None = npu_version) -> NpuStatus:
         return NpuStatus(False, reason, version, cann, 0, None)
 
-    if _find_spec("torch_npu") is None:
-        return unavailable(not_installed_sentence(torch_version, cann), None)
     if quarantined() is not None:
         return unavailable(quarantined())
+    if _find_spec("torch_npu") is None:
+        return unavailable(not_installed_sentence(torch_version, cann), None)
     torch_was_imported = "torch" in sys.modules
     # torch_npu's own __init__ switches autoload off and leaves it off when it fails: read it first.
     autoload_on = _autoload_enabled()
