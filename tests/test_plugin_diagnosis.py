@@ -120,7 +120,8 @@ def test_a_spent_budget_is_said_once_in_the_summary_with_the_command(pytester: p
 def test_the_default_budget_localizes_and_the_summary_counts(pytester: pytest.Pytester) -> None:
     module = _project(pytester)
     edit_module(module, "FAULT = 1.0", "FAULT = 1.001")
-    result = pytester.runpytest("--npu-parity", "--parity-reference=cpu", "parity_suites")
+    # -rN: with CI set, pytest's short summary repeats each failure's whole message
+    result = pytester.runpytest("--npu-parity", "--parity-reference=cpu", "-rN", "parity_suites")
     result.assert_outcomes(failed=4, passed=2)
     out = result.stdout.str()
     assert out.count("First divergence: a (Linear)") == 3  # test_net x3
