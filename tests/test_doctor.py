@@ -29,7 +29,7 @@ fake_env = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake_env)
 
 TORCH_BASE = npu.base_version(torch.__version__)
-NO_ACCELERATOR = importlib.util.find_spec("torch_npu") is None and not torch.cuda.is_available()
+NO_ACCELERATOR = npu._dist_version("torch_npu") is None and not torch.cuda.is_available()
 HEAVY = ("patch_set", "aurora_smoke")
 ONLY = {name: tuple(s for s in doctor.SECTIONS if s != name) for name in doctor.SECTIONS}
 
@@ -181,7 +181,7 @@ def test_help_exits_0(capsys):
     assert "exit codes: 0" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu installed")
+@pytest.mark.skipif(npu._dist_version("torch_npu") is not None, reason="torch_npu installed")
 def test_absent_npu_is_a_failure_with_the_sentence(capsys):
     report = doctor.run_doctor("npu:0", skip=HEAVY)
     validate(report)
@@ -311,7 +311,7 @@ def test_parse_fake_npu_smi_output():
         ("910B3", "OK", 1234, 65536)}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu installed")
+@pytest.mark.skipif(npu._dist_version("torch_npu") is not None, reason="torch_npu installed")
 @pytest.mark.parametrize("health, expected_fix", [
     ("OK", "npu-smi sees 1 NPU(s) but torch cannot use them: torch_npu is not installed"),
     ("Warning", "npu-smi reports NPU 0 health Warning"),

@@ -27,7 +27,7 @@ _spec.loader.exec_module(fake_env)
 TORCH_BASE = npu.base_version(torch.__version__)
 LIBHCCL = "libhccl.so: cannot open shared object file: No such file or directory"
 SET_ENV = "source CANN's set_env.sh (e.g. `source /usr/local/Ascend/ascend-toolkit/set_env.sh`)"
-NO_TORCH_NPU = importlib.util.find_spec("torch_npu") is None
+NO_TORCH_NPU = npu._dist_version("torch_npu") is None  # installed? (find_spec says None once it is quarantined)
 
 
 # --------------------------------------------------------------------------------------------
