@@ -863,7 +863,6 @@ def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: t
         return leaf
     threshold, small_atol = policy.small_values_for(coarse)
     sides = (_SideSums(), _SideSums(), _SideSums())  # target, reference, golden rounded to the dtype
-    share_small = 0
     for a, e, g, rounded in float64_blocks(actual, expected, golden, golden.detach().to("cpu").to(coarse)):
         mask = torch.isfinite(a) & torch.isfinite(e) & torch.isfinite(g)
         small = mask & (g.abs() < threshold)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.machinery
 import importlib.metadata
 import importlib.util
 import logging
