@@ -274,6 +274,8 @@ def _section_environment(ctx: _Context, r: SectionResult) -> None:
         r.fixes.append(f"{combo} is not in the documented version matrix — prefer a documented "
                        f"row, e.g. CANN {npu.SEED_ROW.cann} + torch {npu.SEED_ROW.torch} + "
                        f"torch_npu {npu.SEED_ROW.torch_npu}")
+    notes = npu.matrix_notes(torch_version, npu_version, cann) if (cann or npu_version) else []
+    r.details.extend(f"version matrix note: {note}" for note in notes)
     if npu_version and cuda and not (status and status.available):
         r.worse("warn")
         r.fixes.append(f"torch {torch_version} is a CUDA build beside torch_npu {npu_version}: "
@@ -283,7 +285,7 @@ def _section_environment(ctx: _Context, r: SectionResult) -> None:
                   torch_npu=npu_version, cann=cann,
                   cann_source=cann_info.source if cann_info else None,
                   transformers=transformers_version, aurora_model=aurora_version,
-                  matrix_problems=problems, matrix_rows=[dataclasses.asdict(x) for x in rows])
+                  matrix_problems=problems, matrix_notes=notes, matrix_rows=[dataclasses.asdict(x) for x in rows])
 
 
 _NPU_SMI_ROW = re.compile(r"^\|\s*(\d+)\s+(\S+)\s*\|\s*([^|]*?)\s*\|")

@@ -99,6 +99,45 @@ VERSION_MATRIX: tuple[VersionRow, ...] = tuple(
 #: The combination the seed guide (and this project's Aurora suite) is written for.
 SEED_ROW = VERSION_MATRIX[-1]
 
+_ASCEND_TABLE = ("Ascend/pytorch README.zh.md, section 昇腾辅助软件 (the CANN ↔ PyTorch ↔ Extension "
+                 "table; torch_npu 2.5.1.post1 and 2.4.0.post4 are also on PyPI)")
+
+
+def matrix_notes(torch: str | None, torch_npu: str | None, cann: str | None) -> list[str]:
+    """Where the seed guide and Ascend's own version table disagree about this combination.
+
+    The guide (seed 000_76a3155d974abf2f §1 "关于 PyTorch 版本" and §2.2) says CANN 8.2.RC1 ↔
+    torch 2.5.1 ↔ torch_npu 2.5.1, and that torch 2.4.0's torch_npu stops at CANN 8.0.0. Ascend's
+    table (``_ASCEND_TABLE``) pairs CANN 8.2.RC1 with torch_npu **2.5.1.post1** (2.5.1 is its CANN
+    8.1.RC1 row) and lists torch_npu 2.4.0.post4 for CANN 8.1.RC1. ``VERSION_MATRIX`` follows
+    Ascend's table and keeps the guide's 8.2.RC1 + 2.5.1 row (the guide reports it working).
+
+    Args:
+        torch: installed torch version, or None.
+        torch_npu: installed torch_npu version, or None.
+        cann: CANN version (``cann_version()``), or None.
+
+    Returns:
+        One sentence per disagreement that touches the given combination, naming both sources and
+        what to install; an empty list when none does. Never a verdict: ``check_version_matrix``
+        decides whether a combination is documented.
+    """
+    notes: list[str] = []
+    release = cann_release(cann)
+    torch_base = base_version(torch) or base_version(torch_npu)
+    if torch_base == "2.4.0":
+        notes.append(
+            "torch 2.4.0 (Aurora's requirements.txt pin): the adaptation guide (§1) says its torch_npu "
+            "stops at CANN 8.0.0, while Ascend's table lists torch_npu 2.4.0.post4 for CANN 8.1.RC1 "
+            f"({_ASCEND_TABLE}); neither lists one for CANN 8.2.RC1, so move to torch 2.5.1 there")
+    if (torch_npu and _plain_version(torch_npu) == "2.5.1") and release in (None, "8.2.RC1"):
+        notes.append(
+            "torch_npu 2.5.1: the adaptation guide (§2.2) pairs it with CANN 8.2.RC1, while Ascend's "
+            f"table lists it under CANN 8.1.RC1 and pairs CANN 8.2.RC1 with torch_npu 2.5.1.post1 "
+            f"({_ASCEND_TABLE}); both are accepted here — prefer 2.5.1.post1 for a new install on "
+            "CANN 8.2.RC1")
+    return notes
+
 _RELEASE = re.compile(r"^(\d+)\.(\d+)\.(\d+)")
 _CANN_RELEASE = re.compile(r"^(\d+\.\d+\.(?:RC\d+|\d+))", re.IGNORECASE)
 

@@ -280,6 +280,26 @@ def test_environment_reads_cann_and_checks_the_matrix(monkeypatch, tmp_path):
     assert any(f.startswith(expected) for f in section["fixes"]), section["fixes"]
 
 
+def test_environment_notes_where_the_guide_and_ascend_table_disagree(monkeypatch, tmp_path):
+    (tmp_path / "version.cfg").write_text(
+        "# version: 1.0\ntoolkit_running_version=[7.7.0.1.231:8.2.RC1]\n", encoding="utf-8")
+    monkeypatch.setenv("ASCEND_TOOLKIT_HOME", str(tmp_path))
+    build = doctor._build_context
+
+    def with_torch_npu_251(device):  # as on an Ascend box with the guide's pin (metadata only)
+        ctx = build(device)
+        ctx.status = npu.NpuStatus(available=False, reason="no NPU here", torch_npu_version="2.5.1",
+                                   cann_version="8.2.RC1", device_count=0, device_name=None)
+        return ctx
+
+    monkeypatch.setattr(doctor, "_build_context", with_torch_npu_251)
+    report = doctor.run_doctor("cpu", skip=ONLY["environment"])
+    section = sections(report)["environment"]
+    notes = [d for d in section["details"] if d.startswith("version matrix note:")]
+    assert len(notes) == 1 and "2.5.1.post1" in notes[0], section["details"]
+    assert section["data"]["matrix_notes"] == [notes[0].removeprefix("version matrix note: ")]
+
+
 def test_parse_npu_smi_real_formats():
     text = """\
 | NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|

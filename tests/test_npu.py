@@ -57,6 +57,23 @@ def test_matrix_holds_the_seed_pin_and_the_ascend_rows():
     assert all(npu.base_version(r.torch_npu) == r.torch for r in npu.VERSION_MATRIX)
 
 
+def test_matrix_notes_cite_both_sources_where_guide_and_ascend_table_disagree():
+    seed_pin = npu.matrix_notes("2.5.1", "2.5.1", "8.2.RC1")
+    assert len(seed_pin) == 1 and "2.5.1.post1" in seed_pin[0] and "§2.2" in seed_pin[0]
+    assert "Ascend/pytorch README.zh.md" in seed_pin[0]
+    old_torch = npu.matrix_notes("2.4.0", "2.4.0.post4", "8.1.RC1")
+    assert len(old_torch) == 1 and "CANN 8.0.0" in old_torch[0] and "2.4.0.post4" in old_torch[0]
+    assert "move to torch 2.5.1" in old_torch[0]
+    # rows where the two sources agree carry no note
+    assert npu.matrix_notes("2.5.1", "2.5.1.post1", "8.2.RC1") == []
+    assert npu.matrix_notes("2.5.1", "2.5.1", "8.1.RC1") == []
+    assert npu.matrix_notes("2.6.0", "2.6.0", "8.2.RC1") == []
+    assert npu.matrix_notes(None, None, None) == []
+    # and every row a note names is in the matrix
+    assert npu.documented_rows(cann="8.1.RC1", torch_npu="2.4.0.post4")
+    assert npu.documented_rows(cann="8.2.RC1", torch_npu="2.5.1.post1")
+
+
 @pytest.mark.parametrize("torch_v, npu_v, cann", [
     ("2.5.1", "2.5.1", "8.2.RC1"),              # the seed's row
     ("2.5.1+cpu", "2.5.1.post1", "8.2.RC1"),    # Ascend's row, local labels ignored

@@ -447,6 +447,14 @@ def test_nightly_workflow_is_valid_yaml_running_the_documented_commands():
         assert re.search(r"pytest --npu-parity parity_suites/aurora .*--parity-report \S+ .*--parity-history \S+", run.replace("\\\n", " "))
         assert "GITHUB_STEP_SUMMARY" in run
     assert "--parity-reference baseline" in cpu_run
+    # the NPU job compares with the committed baselines and with a live CPU run, as it says
+    assert "--parity-reference baseline" in npu_run and "--parity-reference cpu" in npu_run
+    assert "baselines" in npu["name"] and "live CPU" in npu["name"]
+    # the nightly hypothesis profile is used where device propagation is checked
+    for run in (npu_run, cpu_run):
+        assert "--hypothesis-profile nightly" in run
+    # the torch_npu wheel can come from Ascend's download pages (the guide) or the index
+    assert "TORCH_NPU_WHEEL" in yaml.safe_dump(npu)
     uploads = [s for job in (npu, cpu) for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact")]
     assert len(uploads) >= 2
     readme = ROOT / "README.md"
