@@ -19,7 +19,8 @@ section             checks
                     tensor on the device; upstream is restored on exit
 ``aurora_smoke``    the tiny Aurora config runs a forward on the target under the patch set
 ``distributed``     gloo / nccl / hccl available; a 1-process ``init_process_group`` + all_reduce
-``deepspeed``       installed? NPU accelerator / Ascend adapter present?
+``deepspeed``       installed? which build; the accelerator DeepSpeed picks and whether it will use
+                    HCCL; ``--deepspeed-config FILE``: lint of the config (``deepspeed_config``)
 ``precision``       TF32 (CUDA) and HF32 (torch_npu) switches in force
 ==================  ================================================================================
 
@@ -27,7 +28,8 @@ Each section reports a status — ``ok``, ``warn`` (works, but read the note), `
 ``skip`` (not applicable here, e.g. "no NPU") — with details and fix sentences.
 
 Exit codes: **0** no section failed (warn/skip allowed), **1** at least one section failed,
-**2** usage error (bad option or device spec).
+**2** usage error (bad option or device spec, a ``--deepspeed-config`` file that is missing or not
+JSON).
 
 Output: text for people, ``--json`` for CI; the JSON document validates against
 ``DOCTOR_JSON_SCHEMA`` (JSON Schema draft 2020-12).
@@ -167,6 +169,8 @@ class _Context:
     target: Any = None  # torch.device | None
     target_error: str | None = None
     fft_fallback_needed: bool | None = None
+    deepspeed_config: str | None = None  # --deepspeed-config FILE
+    deepspeed_findings: list | None = None  # its deepspeed_config.Finding list (None: not given)
 
     def no_target(self, result: SectionResult) -> bool:
         """Mark ``result`` skipped when there is no usable target; True if so."""
@@ -717,33 +721,107 @@ def _section_distributed(ctx: _Context, r: SectionResult) -> None:
                        "collective library is broken")
 
 
+#: The Ascend adapter package of Gitee's ``ascend/DeepSpeed`` (imported as ``deepspeed_npu`` beside a stock
+#: DeepSpeed); stock DeepSpeed ships its own ``accelerator/npu_accelerator.py``.
+DEEPSPEED_NPU_ADAPTER = "deepspeed_npu"
+
+
+def deepspeed_accelerator() -> dict[str, Any]:
+    """Which accelerator DeepSpeed picks in this process and the collective backend it will use.
+
+    Calls ``deepspeed.accelerator.get_accelerator()`` (importing DeepSpeed). In DeepSpeed 0.19.8
+    (``deepspeed/accelerator/real_accelerator.py``) the choice is ``DS_ACCELERATOR`` when set (``npu``
+    requires ``import torch_npu`` to succeed, else ``ValueError``), otherwise auto-detection in the order
+    xpu, **npu (``import torch_npu`` succeeds)**, sdaa, mps, hpu, mlu, supa, klxpu, cuda, cpu. The backend is
+    ``communication_backend_name()`` — what ``deepspeed.initialize`` and ``DeepSpeedEngine`` pass to
+    ``init_distributed``: ``hccl`` for ``NPU_Accelerator``, ``nccl`` for CUDA, ``ccl`` or ``gloo`` for the CPU
+    (``ccl`` only with oneCCL's ``oneccl_bindings_for_pytorch``). A ``communication_backend`` key in the JSON
+    config plays no part (see ``deepspeed_config``).
+
+    Returns:
+        ``{"accelerator": "npu", "backend": "hccl", "chosen_by": "auto-detect" | "DS_ACCELERATOR",
+        "error": None}``; on failure ``accelerator``/``backend`` are None and ``error`` is one line.
+    """
+    import contextlib
+
+    chosen_by = "DS_ACCELERATOR" if "DS_ACCELERATOR" in os.environ else "auto-detect"
+    try:
+        # DeepSpeed's logger (deepspeed/utils/logging.py) writes to the sys.stdout of its import time and
+        # get_accelerator() logs its choice: stdout is kept for the report (``--json``), the log goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            from deepspeed.accelerator import get_accelerator
+
+            accelerator = get_accelerator()
+        return {"accelerator": str(accelerator.device_name()), "backend": str(accelerator.communication_backend_name()),
+                "chosen_by": chosen_by, "error": None}
+    except Exception as exc:  # noqa: BLE001 - an import or detection failure is the finding itself
+        return {"accelerator": None, "backend": None, "chosen_by": chosen_by, "error": npu._first_line(exc)}
+
+
 def _section_deepspeed(ctx: _Context, r: SectionResult) -> None:
     spec = npu._find_spec("deepspeed")
-    adapter = npu._find_spec("deepspeed_npu") is not None
-    r.data.update(installed=spec is not None, deepspeed_npu=adapter,
-                  ds_accelerator=os.environ.get("DS_ACCELERATOR"))
+    adapter = npu._find_spec(DEEPSPEED_NPU_ADAPTER) is not None
+    ds_env = os.environ.get("DS_ACCELERATOR")
+    r.data.update(installed=spec is not None, deepspeed_npu=adapter, ds_accelerator=ds_env)
+    if ctx.deepspeed_findings is not None:
+        _deepspeed_lint(ctx, r)
+    on_npu = ctx.target is not None and ctx.target.type == "npu"
     if spec is None:
-        r.status = "skip"
+        if ctx.deepspeed_findings is None:  # nothing checked at all (a clean lint stays ok)
+            r.status = "skip"
         r.details.append("DeepSpeed not installed (needed only for DeepSpeed training)")
-        if ctx.target is not None and ctx.target.type == "npu":
-            r.fixes.append("for DeepSpeed on Ascend install the Ascend build: git clone "
-                           "https://gitee.com/ascend/DeepSpeed && pip install -e . (seed §7.1)")
+        if on_npu:
+            r.fixes.append("for DeepSpeed on Ascend: pip install deepspeed (its NPU accelerator uses HCCL when "
+                           "torch_npu imports), then rerun the doctor")
         return
     version = _version("deepspeed")
     locations = list(spec.submodule_search_locations or [])
     npu_accelerator = any(os.path.isfile(os.path.join(loc, "accelerator", "npu_accelerator.py"))
                           for loc in locations)
-    r.data.update(version=version, npu_accelerator=npu_accelerator)
-    r.details.append(f"deepspeed {version} ({locations[0] if locations else spec.origin})")
-    r.details.append(f"NPU accelerator (deepspeed/accelerator/npu_accelerator.py): "
-                     f"{'present' if npu_accelerator else 'absent'}; deepspeed_npu adapter: "
-                     f"{'installed' if adapter else 'not installed'}; DS_ACCELERATOR="
-                     f"{os.environ.get('DS_ACCELERATOR', 'unset')}")
-    if ctx.target is not None and ctx.target.type == "npu" and not (npu_accelerator or adapter):
-        r.worse("warn")
-        r.fixes.append("this DeepSpeed has no NPU accelerator and ignores HCCL — install the Ascend "
-                       "build: git clone https://gitee.com/ascend/DeepSpeed && pip install -e . "
-                       "(seed §7.1)")
+    build = (f"stock DeepSpeed with Ascend's {DEEPSPEED_NPU_ADAPTER} adapter" if adapter
+             else "stock DeepSpeed" + (" (ships accelerator/npu_accelerator.py)" if npu_accelerator
+                                       else " without an NPU accelerator"))
+    r.data.update(version=version, npu_accelerator=npu_accelerator, build=build)
+    r.details.append(f"deepspeed {version} ({locations[0] if locations else spec.origin}): {build}")
+    info = deepspeed_accelerator()
+    r.data.update(info)
+    r.data["uses_hccl"] = info["backend"] == "hccl"
+    if info["error"]:
+        r.worse("fail" if on_npu or ds_env else "warn")
+        r.details.append(f"deepspeed.accelerator.get_accelerator() failed: {info['error']}")
+        r.fixes.append(f"DeepSpeed cannot choose its accelerator ({info['error']})"
+                       + (" — DS_ACCELERATOR=npu needs an importable torch_npu: fix torch_npu (environment "
+                          "section) or unset DS_ACCELERATOR" if ds_env == "npu" else
+                          " — fix the DeepSpeed installation (pip install --force-reinstall deepspeed)"))
+        return
+    why = (f"DS_ACCELERATOR={ds_env}" if info["chosen_by"] == "DS_ACCELERATOR" else
+           "auto-detected: torch_npu imports" if info["accelerator"] == "npu" else
+           "auto-detected" + ("" if not (ctx.status and ctx.status.torch_npu_version) else
+                              ": torch_npu is installed but does not import"))
+    r.details.append(f"accelerator: {info['accelerator']} ({why}) → communication backend {info['backend']}: "
+                     + ("DeepSpeed will use HCCL" if info["backend"] == "hccl" else "DeepSpeed will not use HCCL"))
+    if on_npu and info["accelerator"] != "npu":
+        r.worse("fail")
+        cause = (f"DS_ACCELERATOR={ds_env} overrides the NPU — set DS_ACCELERATOR=npu or unset it"
+                 if ds_env else "torch_npu does not import in this process — see the environment section, or "
+                 "set DS_ACCELERATOR=npu to see the import error")
+        r.fixes.append(f"DeepSpeed picked the {info['accelerator']} accelerator and will initialize "
+                       f"{info['backend']}, not HCCL, on an NPU target: {cause}")
+
+
+def _deepspeed_lint(ctx: _Context, r: SectionResult) -> None:
+    """The ``--deepspeed-config`` findings (``deepspeed_config.lint_file``) as details and fixes."""
+    findings = ctx.deepspeed_findings or []
+    r.data["config"] = ctx.deepspeed_config
+    r.data["config_findings"] = [f.as_dict() for f in findings]
+    if not findings:
+        r.details.append(f"config {ctx.deepspeed_config}: follows the guide's rules (bf16 on, fp16 off, no "
+                         "communication_backend, no aio)")
+        return
+    errors = sum(f.severity == "error" for f in findings)
+    r.details.append(f"config {ctx.deepspeed_config}: {errors} error(s), {len(findings) - errors} warning(s)")
+    r.worse("fail" if errors else "warn")
+    r.fixes.extend(f.message for f in findings)
 
 
 def _section_precision(ctx: _Context, r: SectionResult) -> None:
@@ -821,12 +899,16 @@ def _build_context(device: str) -> _Context:
     return ctx
 
 
-def run_doctor(device: str = "auto", *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def run_doctor(device: str = "auto", *, skip: tuple[str, ...] = (),
+               deepspeed_config: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Run every section against ``device`` and return the report (the ``--json`` document).
 
     Args:
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``npu`` or ``npu:N``.
         skip: section names to leave out (reported with status ``skip``).
+        deepspeed_config: a DeepSpeed JSON config to lint by the guide's rules
+            (``deepspeed_config.lint_file``); its findings go into the ``deepspeed`` section (an error
+            fails it, a warning warns), also when that section is skipped.
 
     Returns:
         A dict that validates against ``DOCTOR_JSON_SCHEMA``; ``summary.exit_code`` is 0 when no
@@ -834,6 +916,8 @@ def run_doctor(device: str = "auto", *, skip: tuple[str, ...] = ()) -> dict[str,
 
     Raises:
         ValueError: ``device`` is not a device spec, or ``skip`` names an unknown section.
+        deepspeed_config.DeepSpeedConfigError: ``deepspeed_config`` is missing or not a JSON object
+            (checked before any section runs).
     """
     spec = device.strip().lower()
     if not _DEVICE_SPEC.match(spec) or spec.startswith("auto:"):
@@ -843,8 +927,15 @@ def run_doctor(device: str = "auto", *, skip: tuple[str, ...] = ()) -> dict[str,
     if unknown:
         raise ValueError(f"--skip: unknown section(s) {', '.join(unknown)}; known: "
                          f"{', '.join(SECTIONS)}")
+    findings = None
+    if deepspeed_config is not None:
+        from .deepspeed_config import lint_file
+
+        findings = lint_file(deepspeed_config)  # a missing or broken file stops here, before any section
     started = time.perf_counter()
     ctx = _build_context(spec)
+    ctx.deepspeed_config, ctx.deepspeed_findings = (str(deepspeed_config) if deepspeed_config is not None
+                                                    else None), findings
     results: list[SectionResult] = []
     for name, func in _SECTION_FUNCS.items():
         result = SectionResult(name)
@@ -852,6 +943,8 @@ def run_doctor(device: str = "auto", *, skip: tuple[str, ...] = ()) -> dict[str,
         if name in skip:
             result.status = "skip"
             result.details.append("skipped: --skip " + name)
+            if name == "deepspeed" and findings is not None:
+                _deepspeed_lint(ctx, result)  # the lint asked for is reported whatever else is skipped
         else:
             try:
                 func(ctx, result)
@@ -922,6 +1015,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip", action="append", default=[], choices=list(SECTIONS),
                         metavar="SECTION",
                         help=f"leave a section out (repeatable): {', '.join(SECTIONS)}")
+    parser.add_argument("--deepspeed-config", metavar="FILE", default=None,
+                        help="lint this DeepSpeed JSON config by the Ascend guide's rules (bf16 on, fp16 off, "
+                             "no communication_backend, no aio); findings go into the DeepSpeed section. "
+                             "Lint alone: add --skip for every other section")
     return parser
 
 
@@ -932,8 +1029,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help → 0, bad option → 2
         return int(exc.code or 0)
     try:
-        report = run_doctor(args.device, skip=tuple(args.skip))
-    except ValueError as exc:
+        report = run_doctor(args.device, skip=tuple(args.skip), deepspeed_config=args.deepspeed_config)
+    except ValueError as exc:  # also deepspeed_config.DeepSpeedConfigError: one sentence naming the file
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if args.json:

@@ -31,6 +31,7 @@ COLLECTED_KEY = pytest.StashKey["list"]()  # node ids of every collected test (t
 OUTCOME_KEY = pytest.StashKey["dict"]()  # node id -> outcome of its call phase (only "passed" writes a baseline)
 LOCK_KEY = pytest.StashKey["Any"]()  # the store lock a record run holds for its whole session
 TEMP_KEY = pytest.StashKey["tuple"]()  # ("removed" | "found", [(path, bytes)]) temporary files of killed writes
+DEEPSPEED_LINT_KEY = pytest.StashKey[tuple]()  # (config as named in ini, [deepspeed_config.Finding])
 PROFILE_KEY = pytest.StashKey[str]()  # the hypothesis profile in force before this session loaded its own
 
 _SKIP_REASON = "parity suites run only with --npu-parity (or --update-baselines)"
@@ -115,6 +116,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         parser.addini(f"parity_{recipe}_policy", default="",
                       help=f"verdict policy of {recipe} checks{' (and bf16-weights)' if recipe == 'bf16' else ''}: "
                            "'allclose' (default) or 'golden [rmse=2 max_rel=10 mean_rel=2 small=2] [# reason]'")
+    parser.addini("parity_deepspeed_config", default="",
+                  help="a DeepSpeed JSON config (relative to rootdir) to lint by the Ascend guide's rules at start-up "
+                       "(bf16 on, fp16 off, no communication_backend, no aio): a summary in the header, each "
+                       "finding a PytestConfigWarning; a missing or non-JSON file is a usage error")
     parser.addini("parity_policies", type="linelist", default=[],
                   help="per-check verdict policy, one per line: '<check name or glob>: golden [rmse=3 …] # reason' "
                        "or '<check name or glob>: allclose'")
@@ -277,7 +282,48 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(explain_import_error(exc)) from None
     _recipe_names(config)  # validate early
     config.stash[SESSION_KEY] = _make_session(config)
+    _lint_deepspeed_config(config)
     config.pluginmanager.register(_StaleSuiteReport(), "npu-parity-stale-suites")
+
+
+def _lint_deepspeed_config(config: pytest.Config) -> None:
+    """Lint ini ``parity_deepspeed_config`` (``deepspeed_config.lint_file``): findings are kept for the header
+    and each is issued as a ``PytestConfigWarning`` (warnings summary; ``-W error`` makes them errors). They
+    are advice on a training config, not parity results, so they never fail the run by themselves.
+
+    Raises:
+        pytest.UsageError: the file is missing or not a JSON object (one sentence naming it).
+    """
+    value = str(config.getini("parity_deepspeed_config") or "").strip()
+    if not value:
+        return
+    from .deepspeed_config import DeepSpeedConfigError, lint_config, load_config
+
+    path = Path(value).expanduser()
+    shown = value if path.is_absolute() else str(Path(value))
+    path = path if path.is_absolute() else config.rootpath / path
+    try:
+        findings = lint_config(load_config(path), shown)  # findings name the file as the ini does
+    except DeepSpeedConfigError as exc:
+        raise pytest.UsageError(f"ini parity_deepspeed_config: {exc}") from None
+    config.stash[DEEPSPEED_LINT_KEY] = (shown, findings)
+    for finding in findings:
+        config.issue_config_time_warning(pytest.PytestConfigWarning(
+            f"parity_deepspeed_config {finding.severity}: {finding.message}"), stacklevel=2)
+
+
+def _deepspeed_header(config: pytest.Config) -> str | None:
+    linted = config.stash.get(DEEPSPEED_LINT_KEY, None)
+    if linted is None:
+        return None
+    shown, findings = linted
+    if not findings:
+        return f"npu-parity: DeepSpeed config {shown}: follows the guide's rules (bf16 on, fp16 off, no " \
+               "communication_backend, no aio)"
+    errors = sum(f.severity == "error" for f in findings)
+    keys = ", ".join(f.key for f in findings)
+    return (f"npu-parity: DeepSpeed config {shown}: {errors} error(s), {len(findings) - errors} warning(s) ({keys}); "
+            "see the warnings summary")
 
 
 def _record_parity_paths(config: pytest.Config) -> None:
@@ -513,6 +559,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines.append("npu-parity: verdicts " + " · ".join(verdict(recipe) for recipe in _recipe_names(config)) + (" (per-check choices in parity_policies)" if session.check_policies else ""))
     if session.target.type != "npu" and not status.available and (status.torch_npu_version or _npu.quarantined()):
         lines.append(f"npu-parity: torch_npu is installed but the NPU is not used: {status.reason}")
+    deepspeed = _deepspeed_header(config)
+    if deepspeed:
+        lines.append(deepspeed)
     pinning = _worker_pinning_line(config)
     return lines + [pinning] if pinning else lines
 

@@ -658,7 +658,8 @@ class ParityCase:
                    group: str | None = None,
                    rtol: float | None = None, atol: float | None = None, budget: float | None = None,
                    reason: str | None = None, vacuous_ok: str | None = None,
-                   fault_weight: str | None = None, policy: str | None = None) -> CheckRecord:
+                   fault_weight: str | None = None, policy: str | None = None,
+                   loop: Callable[[torch.nn.Module, dict, Recipe | None], dict] | None = None) -> CheckRecord:
         """One training step on each side from the same weights, compared leaf by leaf.
 
         Each side deep-copies ``module``, puts it in training mode on its device, runs
@@ -675,6 +676,13 @@ class ParityCase:
         training step is the same step on a CPU copy of ``module`` in the golden dtype, without
         autocast.
 
+        ``loop``: a whole training loop instead of the single step (``hf_trainer.TrainerLoop``: N steps
+        through Hugging Face Trainer): ``loop(module, inputs, recipe)`` trains each side's fresh copy of
+        ``module`` (in training mode, on its device, inside the shared random stream) under ``recipe``
+        (None for the golden run) and returns its leaves, named as above (``grad.<p>``, ``param.<p>``,
+        ``buffer.<b>``; losses as it chooses). ``loss_fn``, ``optimizer`` and ``max_grad_norm`` are then
+        the loop's business and ignored here.
+
         Raises:
             ParityError, baselines.BaselineError: as ``check``.
         """
@@ -689,6 +697,8 @@ class ParityCase:
 
         def step(m: torch.nn.Module, _recipe_context: bool = True, **batch: Any) -> dict[str, torch.Tensor]:
             m.train()
+            if loop is not None:
+                return loop(m, batch, self.recipe if _recipe_context else None)
             params = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
             opt = optimizer([p for _, p in params])
             opt.zero_grad(set_to_none=True)

@@ -31,6 +31,7 @@ _spec.loader.exec_module(fake_env)
 TORCH_BASE = npu.base_version(torch.__version__)
 NO_ACCELERATOR = npu._dist_version("torch_npu") is None and not torch.cuda.is_available()
 HEAVY = ("patch_set", "aurora_smoke")
+DEEPSPEED_INSTALLED = importlib.util.find_spec("deepspeed") is not None
 ONLY = {name: tuple(s for s in doctor.SECTIONS if s != name) for name in doctor.SECTIONS}
 
 
@@ -384,8 +385,14 @@ def test_stub_npu_target_exercises_the_npu_branches(tmp_path):
     assert precision["status"] == "warn"
     assert precision["data"]["reduced_precision_on_target"] == ["npu.conv.allow_hf32"]
     assert "torch.npu.conv.allow_hf32 = False" in precision["fixes"][0]
-    assert by_name["deepspeed"]["status"] == "skip"
-    assert "gitee.com/ascend/DeepSpeed" in by_name["deepspeed"]["fixes"][0]
+    deepspeed = by_name["deepspeed"]
+    if DEEPSPEED_INSTALLED:  # stock DeepSpeed picks its NPU accelerator once torch_npu imports: HCCL
+        assert deepspeed["status"] == "ok", deepspeed
+        assert (deepspeed["data"]["accelerator"], deepspeed["data"]["backend"]) == ("npu", "hccl")
+        assert "DeepSpeed will use HCCL" in deepspeed["details"][-1]
+    else:
+        assert deepspeed["status"] == "skip"
+        assert "pip install deepspeed" in deepspeed["fixes"][0]
     assert code == report["summary"]["exit_code"] == 1
     assert set(report["summary"]["failing_sections"]) >= {"required_ops", "distributed"}
 
@@ -406,3 +413,96 @@ def test_stub_autoload_failure_with_npu_target(tmp_path):
     environment = sections(report)["environment"]
     assert "CANN 8.2.RC1 (read from " + str(fake_env.TOOLKIT_HOME / "version.cfg") + ")" \
         in environment["details"]
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSpeed: which accelerator it picks, whether it will use HCCL
+# --------------------------------------------------------------------------------------------
+
+class _FakeTarget:
+    type = "npu"
+    index = 0
+
+    def __str__(self):
+        return "npu:0"
+
+
+def _deepspeed_section(monkeypatch, info, *, target=_FakeTarget(), installed=True, env=None):
+    """The deepspeed section with DeepSpeed's answer ``info`` (``doctor.deepspeed_accelerator``) faked."""
+    import importlib.machinery
+
+    spec = importlib.machinery.ModuleSpec("deepspeed", None, is_package=True)
+    spec.submodule_search_locations = []
+    monkeypatch.setattr(npu, "_find_spec", lambda name: spec if installed and name == "deepspeed" else None)
+    monkeypatch.setattr(doctor, "deepspeed_accelerator", lambda: info)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    ctx = doctor._Context(requested="npu", target=target)
+    result = doctor.SectionResult("deepspeed")
+    doctor._section_deepspeed(ctx, result)
+    return result
+
+
+def test_deepspeed_on_npu_with_the_npu_accelerator_uses_hccl(monkeypatch):
+    r = _deepspeed_section(monkeypatch, {"accelerator": "npu", "backend": "hccl", "chosen_by": "auto-detect",
+                                         "error": None})
+    assert r.status == "ok" and r.fixes == [] and r.data["uses_hccl"] is True
+    assert "accelerator: npu (auto-detected: torch_npu imports) → communication backend hccl: DeepSpeed will " \
+           "use HCCL" in r.details
+
+
+@pytest.mark.parametrize("env, cause", [({}, "torch_npu does not import in this process"),
+                                        ({"DS_ACCELERATOR": "cpu"}, "DS_ACCELERATOR=cpu overrides the NPU")])
+def test_deepspeed_on_npu_without_the_npu_accelerator_fails(monkeypatch, env, cause):
+    info = {"accelerator": "cpu", "backend": "gloo", "error": None,
+            "chosen_by": "DS_ACCELERATOR" if env else "auto-detect"}
+    r = _deepspeed_section(monkeypatch, info, env=env)
+    assert r.status == "fail" and r.data["uses_hccl"] is False
+    (fix,) = r.fixes
+    assert fix.startswith("DeepSpeed picked the cpu accelerator and will initialize gloo, not HCCL, on an NPU target: ")
+    assert cause in fix
+
+
+def test_deepspeed_on_the_cpu_is_reported_not_failed(monkeypatch):
+    r = _deepspeed_section(monkeypatch, {"accelerator": "cpu", "backend": "gloo", "chosen_by": "auto-detect",
+                                         "error": None}, target=torch.device("cpu"))
+    assert r.status == "ok" and "DeepSpeed will not use HCCL" in r.details[-1]
+
+
+def test_deepspeed_that_cannot_choose_its_accelerator_fails_on_npu(monkeypatch):
+    info = {"accelerator": None, "backend": None, "chosen_by": "DS_ACCELERATOR",
+            "error": "ValueError: NPU_Accelerator requires torch_npu, which is not installed on this system."}
+    r = _deepspeed_section(monkeypatch, info, env={"DS_ACCELERATOR": "npu"})
+    assert r.status == "fail"
+    assert "DS_ACCELERATOR=npu needs an importable torch_npu" in r.fixes[0]
+
+
+def test_deepspeed_not_installed_on_npu_says_how_to_install(monkeypatch):
+    r = _deepspeed_section(monkeypatch, None, installed=False)
+    assert r.status == "skip" and "pip install deepspeed" in r.fixes[0]
+
+
+@pytest.mark.skipif(not DEEPSPEED_INSTALLED, reason="DeepSpeed is not installed (deepspeed extra)")
+@pytest.mark.parametrize("env, expected", [
+    ({}, ("npu", "hccl", "ok")),  # real DeepSpeed 0.19.8: torch_npu imports -> NPU_Accelerator -> hccl
+    ({"DS_ACCELERATOR": "cpu"}, ("cpu", "gloo", "fail")),
+])
+def test_real_deepspeed_with_stub_torch_npu(tmp_path, env, expected):
+    site = fake_env.build_site(tmp_path / "site", version=TORCH_BASE)
+    run_env = fake_env.fake_env(site=site, toolkit=fake_env.TOOLKIT_HOME, **env)
+    skip = [arg for name in doctor.SECTIONS if name not in ("deepspeed",) for arg in ("--skip", name)]
+    code, out, err = doctor_cli("--device", "npu", "--json", *skip, env=run_env)
+    assert out, err[-3000:]
+    section = sections(json.loads(out))["deepspeed"]
+    assert (section["data"]["accelerator"], section["data"]["backend"], section["status"]) == expected, section
+
+
+@pytest.mark.skipif(not DEEPSPEED_INSTALLED, reason="DeepSpeed is not installed (deepspeed extra)")
+def test_real_deepspeed_on_this_machine_picks_the_cpu():
+    code, out, err = doctor_cli("--device", "cpu", "--json",
+                                *[a for n in doctor.SECTIONS if n != "deepspeed" for a in ("--skip", n)])
+    section = sections(json.loads(out))["deepspeed"]
+    # without a usable torch_npu (none, or the real wheel without CANN) DeepSpeed falls back to the CPU
+    assert section["data"]["accelerator"] == "cpu" and section["data"]["backend"] in ("gloo", "ccl"), section
+    assert section["status"] == "ok" and section["data"]["uses_hccl"] is False

@@ -337,3 +337,41 @@ def test_x(parity):
                                  "  test_marker_policy_of_the_wrong_type_is_an_error_naming_the_test.py::test_x[[]fp32]: "
                                  "policy=True must be a non-empty string"])
     assert result.ret == pytest.ExitCode.USAGE_ERROR
+
+
+# ini parity_deepspeed_config: the DeepSpeed config lint at start-up
+
+
+def test_deepspeed_config_findings_are_in_the_header_and_warnings(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(LINEAR_TEST)
+    pytester.makefile(".json", ds='{"bf16": {"enabled": false}, "fp16": {"enabled": true}, '
+                                  '"communication_backend": "hccl"}')
+    pytester.makeini("[pytest]\nparity_deepspeed_config = ds.json\n")
+    result = pytester.runpytest("--npu-parity", "--parity-device", "cpu", "--parity-dtypes", "fp32")
+    result.stdout.fnmatch_lines([
+        "npu-parity: DeepSpeed config ds.json: 3 error(s), 0 warning(s) (bf16.enabled, fp16.enabled, "
+        "communication_backend); see the warnings summary",
+        "*PytestConfigWarning: parity_deepspeed_config error: ds.json: communication_backend is not a DeepSpeed "
+        "config field and is silently ignored*",
+    ])
+    assert result.ret == pytest.ExitCode.OK  # advice on a training config, not a parity failure
+
+
+def test_clean_deepspeed_config_says_so(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(LINEAR_TEST)
+    pytester.makefile(".json", ds='{"bf16": {"enabled": true}, "fp16": {"enabled": false}}')
+    pytester.makeini("[pytest]\nparity_deepspeed_config = ds.json\n")
+    result = pytester.runpytest("--npu-parity", "--parity-device", "cpu", "--co")
+    result.stdout.fnmatch_lines(["npu-parity: DeepSpeed config ds.json: follows the guide's rules*"])
+    assert "PytestConfigWarning" not in result.stdout.str()
+
+
+@pytest.mark.parametrize("content", [None, "{oops"])
+def test_unreadable_deepspeed_config_is_a_usage_error(pytester: pytest.Pytester, content) -> None:
+    pytester.makepyfile(LINEAR_TEST)
+    if content is not None:
+        pytester.makefile(".json", ds=content)
+    pytester.makeini("[pytest]\nparity_deepspeed_config = ds.json\n")
+    result = pytester.runpytest("--npu-parity", "--parity-device", "cpu")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*ini parity_deepspeed_config: DeepSpeed config *ds.json *"])

@@ -39,7 +39,12 @@ def aurora(parity_session) -> checks.AuroraContext:
 
 @pytest.fixture(scope="session")
 def aurora_tiny(parity_session):
-    """The seeded tiny Aurora (same classes, small dims) for the training-step check."""
+    """The seeded tiny Aurora (same classes, small dims) for the training-step checks.
+
+    The golden shims are set here too, so that a training check's fp64 golden runs whether or not the
+    full model's fixture ran first in the session.
+    """
+    parity_session.golden_runner.shims = calibration.aurora_golden_shims
     return factory.get_model("tiny", seed=0)
 
 

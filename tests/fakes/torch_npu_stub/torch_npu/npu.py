@@ -46,3 +46,26 @@ def synchronize(device=None):
 
 def set_compile_mode(jit_compile=True):
     CALLS.append(("set_compile_mode", jit_compile))
+
+
+class Event:
+    """``torch.npu.Event`` (DeepSpeed's NPU accelerator annotates its timers with it at import)."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.enable_timing = enable_timing
+
+    def record(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+
+class Stream:
+    """``torch.npu.Stream`` (DeepSpeed's ZeRO code annotates with it at import)."""
+
+    def __init__(self, device=None, priority=0):
+        self.device = device
+
+    def synchronize(self):
+        return None
