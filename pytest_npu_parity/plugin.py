@@ -359,7 +359,7 @@ def _launch(config: pytest.Config, target: Any) -> None:
 
     try:
         launch(target)
-    except (LaunchOrderError, RuntimeError, ValueError) as exc:
+    except (LaunchOrderError, RuntimeError, ValueError, ImportError) as exc:  # ImportError: transfer_to_npu
         raise pytest.UsageError(f"--parity-device={target}: {exc}") from None
 
 
