@@ -300,10 +300,13 @@ def reference_step(module: torch.nn.Module, inputs: dict[str, torch.Tensor], *, 
         the buffers are those of the copy that ran rank ``r``'s shard). CPU tensors.
 
     Raises:
-        ValueError / TypeError: as :func:`shard_inputs`; unknown recipe; a loss that is not scalar.
+        ValueError / TypeError: as :func:`shard_inputs`; unknown recipe, or a loss-scaling one (``fp16``,
+            :func:`loss_scaling_unsupported`); a loss that is not scalar.
     """
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
+    if RECIPES[recipe].loss_scaling:
+        raise ValueError(loss_scaling_unsupported(recipe))
     device = torch.device(device)
     optimizer_fn = optimizer_fn or _default_optimizer
     copies, losses = [], []
@@ -353,11 +356,23 @@ def _scaled_allreduce_hook(state, bucket):  # no annotations: DDP checks them ag
 
 
 def _bind(device: torch.device) -> None:
+    """A rank's device set-up, before its process group and before ``model_fn`` imports aurora: on an
+    NPU the guide's launcher steps (``npu.launch``: transfer_to_npu, compile mode,
+    ``torch.npu.set_device``, seed §4.2, §7.3 ③), on CUDA ``torch.cuda.set_device``, on the CPU nothing."""
     if device.type == "cpu":
         return
-    from .npu import bind_device
+    from .npu import bind_device, launch
 
-    bind_device(device.index or 0, device_type=device.type)
+    if device.type == "npu":
+        launch(device)
+    else:
+        bind_device(device.index or 0, device_type=device.type)
+
+
+def loss_scaling_unsupported(recipe: str) -> str:
+    """The sentence for a loss-scaling recipe (``fp16``) given to :func:`data_parallel_step`."""
+    return (f"the data-parallel step has no {recipe} recipe: it would need a GradScaler whose overflow "
+            "check agrees across ranks, which it does not implement; run it under fp32 or bf16")
 
 
 def _rank_main(rank: int, spec: dict[str, Any]) -> None:
@@ -449,7 +464,8 @@ def data_parallel_step(model_fn: Callable[[], torch.nn.Module], inputs: dict[str
     The parent calls ``model_fn()`` once and writes its state dict to a temporary directory; every rank
     calls ``model_fn()`` for the architecture and loads that state (so all ranks and the reference start
     from identical weights even if the factory is not deterministic). Rank ``r`` binds its device
-    (:func:`rank_devices`), joins a process group (``MASTER_ADDR=127.0.0.1``, a free port,
+    (:func:`rank_devices`; on an NPU after the guide's launcher steps, ``npu.launch``, before its
+    ``model_fn`` imports aurora), joins a process group (``MASTER_ADDR=127.0.0.1``, a free port,
     ``npu.dist_backend_for(device)``), wraps the model in ``DistributedDataParallel``
     (``find_unused_parameters=True``: upstream Aurora leaves some trainable parameters unused), runs
     shard ``r`` under ``same_randomness(seed + r)`` and the recipe, lets DDP all-reduce the gradients,
@@ -477,7 +493,8 @@ def data_parallel_step(model_fn: Callable[[], torch.nn.Module], inputs: dict[str
     Raises:
         DataParallelError: a rank raised, exited, hung past ``timeout_s`` or wrote no result.
         NotEnoughDevicesError: fewer devices than ranks.
-        ValueError / TypeError: bad inputs, world size or recipe (before anything is launched).
+        ValueError / TypeError: bad inputs, world size or recipe (an unknown one, or ``fp16``:
+            :func:`loss_scaling_unsupported`), before anything is launched.
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -488,6 +505,8 @@ def data_parallel_step(model_fn: Callable[[], torch.nn.Module], inputs: dict[str
     devices = rank_devices(device, world_size, device_count)
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
+    if RECIPES[recipe].loss_scaling:
+        raise ValueError(loss_scaling_unsupported(recipe))
     shards = [shard_inputs(inputs, rank, world_size) for rank in range(world_size)]  # validates first
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")

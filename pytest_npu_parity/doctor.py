@@ -10,8 +10,9 @@ section             checks
 ==================  ================================================================================
 ``environment``     Python, torch, torch_npu, CANN (``version.cfg``), transformers, aurora-model;
                     the CANN ↔ torch ↔ torch_npu version matrix (``npu.VERSION_MATRIX``)
-``devices``         the target (``--device``), visible NPUs / CUDA devices, ``ASCEND_RT_VISIBLE_
-                    DEVICES``, ``npu-smi info`` (health, HBM), device memory
+``devices``         the target (``--device``) and, for an NPU, the launcher steps done before any
+                    import of aurora (``npu.launch``); visible NPUs / CUDA devices, ``ASCEND_RT_
+                    VISIBLE_DEVICES``, ``npu-smi info`` (health, HBM), device memory
 ``required_ops``    linear, matmul, SDPA, layer_norm, softmax, … on the target vs the CPU
 ``optional_ops``    rfft/irfft, pinv, bf16 linear — the patch set can move FFT/pinv to the CPU
 ``patch_set``       self-test of the patch set: a mini patch embedding (``nn.Linear`` on the target
@@ -171,6 +172,8 @@ class _Context:
     fft_fallback_needed: bool | None = None
     deepspeed_config: str | None = None  # --deepspeed-config FILE
     deepspeed_findings: list | None = None  # its deepspeed_config.Finding list (None: not given)
+    launch: npu.LaunchRecord | None = None  # the launcher steps done for an NPU target (npu.launch)
+    launch_error: str | None = None
 
     def no_target(self, result: SectionResult) -> bool:
         """Mark ``result`` skipped when there is no usable target; True if so."""
@@ -343,6 +346,13 @@ def _section_devices(ctx: _Context, r: SectionResult) -> None:
                          f"(torch_npu {status.torch_npu_version})")
     else:
         r.details.append(f"no NPU: {status.reason if status else 'not probed'}")
+    if ctx.launch is not None:
+        r.details.append(f"launcher (before any import of aurora): {ctx.launch.describe()}")
+        r.data["launch"] = {"device": ctx.launch.device, "steps": list(ctx.launch.steps)}
+    elif ctx.launch_error:
+        r.worse("fail")
+        r.details.append(f"launcher steps on {ctx.target}: FAILED — {ctx.launch_error}")
+        r.fixes.append(f"transfer_to_npu / compile mode / set_device fail on {ctx.target}: {ctx.launch_error}")
     visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
     r.details.append(f"ASCEND_RT_VISIBLE_DEVICES={'unset' if visible is None else visible}")
     r.data.update(npu_available=bool(status and status.available),
@@ -896,6 +906,13 @@ def _build_context(device: str) -> _Context:
         raise
     except Exception as exc:  # DeviceUnavailableError: one sentence with the fix
         ctx.target_error = str(exc)
+        return ctx
+    try:
+        # As the guide's launcher (seed §4.2), before the patch-set and smoke sections import aurora;
+        # a CPU/CUDA target: nothing.
+        ctx.launch = npu.launch(ctx.target)
+    except Exception as exc:  # noqa: BLE001 - reported in the devices section
+        ctx.launch_error = npu._first_line(exc)
     return ctx
 
 

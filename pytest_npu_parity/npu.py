@@ -9,9 +9,10 @@ Nothing here imports ``torch_npu`` unless it is installed (``importlib.util.find
 ``torch`` itself is imported lazily: installing torch_npu on a machine without CANN breaks
 ``import torch`` (device-backend autoload), and this module must still be able to say so.
 
-The compat layer (``register_transfer_to_npu``, ``bind_device``, ``set_npu_options``,
-``precision_flags``, ``dist_backend_for``) follows the Aurora→Ascend adaptation guide
-(seed ``000_76a3155d974abf2f.txt``, §4.2 launcher steps ①–②, §7.3 HCCL, §9.4 compile mode).
+The compat layer (``register_transfer_to_npu``, ``set_npu_options``, ``bind_device``, and ``launch``,
+which runs those three in the launcher's order; ``precision_flags``, ``dist_backend_for``) follows the
+Aurora→Ascend adaptation guide (seed ``000_76a3155d974abf2f.txt``, §4.2 launcher steps ①–②, §7.3 HCCL,
+§9.4 compile mode).
 ``probe_ops`` runs small ops on a device and compares them with the CPU; the doctor uses it, and
 ``needs_fft_fallback`` uses it to decide whether the patch set must run FFTs on the CPU.
 """
@@ -846,6 +847,120 @@ def set_npu_options() -> bool:
     torch_npu = importlib.import_module("torch_npu")
     torch_npu.npu.set_compile_mode(jit_compile=False)
     return True
+
+
+class LaunchOrderError(RuntimeError):
+    """A package the launcher must precede (``LAUNCH_BEFORE``) was imported before :func:`launch` ran."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchRecord:
+    """What :func:`launch` did in this process, in order.
+
+    Attributes:
+        device: the bound device, e.g. ``"npu:1"``.
+        steps: the steps in the order they ran: ``"transfer_to_npu"``,
+            ``"set_compile_mode(jit_compile=False)"``, ``"set_device(1)"``.
+    """
+
+    device: str
+    steps: tuple[str, ...]
+
+    def describe(self) -> str:
+        """One line for the report header and the doctor, e.g. ``transfer_to_npu → … → set_device(0)``."""
+        return " → ".join(self.steps)
+
+
+#: Top-level packages that must be imported only after :func:`launch` (seed §4.2, "关键保证": npu_compat
+#: must be loaded before ``import aurora``, else aurora's modules and parameters are created before
+#: ``transfer_to_npu`` redirects them).
+LAUNCH_BEFORE: tuple[str, ...] = ("aurora",)
+_LAUNCHED: LaunchRecord | None = None
+
+
+def _device_index(device: Any) -> int:
+    """Index of a ``torch.device`` or device string (``"npu:1"`` → 1; no index → 0)."""
+    if isinstance(device, str):
+        match = re.match(r"^\s*[A-Za-z_]\w*:(\d+)\s*$", device)
+        return int(match.group(1)) if match else 0
+    return int(getattr(device, "index", None) or 0)
+
+
+def launch(device: "torch.device | str") -> LaunchRecord | None:
+    """Do for an NPU target what the Ascend guide's launcher does before ``import aurora``.
+
+    The guide's ``aurora_launcher.py`` (seed ``000_76a3155d974abf2f.txt`` §4.2) runs, before any
+    upstream code: ① ``import npu_compat`` — registers ``torch_npu.contrib.transfer_to_npu`` and
+    (§9.4: "npu_compat.set_npu_options() 已在导入时自动设置") sets
+    ``torch_npu.npu.set_compile_mode(jit_compile=False)``; ② ``setup_device(local_rank)`` —
+    ``torch.npu.set_device`` (before HCCL, §7.3 ③). This does the same, in that order:
+    :func:`register_transfer_to_npu`, :func:`set_npu_options`, :func:`bind_device` with the
+    target's index. The compile mode matters for numerics and layout, not only for speed: torch_npu
+    2.5.1 casts BatchNorm weights to an internal format (NC1HWC0) when a module is moved to the NPU
+    unless ``torch.npu.is_jit_compile_false()`` (``torch_npu/utils/_module.py``), so it is set before
+    any model is built or moved.
+
+    Called by the pytest plugin at session start (every xdist worker with its own pinned device),
+    by every spawned data-parallel rank (``distributed``) and by the doctor. Idempotent: a second
+    call for the same device returns the first record; a call for another device binds that one.
+
+    Args:
+        device: the target (``torch.device`` or ``"npu:N"``).
+
+    Returns:
+        The ``LaunchRecord``, or None for a CPU/CUDA target (nothing is done or imported there).
+
+    Raises:
+        LaunchOrderError: on the first launch of the process, ``aurora`` is already imported (the
+            message names the fix).
+        RuntimeError: no NPU is available (the message is ``npu_status().reason``).
+        ValueError: as :func:`bind_device` (an index beyond the visible NPUs).
+    """
+    global _LAUNCHED
+    if _parse_device_type(device) != "npu":
+        return None
+    index = _device_index(device)
+    with _STATUS_LOCK:
+        if _LAUNCHED is not None:
+            if _LAUNCHED.device != f"npu:{index}":
+                bind_device(index, device_type="npu")
+                _LAUNCHED = dataclasses.replace(_LAUNCHED, device=f"npu:{index}",
+                                                steps=_LAUNCHED.steps + (f"set_device({index})",))
+            return _LAUNCHED
+        early = [name for name in LAUNCH_BEFORE if sys.modules.get(name) is not None]
+        if early:
+            raise LaunchOrderError(
+                f"{', '.join(early)} was imported before the NPU launcher steps (transfer_to_npu, compile mode, "
+                f"set_device) — the Ascend guide requires them first (seed §4.2), else its modules are built "
+                f"before transfer_to_npu redirects them; import {early[0]} inside a fixture or function, not at "
+                "the top of a conftest or plugin")
+        if not register_transfer_to_npu():
+            raise RuntimeError(f"cannot prepare {device} for the run: {npu_status().reason}")
+        steps = ["transfer_to_npu"]
+        set_npu_options()
+        steps.append("set_compile_mode(jit_compile=False)")
+        bind_device(index, device_type="npu")
+        steps.append(f"set_device({index})")
+        _LAUNCHED = LaunchRecord(f"npu:{index}", tuple(steps))
+        return _LAUNCHED
+
+
+def launched() -> LaunchRecord | None:
+    """The record of :func:`launch` in this process, or None when it has not run (or not on an NPU)."""
+    return _LAUNCHED
+
+
+#: The adaptation guide's warning for fp16 on an NPU (seed ``000_76a3155d974abf2f.txt`` §6.3:
+#: "WARNING [NPU] 检测到 FP16 精度。昇腾 910B 原生支持 BF16 且无需 loss scaling，强烈建议改用
+#: --precision bf16 以获得更好的稳定性与性能。"; §9.1 likewise), in English, with our option.
+FP16_NPU_WARNING = ("WARNING [NPU] fp16 precision selected: the Ascend 910B supports bf16 natively and needs no "
+                    "loss scaling; the adaptation guide strongly recommends bf16 (--parity-dtypes bf16) for better "
+                    "stability and performance")
+
+
+def fp16_warning(device: "torch.device | str", recipes: Iterable[str]) -> str | None:
+    """``FP16_NPU_WARNING`` when ``device`` is an NPU and ``recipes`` include ``fp16``, else None."""
+    return FP16_NPU_WARNING if _parse_device_type(device) == "npu" and "fp16" in set(recipes) else None
 
 
 def precision_flags() -> dict[str, bool | str]:

@@ -41,6 +41,9 @@ MARKER_KEYS = ("rtol", "atol", "budget", "reason", "recipes", "vacuous_ok", "pol
 #: Largest seed (``--parity-seed``, ini ``parity_seed``): torch generators take 64-bit seeds, numpy
 #: and the shared random stream signed 64-bit ones.
 MAX_SEED = 2**63 - 1
+#: Recipes with their own ini ``parity_<recipe>_tolerance`` / ``parity_<recipe>_policy`` keys
+#: (``bf16-weights`` follows ``bf16``).
+OVERRIDABLE_RECIPES = ("fp32", "bf16", "fp16")
 #: Path options whose separate value (``--baseline-dir DIR``) pytest reads as a test path while it
 #: chooses its rootdir and ini file, before this plugin's options are known.
 PATH_OPTIONS = ("--baseline-dir", "--parity-report", "--parity-history")
@@ -58,7 +61,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "check, else a live CPU run), cpu (always a live CPU run) or baseline (a missing "
                          "baseline fails). Default: ini parity_reference or auto")
     group.addoption("--parity-dtypes", default=None, metavar="RECIPES",
-                    help="comma-separated recipes to run every parity test under: fp32, bf16, bf16-weights "
+                    help="comma-separated recipes to run every parity test under: fp32, bf16, bf16-weights, "
+                         "fp16 (autocast fp16; training steps with a dynamic GradScaler) "
                          "(default: ini parity_dtypes or fp32,bf16)")
     group.addoption("--update-baselines", action="store_true", default=False,
                     help="record mode: run each check's reference computation on --parity-device and write "
@@ -110,7 +114,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("parity_tolerances", type="linelist", default=[],
                   help="per-check tolerance overrides, one per line: "
                        "'<check name or glob>: rtol=1e-4 atol=1e-4 budget=0 # reason'")
-    for recipe in ("fp32", "bf16"):
+    for recipe in OVERRIDABLE_RECIPES:
         parser.addini(f"parity_{recipe}_tolerance", default="",
                       help=f"override of the {recipe} default tolerance, e.g. 'rtol=1e-5 atol=1e-5 # reason'")
         parser.addini(f"parity_{recipe}_policy", default="",
@@ -172,7 +176,7 @@ def _tolerance_overrides(config: pytest.Config) -> tuple[dict, dict]:
     per_check: dict = {}
     per_recipe: dict = {}
     try:
-        for recipe in ("fp32", "bf16"):
+        for recipe in OVERRIDABLE_RECIPES:
             spec = config.getini(f"parity_{recipe}_tolerance").strip()
             if spec:
                 per_recipe[recipe] = parse_tolerance_spec(spec, source="ini", base=default_for_recipe(recipe))
@@ -200,7 +204,7 @@ def _policy_overrides(config: pytest.Config) -> tuple[dict, dict]:
     per_recipe: dict = {}
     per_check: dict = {}
     option = (config.getoption("parity_policy") or "").replace("golden-floor", "golden floor") or None
-    for recipe in ("fp32", "bf16"):
+    for recipe in OVERRIDABLE_RECIPES:
         key = f"parity_{recipe}_policy"
         spec = option or config.getini(key).strip()
         if spec:
@@ -355,6 +359,7 @@ def _make_session(config: pytest.Config):
                                        _opt(config, "parity_worker_devices", "parity_worker_devices") or None)
     except (ValueError, DeviceUnavailableError) as exc:
         raise pytest.UsageError(str(exc)) from None
+    _launch(config, target)
     reference = _opt(config, "parity_reference", "parity_reference")
     if reference not in ("auto", "cpu", "baseline"):
         raise pytest.UsageError(f"ini parity_reference={reference!r}: use auto, cpu or baseline")
@@ -377,6 +382,31 @@ def _make_session(config: pytest.Config):
         check_hooks=[selfcheck.SelfCheck()] if config.getoption("parity_selfcheck") else [],
         recipe_policies=recipe_policies, check_policies=check_policies,
     )
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    """True in the pytest-xdist controller of a distributed run: it runs no test (its workers do),
+    so it binds no device. xdist's own test (``plugin._is_distribution_mode``): ``--dist`` not ``no``
+    and test environments (``--tx``, set from ``-n``), and not ``--collect-only``."""
+    if getattr(config, "workerinput", None) is not None:
+        return False
+    option = config.option
+    return (getattr(option, "dist", "no") != "no" and bool(getattr(option, "tx", None))
+            and not getattr(option, "collectonly", False))
+
+
+def _launch(config: pytest.Config, target: Any) -> None:
+    """On an NPU target, before any suite imports aurora: the launcher steps of the Ascend guide
+    (``npu.launch``: transfer_to_npu, compile mode, ``torch.npu.set_device``), in every process that
+    runs tests (each xdist worker with its own pinned device). A CPU/CUDA target: nothing."""
+    if target.type != "npu" or _is_xdist_controller(config):
+        return
+    from .npu import LaunchOrderError, launch
+
+    try:
+        launch(target)
+    except (LaunchOrderError, RuntimeError, ValueError, ImportError) as exc:  # ImportError: transfer_to_npu
+        raise pytest.UsageError(f"--parity-device={target}: {exc}") from None
 
 
 def _seed(config: pytest.Config) -> int:
@@ -562,6 +592,15 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     deepspeed = _deepspeed_header(config)
     if deepspeed:
         lines.append(deepspeed)
+    record = _npu.launched() if session.target.type == "npu" else None
+    if record is not None:
+        lines.append(f"npu-parity: launcher (before any import of aurora): {record.describe()}")
+    elif session.target.type == "npu" and _is_xdist_controller(config):
+        lines.append("npu-parity: launcher (before any import of aurora): in every xdist worker, transfer_to_npu → "
+                     "set_compile_mode(jit_compile=False) → set_device(<the worker's device>)")
+    warning = _npu.fp16_warning(session.target, _recipe_names(config))
+    if warning:
+        lines.append(f"npu-parity: {warning}")
     pinning = _worker_pinning_line(config)
     return lines + [pinning] if pinning else lines
 
@@ -1160,7 +1199,9 @@ def _unused_baselines(config: pytest.Config, session: Any) -> list[Path]:
 
     In scope are the files whose recorded test id (file metadata ``test_id``) names a test file
     under one of the run's directories (``config.args``), so ``pytest --update-baselines
-    parity_suites/aurora`` never touches another suite's files. Kept are the files of every
+    parity_suites/aurora`` never touches another suite's files, and whose recorded recipe (the
+    provenance's ``recipe``) is one this session runs: a default run (``fp32,bf16``) leaves the
+    files of the opt-in ``fp16`` recipe alone. Kept are the files of every
     collected test (also deselected, skipped or failed ones, and with ``--parity-reference cpu``)
     and every file the run read or wrote. Files whose metadata cannot be read are left alone (the
     test that uses them reports them).
@@ -1176,10 +1217,11 @@ def _unused_baselines(config: pytest.Config, session: Any) -> list[Path]:
             pass
     invocation = Path(config.invocation_params.dir)
     scope = [(invocation / arg).resolve() for arg in config.args]
+    recipes = set(_recipe_names(config))
     unused = []
     for path in store.unused(kept):
-        test_id = _recorded_test_id(path)
-        if not test_id:
+        test_id, recipe = _recorded_test_id(path), _recorded_recipe(path)
+        if not test_id or (recipe is not None and recipe not in recipes):
             continue
         test_file = (config.rootpath / test_id.partition("::")[0]).resolve()
         if any(test_file.is_relative_to(d) for d in scope):
@@ -1195,6 +1237,18 @@ def _recorded_test_id(path: Path) -> str | None:
         with safe_open(str(path), framework="pt") as handle:
             return (handle.metadata() or {}).get("test_id")
     except Exception:  # not a safetensors file, truncated header...: not judged here
+        return None
+
+
+def _recorded_recipe(path: Path) -> str | None:
+    """The recipe in a baseline file's provenance (its safetensors header only), or None if unreadable."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            recipe = json.loads((handle.metadata() or {}).get("provenance") or "{}").get("recipe")
+        return recipe if isinstance(recipe, str) else None
+    except Exception:  # not a safetensors file, truncated header, no provenance: not judged here
         return None
 
 

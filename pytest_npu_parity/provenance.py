@@ -6,7 +6,8 @@ still describes the current model and input:
 
 * ``collect_provenance(device, recipe=..., seed=...)`` — a JSON-ready dict: plugin, torch,
   torch_npu, CANN, transformers and aurora-model versions, Python and OS, the device type and
-  name, recipe, seed, precision flags, creation time (UTC) and the project's git revision.
+  name, recipe, seed, precision flags, creation time (UTC) and the project's git revision; on an
+  NPU also torch_npu's compile mode and the Ascend/HCCL environment (``ascend_environment``).
   The host name is deliberately left out (baselines are committed to git and shared).
 * ``describe_provenance(prov)`` — the one-line summary that reports and failure messages print.
 * ``fingerprint_tensors(obj)`` — a BLAKE2b digest of a nested structure of tensors and scalars.
@@ -86,9 +87,11 @@ def collect_provenance(
     Returns:
         A dict with the keys ``plugin_version, torch, cuda, torch_npu, cann, transformers,
         aurora_model, python, platform, device_type, device_index, device_name, recipe, seed,
-        precision_flags, created, git_revision, git_dirty``. Versions of absent packages and an
-        unknown git revision are ``None``. ``created`` is UTC ISO-8601 to the second
-        (``2026-11-30T09:27:05+00:00``). The host name is never included.
+        precision_flags, created, git_revision, git_dirty``; for an NPU device also
+        ``npu_compile_mode`` (:func:`npu_compile_mode`) and ``ascend_env``
+        (:func:`ascend_environment`). Versions of absent packages and an unknown git revision are
+        ``None``. ``created`` is UTC ISO-8601 to the second (``2026-11-30T09:27:05+00:00``). The
+        host name is never included.
 
     Raises:
         TypeError: when ``precision_flags`` or ``extra`` hold a value JSON cannot encode; the
@@ -118,6 +121,9 @@ def collect_provenance(
         "git_revision": revision,
         "git_dirty": dirty,
     }
+    if device.type == "npu":  # only there: on other targets torch_npu's runtime is not touched
+        prov["npu_compile_mode"] = npu_compile_mode()
+        prov["ascend_env"] = ascend_environment()
     for key, value in (extra or {}).items():
         prov[str(key)] = value
     for key, value in prov.items():
@@ -129,6 +135,66 @@ def collect_provenance(
                 "pass strings, numbers, booleans, None, or lists/dicts of them"
             ) from None
     return prov
+
+
+#: Environment variables that change what torch_npu, CANN or HCCL compute or how they behave, recorded
+#: by name (``ascend_environment``) besides every ``ASCEND_*`` and ``HCCL_*`` variable. Sources: the seed
+#: guides (000 §7.3/§9.2/§9.3: ``HCCL_TIMEOUT``, ``HCCL_BUFFSIZE``, ``PYTORCH_NPU_ALLOC_CONF``; 001 §0.1/§0.5:
+#: ``ASCEND_RT_VISIBLE_DEVICES``, ``ASCEND_GLOBAL_LOG_LEVEL``, ``ASCEND_SLOG_PRINT_TO_STDOUT``,
+#: ``ASCEND_AICPU_PATH``) and the variables the torch_npu 2.5.1 wheel reads (``torch_npu/lib/libtorch_npu.so``
+#: strings and its Python sources): ``INF_NAN_MODE_ENABLE`` / ``INF_NAN_MODE_FORCE_DISABLE`` (inf/NaN vs
+#: saturation mode of fp16 overflow, which the GradScaler's overflow check depends on), ``TASK_QUEUE_ENABLE``,
+#: ``ASCEND_LAUNCH_BLOCKING``, ``MULTI_STREAM_MEMORY_REUSE``, ``COMBINED_ENABLE``, ``P2P_HCCL_BUFFSIZE``,
+#: ``HCCL_DETERMINISTIC``, ``HCCL_ALGO``, ``HCCL_EXEC_TIMEOUT``, ``HCCL_CONNECT_TIMEOUT``, ``NPU_ASD_*``
+#: (silent-data-corruption detection), ``ACLNN_CACHE_LIMIT``, ``ENABLE_ACLNN``, ``CPU_AFFINITY_CONF``,
+#: ``NPU_FUZZY_COMPILE_BLACKLIST``, ``HOST_CACHE_CAPACITY``.
+ASCEND_ENV_NAMES: tuple[str, ...] = (
+    "PYTORCH_NPU_ALLOC_CONF", "INF_NAN_MODE_ENABLE", "INF_NAN_MODE_FORCE_DISABLE", "TASK_QUEUE_ENABLE",
+    "MULTI_STREAM_MEMORY_REUSE", "COMBINED_ENABLE", "P2P_HCCL_BUFFSIZE", "NPU_ASD_ENABLE",
+    "NPU_ASD_SIGMA_THRESH", "NPU_ASD_UPPER_THRESH", "ACLNN_CACHE_LIMIT", "ENABLE_ACLNN", "CPU_AFFINITY_CONF",
+    "NPU_FUZZY_COMPILE_BLACKLIST", "HOST_CACHE_CAPACITY",
+)
+#: Prefixes of the recorded variables (CANN's ``ASCEND_*``, HCCL's ``HCCL_*``).
+ASCEND_ENV_PREFIXES: tuple[str, ...] = ("ASCEND_", "HCCL_")
+#: Value recorded for a location variable (name ending in ``_PATH`` or ``_HOME``): that it is set
+#: counts (e.g. ``ASCEND_CUSTOM_OPP_PATH`` swaps kernels), the directory names a machine, not a
+#: setting, and baselines are shared (CANN's version is recorded on its own).
+LOCATION_SET = "<set>"
+
+
+def ascend_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The Ascend/HCCL environment variables of this run that change numerics or behaviour.
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+
+    Returns:
+        ``{name: value}`` sorted by name, for every variable named in ``ASCEND_ENV_NAMES`` or starting
+        with one of ``ASCEND_ENV_PREFIXES``; a location variable (``*_PATH``, ``*_HOME``) is recorded
+        as ``LOCATION_SET``. Empty when none is set.
+    """
+    environ = os.environ if environ is None else environ
+    found = {}
+    for name in sorted(environ):
+        if name in ASCEND_ENV_NAMES or name.startswith(ASCEND_ENV_PREFIXES):
+            found[name] = LOCATION_SET if name.endswith(("_PATH", "_HOME")) else str(environ[name])
+    return found
+
+
+def npu_compile_mode() -> str | None:
+    """torch_npu's operator compile mode in force: ``"jit_compile=False"`` (CANN's precompiled binary
+    kernels, what the guide's launcher sets, seed §9.4) or ``"jit_compile=True"`` (online compilation,
+    torch_npu's default), read with ``torch_npu.npu.is_jit_compile_false()`` (torch_npu 2.5.1
+    ``torch_npu/npu/npu_config.py``); None when torch_npu is not loaded or cannot answer. Only
+    called for an NPU device (the call initializes the NPU runtime)."""
+    module = sys.modules.get("torch_npu")
+    getter = getattr(getattr(module, "npu", None), "is_jit_compile_false", None)
+    if getter is None:
+        return None
+    try:
+        return f"jit_compile={not bool(getter())}"
+    except Exception:  # a broken runtime must not stop a provenance record
+        return None
 
 
 def describe_provenance(prov: Mapping[str, Any] | None) -> str:

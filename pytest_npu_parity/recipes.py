@@ -8,6 +8,14 @@
   own device, never the fp32 output (FINDINGS: bf16 vs fp32 fails allclose(1e-3) on 79 % of
   elements).
 * ``bf16-weights`` — weights and floating inputs cast to bfloat16, no autocast.
+* ``fp16`` — fp32 weights under ``torch.autocast(device_type, dtype=torch.float16)``, the way Hugging
+  Face Trainer runs with ``fp16=True``; a training step scales its loss with a dynamic
+  ``GradScaler`` (:func:`make_grad_scaler`: torch_npu's on an NPU, ``torch.amp.GradScaler`` elsewhere),
+  because fp16's range (max 65504, smallest normal 2^-14) lets small gradients underflow. Opt-in
+  (``--parity-dtypes fp16``): the Ascend guide recommends bf16 on a 910B (seed
+  ``000_76a3155d974abf2f.txt`` §6.3, §9.1: native bf16, no loss scaling). Measured on the CPU with
+  torch 2.5.1 and 2.14.1: autocast fp16 runs the tiny Aurora's forward and backward, and
+  ``torch.amp.GradScaler("cpu")`` scales and unscales its gradients.
 
 Every recipe runs with the strict fp32 flags, so the fp32 parts of a bf16 run are not silently
 TF32/HF32 either.
@@ -19,7 +27,8 @@ path by ``torch.is_autocast_enabled()`` with no device argument, which is False 
 then runs in bf16 (its output equals the fast path of a bf16-weights copy bitwise, measured on
 2.14.1); on 2.5.1 it raises "mat1 and mat2 must have the same dtype, but got BFloat16 and Float".
 Where a probe shows that failure, the autocast recipes cast the op's floating arguments to the
-autocast dtype, which reproduces the newer torch's numbers (bitwise equal on the probe layer).
+autocast dtype, which reproduces the newer torch's numbers (bitwise equal on the probe layer). The
+same failure happens under fp16 autocast ("got Half and Float" on 2.5.1), so the probe is per dtype.
 """
 from __future__ import annotations
 
@@ -35,15 +44,18 @@ class Recipe:
     """A named precision recipe.
 
     Attributes:
-        name: ``fp32``, ``bf16`` or ``bf16-weights``.
+        name: ``fp32``, ``bf16``, ``bf16-weights`` or ``fp16``.
         autocast_dtype: dtype for ``torch.autocast`` on the device, or ``None``.
         weights_dtype: dtype the module's floating parameters and floating inputs are cast to, or
             ``None`` to keep them as they are.
+        loss_scaling: a training step scales its loss with a dynamic ``GradScaler``
+            (:func:`make_grad_scaler`; ``runner.ParityCase.train_step`` says how).
     """
 
     name: str
     autocast_dtype: torch.dtype | None = None
     weights_dtype: torch.dtype | None = None
+    loss_scaling: bool = False
 
     @contextlib.contextmanager
     def context(self, device: torch.device) -> Iterator[None]:
@@ -62,29 +74,74 @@ RECIPES: dict[str, Recipe] = {
     "fp32": Recipe("fp32"),
     "bf16": Recipe("bf16", autocast_dtype=torch.bfloat16),
     "bf16-weights": Recipe("bf16-weights", weights_dtype=torch.bfloat16),
+    "fp16": Recipe("fp16", autocast_dtype=torch.float16, loss_scaling=True),
 }
 
+#: Recipes a session runs when neither ``--parity-dtypes`` nor ini ``parity_dtypes`` says otherwise.
+#: ``fp16`` and ``bf16-weights`` are opt-in.
+DEFAULT_RECIPES = "fp32,bf16"
 
-_FAST_PATH_BROKEN: bool | None = None
+
+class RecipeError(RuntimeError):
+    """A recipe cannot run here (e.g. no GradScaler for the device); the message says why and the fix."""
 
 
-def cpu_autocast_breaks_encoder_fast_path() -> bool:
-    """Whether this torch's ``TransformerEncoderLayer`` fast path fails under CPU bf16 autocast.
+def make_grad_scaler(device: torch.device | str) -> object:
+    """A fresh dynamic loss scaler for a training step on ``device`` (the ``fp16`` recipe).
 
-    Probed once per process on a 2-head, 8-wide layer (``torch._transformer_encoder_layer_fwd``
-    with a bf16 input and fp32 weights): True on torch 2.5.1 ("mat1 and mat2 must have the same
-    dtype"), False on the torch releases that run it (2.14.1 measured).
+    * ``npu``: ``torch_npu.npu.amp.GradScaler()`` — what the Ascend guide's ``amp_grad_scaler("fp16")``
+      returns (seed ``000_76a3155d974abf2f.txt`` §6.3). In the torch_npu 2.5.1 wheel
+      (``torch_npu/npu/amp/grad_scaler.py``, ``GradScaler.__init__``) it takes ``init_scale=2.**16,
+      growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, dynamic=True, enabled=True`` and no
+      ``device`` argument; it subclasses ``torch.amp.GradScaler``, and its ``scale`` raises
+      ``"Device type of outputs should be npu"`` for any other tensor, so the CPU side never uses it.
+    * ``cuda`` / ``cpu``: ``torch.amp.GradScaler(device.type)`` (torch >= 2.3; present in 2.5.1 and
+      2.14.1, ``torch/amp/grad_scaler.py``: ``__init__(device="cuda", init_scale=65536.0,
+      growth_factor=2.0, backoff_factor=0.5, growth_interval=2000, enabled=True)``). On an older
+      torch: ``torch.cuda.amp.GradScaler()`` resp. ``torch.cpu.amp.GradScaler()``.
+
+    Every scaler thus starts at 2^16 and backs off by 0.5 — the defaults Hugging Face Trainer
+    (``fp16=True``) trains with.
+
+    Raises:
+        RecipeError: no GradScaler exists for the device type on this torch (the message names it).
     """
-    global _FAST_PATH_BROKEN
-    if _FAST_PATH_BROKEN is None:
+    # parsed by hand: torch.device("npu") is an error until torch_npu registers the type
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":", 1)[0].strip().lower()
+    if kind == "npu":
+        import importlib
+
+        return importlib.import_module("torch_npu.npu.amp").GradScaler()
+    scaler_cls = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    if scaler_cls is not None:
+        return scaler_cls(kind)
+    legacy = getattr(getattr(getattr(torch, kind, None), "amp", None), "GradScaler", None)
+    if legacy is None:
+        raise RecipeError(f"the fp16 recipe needs a GradScaler for {kind}, and torch {torch.__version__} "
+                          f"has neither torch.amp.GradScaler nor torch.{kind}.amp.GradScaler; "
+                          "run --parity-dtypes bf16 or install torch >= 2.3")
+    return legacy()
+
+
+_FAST_PATH_BROKEN: dict[torch.dtype, bool] = {}
+
+
+def cpu_autocast_breaks_encoder_fast_path(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this torch's ``TransformerEncoderLayer`` fast path fails under CPU autocast to ``dtype``.
+
+    Probed once per process and dtype on a 2-head, 8-wide layer (``torch._transformer_encoder_layer_fwd``
+    with an input in ``dtype`` and fp32 weights): True on torch 2.5.1 for bf16 and fp16 ("mat1 and mat2
+    must have the same dtype"), False on the torch releases that run it (2.14.1 measured).
+    """
+    if dtype not in _FAST_PATH_BROKEN:
         layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True).eval()
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
             try:
-                _ENCODER_FAST_PATH[0](torch.zeros(1, 2, 8, dtype=torch.bfloat16), *_fast_path_args(layer))
-                _FAST_PATH_BROKEN = False
+                _ENCODER_FAST_PATH[0](torch.zeros(1, 2, 8, dtype=dtype), *_fast_path_args(layer))
+                _FAST_PATH_BROKEN[dtype] = False
             except RuntimeError as exc:
-                _FAST_PATH_BROKEN = "must have the same dtype" in str(exc)
-    return _FAST_PATH_BROKEN
+                _FAST_PATH_BROKEN[dtype] = "must have the same dtype" in str(exc)
+    return _FAST_PATH_BROKEN[dtype]
 
 
 def _fast_path_args(layer: torch.nn.TransformerEncoderLayer) -> tuple:
@@ -106,7 +163,7 @@ def encoder_fast_path_autocast_shim(dtype: torch.dtype) -> Iterator[None]:
     Active only where :func:`cpu_autocast_breaks_encoder_fast_path` is True (module docstring);
     elsewhere a no-op. Restores the original op on exit, also on error.
     """
-    if not cpu_autocast_breaks_encoder_fast_path():
+    if not cpu_autocast_breaks_encoder_fast_path(dtype):
         yield
         return
     original = _ENCODER_FAST_PATH[0]

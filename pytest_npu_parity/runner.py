@@ -671,7 +671,10 @@ class ParityCase:
 
         Compared leaves: ``loss``; ``grad.<param>`` for every trainable parameter; ``param.<param>``
         after the step for every trainable parameter; ``buffer.<name>`` for every buffer (e.g.
-        BatchNorm running mean/var and num_batches_tracked).
+        BatchNorm running mean/var and num_batches_tracked). Under a loss-scaling recipe (``fp16``)
+        the backward, clipping and step go through a dynamic ``GradScaler``
+        (:func:`scaled_backward_and_step`), ``grad.<param>`` are the unscaled gradients, and three
+        leaves more are compared: ``amp.scale``, ``amp.skipped_steps`` and ``amp.grad_norm``.
         ``vacuous_ok``, ``fault_weight`` and ``policy`` are as in ``check``; the golden of a
         training step is the same step on a CPU copy of ``module`` in the golden dtype, without
         autocast.
@@ -705,13 +708,20 @@ class ParityCase:
             with self.recipe.context(_device_of(m)) if _recipe_context else contextlib.nullcontext():
                 output = m(**batch)
                 loss = loss_fn(output) if loss_fn else _default_loss(output)
-            loss.backward()
-            if max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_([p for _, p in params], max_grad_norm)
-            grads = {f"grad.{n}": p.grad.detach().clone() for n, p in params if p.grad is not None}
-            opt.step()
+            amp: dict[str, torch.Tensor] = {}
+            if self.recipe.loss_scaling:
+                amp = scaled_backward_and_step(loss, opt, params, _device_of(m), max_grad_norm)
+                grads = {k: v for k, v in amp.items() if k.startswith("grad.")}
+                amp = {k: v for k, v in amp.items() if k.startswith("amp.")}
+            else:
+                loss.backward()
+                if max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_([p for _, p in params], max_grad_norm)
+                grads = {f"grad.{n}": p.grad.detach().clone() for n, p in params if p.grad is not None}
+                opt.step()
             out: dict[str, torch.Tensor] = {"loss": loss.detach()}
             out.update(grads)
+            out.update(amp)
             out.update({f"param.{n}": p.detach() for n, p in params})
             out.update({f"buffer.{n}": b.detach() for n, b in m.named_buffers()})
             return out
@@ -1158,6 +1168,79 @@ def torch_version_mismatch(provenance: Any) -> str | None:
     return (f"Note: torch-version mismatch — the baseline was recorded with torch {recorded}, this run uses "
             f"torch {torch.__version__}. Kernels differ between releases; judge bf16 and training checks by "
             "the golden verdict (--parity-policy golden), or record baselines with this torch.")
+
+
+#: Most overflowing attempts ``scaled_backward_and_step`` backs off from (2^16 down to 2^-8 with
+#: the default scaler) before it records the step as skipped.
+MAX_SCALE_BACKOFFS = 24
+
+
+def scaled_backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
+                             params: list[tuple[str, torch.nn.Parameter]], device: torch.device,
+                             max_grad_norm: float | None) -> dict[str, torch.Tensor]:
+    """Backward, clipping and one optimizer step through a dynamic loss scaler (the ``fp16`` recipe).
+
+    The scaler is ``recipes.make_grad_scaler(device)`` (looked up when called, so a patch set can
+    replace it on the target side). Each attempt follows PyTorch's AMP recipe for clipping
+    (docs "Automatic Mixed Precision examples", "Gradient clipping"):
+    ``scaler.scale(loss).backward()``, ``scaler.unscale_(optimizer)``, ``clip_grad_norm_``,
+    ``scaler.step(optimizer)``, ``scaler.update()``. An attempt whose scaled gradients overflow is
+    skipped by the scaler (no optimizer step; ``update`` multiplies the scale by its
+    ``backoff_factor``, which both torch's and torch_npu's scalers require < 1, so a smaller scale
+    after ``update`` means a skipped step); it is then retried from the same forward with the
+    smaller scale, as the first iterations of an fp16 training run do (with the default 2^16 the
+    tiny Aurora's first attempt overflows in ``embed_layer.proj_layer.weight``: measured on torch
+    2.5.1 and 2.14.1). Retries stop at the first step taken, at a non-finite loss (no scale helps)
+    or after ``MAX_SCALE_BACKOFFS``.
+
+    Args:
+        loss: the scalar loss of the forward (its graph is kept for the retries).
+        optimizer: the step's optimizer over ``params``.
+        params: ``(name, parameter)`` of every trainable parameter.
+        device: where the step runs (chooses the scaler).
+        max_grad_norm: clip value of ``torch.nn.utils.clip_grad_norm_`` on the unscaled gradients,
+            or None.
+
+    Returns:
+        ``grad.<name>`` (the unscaled, clipped gradients of the attempt last run), ``amp.scale``
+        (float32 0-d: the scale after the last ``update``), ``amp.skipped_steps`` (int64 0-d:
+        attempts skipped for overflow) and ``amp.grad_norm`` (float32 0-d: the global 2-norm of
+        the unscaled gradients before clipping; clipping makes the gradients blind to a wrong
+        unscale factor, this leaf is not).
+
+    Raises:
+        recipes.RecipeError: no GradScaler for the device.
+    """
+    from . import recipes
+
+    scaler = recipes.make_grad_scaler(device)
+    tensors = [p for _, p in params]
+    skipped = 0
+    while True:
+        optimizer.zero_grad(set_to_none=True)
+        scale_before = float(scaler.get_scale())
+        scaler.scale(loss).backward(retain_graph=True)
+        scaler.unscale_(optimizer)
+        present = [p.grad for p in tensors if p.grad is not None]
+        if max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(tensors, max_grad_norm)
+        elif present:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach()) for g in present]))
+        else:
+            norm = torch.zeros(())
+        grads = {f"grad.{n}": p.grad.detach().clone() for n, p in params if p.grad is not None}
+        scaler.step(optimizer)
+        scaler.update()
+        taken = float(scaler.get_scale()) >= scale_before
+        if taken or skipped + 1 >= MAX_SCALE_BACKOFFS or not bool(torch.isfinite(loss.detach())):
+            skipped += 0 if taken else 1
+            break
+        skipped += 1
+    out: dict[str, torch.Tensor] = dict(grads)
+    out["amp.scale"] = torch.tensor(float(scaler.get_scale()), dtype=torch.float32)
+    out["amp.skipped_steps"] = torch.tensor(skipped, dtype=torch.int64)
+    out["amp.grad_norm"] = norm.detach().to(torch.float32).reshape(())
+    return out
 
 
 def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

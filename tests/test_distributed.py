@@ -236,3 +236,7 @@ def test_launch_arguments_are_checked_before_anything_is_spawned():
         distributed.data_parallel_step(regression, _regression_batch(), world_size=2, recipe="fp8")
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         distributed.data_parallel_step(regression, _regression_batch(), world_size=2, timeout_s=0)
+    with pytest.raises(ValueError, match="the data-parallel step has no fp16 recipe: it would need a GradScaler"):
+        distributed.data_parallel_step(regression, _regression_batch(), world_size=2, recipe="fp16")
+    with pytest.raises(ValueError, match="no fp16 recipe"):
+        distributed.reference_step(torch.nn.Linear(2, 1), {"x": torch.ones(2, 2)}, world_size=2, recipe="fp16")

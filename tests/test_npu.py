@@ -488,3 +488,176 @@ def test_stub_version_mismatch_is_judged_without_importing(tmp_path):
         f"torch_npu 1.11.0.post14 is built for torch 1.11.0, but torch "
         f"{importlib.metadata.version('torch')} is installed — install torch 1.11.0")
     assert result["torch_npu_imported"] is False
+
+
+# --------------------------------------------------------------------------------------------
+# The launcher (seed §4.2): transfer_to_npu, compile mode, set_device — before `import aurora`
+# --------------------------------------------------------------------------------------------
+
+#: What every process that imports aurora on an NPU target must have done first, in this order.
+LAUNCH_ORDER = ["transfer_to_npu", "set_compile_mode", "set_device"]
+#: The suite's fixture paths to aurora, one test each: the `aurora` fixture (full model), the
+#: `aurora_tiny` fixture (training step) and the device-propagation tests' own tiny model.
+FIXTURE_PATHS = {
+    "parity_suites/aurora/test_model.py::test_model[fp16-aurora_model]": "aurora",
+    "parity_suites/aurora/test_train_step.py::test_train_step[fp16]": "aurora_tiny",
+    "parity_suites/aurora/test_device_propagation.py::test_attention": "tiny",
+}
+
+
+def _events(log: Path) -> dict[int, list[dict]]:
+    """The stub's event log (tests/fakes/torch_npu_stub/torch_npu/_events.py) per process, in order."""
+    per_pid: dict[int, list[dict]] = {}
+    for line in log.read_text(encoding="utf-8").splitlines():
+        event = json.loads(line)
+        per_pid.setdefault(event["pid"], []).append(event)
+    return per_pid
+
+
+def _assert_launched_before_aurora(per_pid: dict[int, list[dict]]) -> list[dict]:
+    """Every process that imported aurora did exactly the launcher steps first, in the guide's order;
+    returns the import events."""
+    imports = []
+    for pid, events in per_pid.items():
+        names = [e["event"] for e in events]
+        if "import aurora" not in names:
+            continue
+        first = names.index("import aurora")
+        assert names[:first] == LAUNCH_ORDER, (pid, names)
+        assert events[1]["jit_compile"] is False
+        imports += [e for e in events if e["event"] == "import aurora"]
+    assert imports, per_pid
+    return imports
+
+
+def test_launch_does_nothing_for_a_cpu_or_cuda_target(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a launcher step ran for a CPU/CUDA target")
+
+    for name in ("register_transfer_to_npu", "set_npu_options", "bind_device", "npu_status"):
+        monkeypatch.setattr(npu, name, forbidden)
+    assert npu.launch(torch.device("cpu")) is None
+    assert npu.launch("cuda:1") is None
+    assert npu.launched() is None
+    assert npu.fp16_warning("cpu", ["fp16"]) is None and npu.fp16_warning("cuda:0", ["fp32", "fp16"]) is None
+
+
+def test_fp16_warning_quotes_the_guide_on_an_npu():
+    assert npu.fp16_warning("npu:0", ["fp32", "bf16"]) is None
+    text = npu.fp16_warning("npu:1", ["fp32", "fp16"])
+    assert text == npu.FP16_NPU_WARNING and text.startswith("WARNING [NPU] fp16")
+    assert "bf16 natively and needs no loss scaling" in text and "--parity-dtypes bf16" in text
+
+
+def test_stub_launch_order_idempotence_and_rebinding(tmp_path):
+    site = fake_env.build_site(tmp_path / "site", version=TORCH_BASE)
+    log = tmp_path / "events.jsonl"
+    code = """
+import json
+from pytest_npu_parity import npu
+first = npu.launch("npu:1")
+again = npu.launch("npu:1")
+other = npu.launch("npu:0")
+print(json.dumps({"first": [first.device, list(first.steps)], "same": again is first,
+                  "other": [other.device, list(other.steps)], "describe": first.describe()}))
+"""
+    env = fake_env.fake_env(site=site, toolkit=fake_env.TOOLKIT_HOME, event_log=log, FAKE_NPU_DEVICE_COUNT="2")
+    proc = fake_env.run_python(code, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    steps = ["transfer_to_npu", "set_compile_mode(jit_compile=False)", "set_device(1)"]
+    assert out["first"] == ["npu:1", steps] and out["same"] is True
+    assert out["other"] == ["npu:0", steps + ["set_device(0)"]]
+    assert out["describe"] == " → ".join(steps)
+    [events] = _events(log).values()
+    assert [(e["event"], e.get("index", e.get("jit_compile"))) for e in events] == [
+        ("transfer_to_npu", None), ("set_compile_mode", False), ("set_device", 1), ("set_device", 0)]
+
+
+def test_stub_launch_after_import_aurora_is_refused_and_the_plugin_says_why(tmp_path):
+    site = fake_env.build_site(tmp_path / "site", version=TORCH_BASE)
+    env = fake_env.fake_env(site=site, toolkit=fake_env.TOOLKIT_HOME)
+    # An import of aurora that came too early, as a bare module in sys.modules (what the guard
+    # looks at), so that no test pays for importing transformers here.
+    early = "import sys, types\nsys.modules['aurora'] = types.ModuleType('aurora')\n"
+    code = early + """
+from pytest_npu_parity import npu
+try:
+    npu.launch("npu:0")
+except npu.LaunchOrderError as exc:
+    print("refused:", exc)
+"""
+    proc = fake_env.run_python(code, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("refused: aurora was imported before the NPU launcher steps (transfer_to_npu, "
+                                  "compile mode, set_device)")
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(early, encoding="utf-8")  # a conftest importing aurora at its top
+    (suite / "test_x.py").write_text("def test_x(parity):\n    pass\n", encoding="utf-8")
+    proc = fake_env.run_python(args=["-m", "pytest", "-p", "no:cacheprovider", "--npu-parity",
+                                     "--parity-device", "npu", str(suite)], env=env)
+    assert proc.returncode == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--parity-device=npu:0: aurora was imported before the NPU launcher steps" in proc.stderr
+    assert "import aurora inside a fixture or function" in proc.stderr
+
+
+def test_stub_plugin_launches_in_every_xdist_worker_before_any_fixture_imports_aurora(tmp_path):
+    """pytest -n 2 on a 2-NPU stub: each worker binds its own NPU after transfer_to_npu and the compile
+    mode, the controller binds none, and each of the suite's paths to aurora comes after."""
+    site = fake_env.build_site(tmp_path / "site", version=TORCH_BASE)
+    log = tmp_path / "events.jsonl"
+    env = fake_env.fake_env(site=site, toolkit=fake_env.TOOLKIT_HOME, event_log=log, FAKE_NPU_DEVICE_COUNT="2",
+                            FAKE_BLOCK_AURORA_IMPORT="1")  # stop each fixture at its import: no model is built
+    proc = fake_env.run_python(args=["-m", "pytest", "-p", "no:cacheprovider", "--npu-parity", "--parity-device",
+                                     "npu", "--parity-dtypes", "fp16", "-n", "2", *FIXTURE_PATHS], env=env)
+    per_pid = _events(log)
+    imports = _assert_launched_before_aurora(per_pid)
+    assert {e["test"].split(" ")[0] for e in imports} == set(FIXTURE_PATHS), imports
+    bound = {pid: [e["index"] for e in events if e["event"] == "set_device"] for pid, events in per_pid.items()}
+    assert sorted(bound.values()) == [[0], [1]]  # two workers, one NPU each; the controller bound nothing
+    assert "blocked by the test's import hook" in proc.stdout  # the fixtures did reach `import aurora`
+    assert f"npu-parity: {npu.FP16_NPU_WARNING}" in proc.stdout  # the header (controller)
+    assert "launcher (before any import of aurora): in every xdist worker" in proc.stdout
+
+
+def test_stub_data_parallel_ranks_launch_before_their_model_imports_aurora(tmp_path):
+    site = fake_env.build_site(tmp_path / "site", version=TORCH_BASE)
+    log = tmp_path / "events.jsonl"
+    code = """
+import functools
+from pytest_npu_parity import distributed, npu
+from pytest_npu_parity.aurora import checks, factory
+npu.launch("npu:0")  # the parent, as the plugin does at session start
+batch = checks.suite_batch().forward_kwargs(checks.HORIZON, train=True)
+try:
+    distributed.data_parallel_step(functools.partial(factory.get_model, "tiny", seed=0), batch, world_size=2,
+                                   device="npu:0", device_count=2, timeout_s=240, threads=1)
+except distributed.DataParallelError as exc:  # the stub cannot place the model on "npu"
+    print("ranks stopped:", str(exc).splitlines()[0])
+"""
+    env = fake_env.fake_env(site=site, toolkit=fake_env.TOOLKIT_HOME, event_log=log, FAKE_NPU_DEVICE_COUNT="2",
+                            FAKE_NPU_HCCL="gloo")
+    proc = fake_env.run_python(code, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ranks stopped: data-parallel step: rank" in proc.stdout
+    per_pid = _events(log)
+    imports = _assert_launched_before_aurora(per_pid)
+    bound = sorted(e["index"] for events in per_pid.values() for e in events if e["event"] == "set_device")
+    assert len(per_pid) == len(imports) == 3 and bound == [0, 0, 1]  # the parent on npu:0, rank r on npu:r
+
+
+def test_stub_doctor_launches_before_its_aurora_sections(tmp_path):
+    site = fake_env.build_site(tmp_path / "site", version=TORCH_BASE)
+    log = tmp_path / "events.jsonl"
+    env = fake_env.fake_env(site=site, toolkit=fake_env.TOOLKIT_HOME, event_log=log, FAKE_NPU_DEVICE_COUNT="2")
+    proc = fake_env.run_python(args=["-m", "pytest_npu_parity", "doctor", "--device", "npu:1", "--json",
+                                     "--skip", "distributed", "--skip", "deepspeed"], env=env)
+    report = json.loads(proc.stdout)
+    devices = next(s for s in report["sections"] if s["name"] == "devices")
+    assert devices["data"]["launch"] == {"device": "npu:1", "steps": [
+        "transfer_to_npu", "set_compile_mode(jit_compile=False)", "set_device(1)"]}
+    assert ("launcher (before any import of aurora): transfer_to_npu → set_compile_mode(jit_compile=False) → "
+            "set_device(1)") in devices["details"]
+    imports = _assert_launched_before_aurora(_events(log))
+    assert len(imports) == 1  # the patch-set / smoke sections

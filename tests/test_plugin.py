@@ -288,6 +288,30 @@ def test_argument_wins(parity):
     result.assert_outcomes(passed=5)
 
 
+def test_fp16_recipe_is_opt_in_with_its_own_ini_keys_and_no_npu_header_on_the_cpu(pytester: pytest.Pytester) -> None:
+    pytester.makeini("""
+        [pytest]
+        parity_fp16_tolerance = rtol=2e-3 atol=2e-3 # fp16 override
+    """)
+    pytester.makepyfile(SPLIT_K.replace("def parity_patches():", "def _unused_patches():") + """
+def test_step(parity):
+    record = parity.train_step("step", torch.nn.Sequential(Proj(), torch.nn.Linear(64, 1)), {"input": X},
+                               loss_fn=lambda out: out.square().mean())
+    amp = {"amp.scale", "amp.skipped_steps", "amp.grad_norm"} & {leaf.path for leaf in record.result.leaves}
+    if record.recipe == "fp16":
+        assert record.tolerance.rtol == 2e-3 and len(amp) == 3
+    else:
+        assert record.tolerance.rtol != 2e-3 and not amp
+""")
+    default = pytester.runpytest("--npu-parity", "--collect-only", "-q")  # one in-process run trains (torch._dynamo)
+    default.stdout.fnmatch_lines(["*test_proj[[]fp32[]]", "*test_proj[[]bf16[]]", "*test_step[[]fp32[]]",
+                                  "*test_step[[]bf16[]]", "4 tests collected*"])  # fp16 is opt-in
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp16", "--parity-policy", "golden")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*recipes fp16*", "*verdicts fp16 golden rmse<=2*"])
+    assert "WARNING [NPU]" not in result.stdout.str() and "launcher" not in result.stdout.str()  # a CPU target
+
+
 @pytest.mark.parametrize("ini, message", [
     ("parity_fp32_policy = goldne", "*ini parity_fp32_policy: verdict policy 'goldne'*expected 'allclose', 'golden*"),
     ("parity_policies =\n    proj golden", "*ini parity_policies: line 'proj golden' needs*"),

@@ -333,6 +333,31 @@ def test_unused_baseline_is_reported_and_pruned_only_by_a_full_update(pytester: 
     assert not orphan.exists() and (pytester.path / LINEAR_FILE).exists() and (pytester.path / TANH_FILE).exists()
 
 
+def test_a_default_full_update_keeps_the_baselines_of_the_opt_in_fp16_recipe(pytester: pytest.Pytester) -> None:
+    _project(pytester)  # ini parity_dtypes = fp32, as the default run leaves fp16 out
+    _record(pytester)
+    result = _record(pytester, "--parity-dtypes", "fp16", "parity_suites")
+    fp16_file = pytester.path / LINEAR_FILE.replace(".fp32.", ".fp16.")
+    assert fp16_file.is_file(), result.stdout.str()
+    result = _record(pytester)  # a full run of the default recipes: fp16 is out of its scope
+    assert "unused" not in result.stdout.str() and fp16_file.is_file()
+    result = pytester.runpytest("--npu-parity", "--parity-reference=baseline", "--parity-dtypes", "fp16", "parity_suites")
+    result.assert_outcomes(passed=2)
+    # once the test is gone, a full update of a run that includes fp16 prunes its file
+    pytester.makeini("""
+        [pytest]
+        testpaths = tests
+        parity_dtypes = fp32,fp16
+    """)
+    module = pytester.path / "parity_suites" / "demo" / "test_model.py"
+    module.write_text(textwrap.dedent(MODEL_TEST).split("def test_linear")[0] + "def shifted_tanh(x):\n    return x\n"
+                      + "\ndef test_tanh(parity):\n    parity.check('tanh', shifted_tanh, torch.linspace(-2, 2, 10))\n")
+    os.utime(module, ns=(module.stat().st_atime_ns, module.stat().st_mtime_ns + 2_000_000_000))
+    result = _record(pytester)
+    result.stdout.fnmatch_lines(["baselines: pruned 2 unused (no collected test maps to them):"])
+    assert not fp16_file.exists() and not (pytester.path / LINEAR_FILE).exists()
+
+
 def test_update_of_one_suite_leaves_the_others_alone(pytester: pytest.Pytester,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     _project(pytester)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
+import importlib.util
 import json
 import os
 import shutil
@@ -189,6 +190,71 @@ def test_unreadable_device_name_never_raises(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_name", broken)
     assert device_name("cuda:0") == "cuda:0"
+
+
+def test_ascend_environment_records_numerics_variables_and_only_the_presence_of_locations():
+    environ = {"HCCL_TIMEOUT": "1800", "HCCL_BUFFSIZE": "200", "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+               "ASCEND_LAUNCH_BLOCKING": "1", "INF_NAN_MODE_ENABLE": "0", "TASK_QUEUE_ENABLE": "2",
+               "ASCEND_RT_VISIBLE_DEVICES": "0,1", "ASCEND_HOME_PATH": "/home/alice/Ascend/latest",
+               "ASCEND_TOOLKIT_HOME": "/usr/local/Ascend/ascend-toolkit/latest",
+               "ASCEND_CUSTOM_OPP_PATH": "/opt/my_ops", "HOME": "/home/alice", "PATH": "/usr/bin",
+               "CUDA_VISIBLE_DEVICES": "0", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    recorded = prov_mod.ascend_environment(environ)
+    assert recorded == {
+        "ASCEND_CUSTOM_OPP_PATH": "<set>", "ASCEND_HOME_PATH": "<set>", "ASCEND_LAUNCH_BLOCKING": "1",
+        "ASCEND_RT_VISIBLE_DEVICES": "0,1", "ASCEND_TOOLKIT_HOME": "<set>", "HCCL_BUFFSIZE": "200",
+        "HCCL_TIMEOUT": "1800", "INF_NAN_MODE_ENABLE": "0", "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+        "TASK_QUEUE_ENABLE": "2"}
+    assert list(recorded) == sorted(recorded) and "alice" not in json.dumps(recorded)
+    assert prov_mod.ascend_environment({}) == {}
+
+
+def test_cpu_and_cuda_records_have_no_npu_fields(monkeypatch):
+    monkeypatch.setenv("HCCL_TIMEOUT", "1800")
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(
+        npu=types.SimpleNamespace(is_jit_compile_false=lambda: pytest.fail("the NPU runtime was touched"))))
+    for device in ("cpu", "cuda:0"):
+        prov = collect_provenance(device, recipe="fp16", seed=0)
+        assert "npu_compile_mode" not in prov and "ascend_env" not in prov
+
+
+def test_npu_compile_mode_reads_torch_npu(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    assert prov_mod.npu_compile_mode() is None
+    for jit_false, text in ((True, "jit_compile=False"), (False, "jit_compile=True")):
+        monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(
+            npu=types.SimpleNamespace(is_jit_compile_false=lambda v=jit_false: v)))
+        assert prov_mod.npu_compile_mode() == text
+
+    def broken():
+        raise RuntimeError("NPU runtime failed")
+
+    monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu=types.SimpleNamespace(
+        is_jit_compile_false=broken)))
+    assert prov_mod.npu_compile_mode() is None
+
+
+def test_stub_npu_record_has_the_launchers_compile_mode_and_the_ascend_environment(tmp_path):
+    spec = importlib.util.spec_from_file_location("npu_parity_fake_env", REPO / "tests" / "fakes" / "fake_env.py")
+    fake_env = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake_env)
+    site = fake_env.build_site(tmp_path / "site", version=".".join(torch.__version__.split("+")[0].split(".")[:3]))
+    code = """
+import json, torch
+from pytest_npu_parity import npu, provenance
+before = provenance.collect_provenance(torch.device("npu", 0), recipe="fp32", seed=0)["npu_compile_mode"]
+npu.launch("npu:0")
+prov = provenance.collect_provenance(torch.device("npu", 0), recipe="fp16", seed=0)
+print(json.dumps({"before": before, "mode": prov["npu_compile_mode"], "env": prov["ascend_env"]}))
+"""
+    env = fake_env.fake_env(site=site, toolkit=fake_env.TOOLKIT_HOME, HCCL_TIMEOUT="1800",
+                            PYTORCH_NPU_ALLOC_CONF="expandable_segments:True", INF_NAN_MODE_ENABLE="1")
+    proc = fake_env.run_python(code, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["before"] == "jit_compile=True" and out["mode"] == "jit_compile=False"  # torch_npu's default, then ours
+    assert out["env"] == {"ASCEND_TOOLKIT_HOME": "<set>", "HCCL_TIMEOUT": "1800", "INF_NAN_MODE_ENABLE": "1",
+                          "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"}
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,13 +1,17 @@
-"""Tests of pytest_npu_parity.recipes: strict fp32 flags (set inside, restored after), the bf16
-autocast recipe, recipe parsing."""
+"""Tests of pytest_npu_parity.recipes: strict fp32 flags (set inside, restored after), the bf16 and
+fp16 autocast recipes, the fp16 recipe's GradScaler per device, recipe parsing."""
 from __future__ import annotations
 
+import copy
+import sys
 import types
 
 import pytest
 import torch
 
-from pytest_npu_parity.recipes import RECIPES, Recipe, parse_recipes, precision_flags, strict_fp32_flags
+from pytest_npu_parity import recipes
+from pytest_npu_parity.recipes import (RECIPES, Recipe, RecipeError, make_grad_scaler, parse_recipes, precision_flags,
+                                       strict_fp32_flags)
 
 NEW_API = hasattr(torch.backends, "fp32_precision")  # torch >= 2.9
 
@@ -146,10 +150,84 @@ def test_fp32_recipe_runs_in_fp32_with_strict_flags():
 
 
 def test_recipe_table():
-    assert list(RECIPES) == ["fp32", "bf16", "bf16-weights"]
+    assert list(RECIPES) == ["fp32", "bf16", "bf16-weights", "fp16"]
     assert RECIPES["fp32"] == Recipe("fp32")
     assert (RECIPES["bf16"].autocast_dtype, RECIPES["bf16"].weights_dtype) == (torch.bfloat16, None)
     assert (RECIPES["bf16-weights"].autocast_dtype, RECIPES["bf16-weights"].weights_dtype) == (None, torch.bfloat16)
+    assert (RECIPES["fp16"].autocast_dtype, RECIPES["fp16"].weights_dtype) == (torch.float16, None)
+    assert [name for name, r in RECIPES.items() if r.loss_scaling] == ["fp16"]
+    assert recipes.DEFAULT_RECIPES == "fp32,bf16"  # fp16 is opt-in
+
+
+def test_fp16_recipe_runs_a_linear_in_fp16_under_cpu_autocast():
+    g = torch.Generator().manual_seed(3)
+    linear = torch.nn.Linear(16, 4)
+    x = torch.randn(3, 16, generator=g)
+    with RECIPES["fp16"].context(torch.device("cpu")):
+        assert _autocast_enabled()
+        _assert_strict(precision_flags())
+        y = linear(x)
+    assert not _autocast_enabled()
+    assert y.dtype == torch.float16 and linear.weight.dtype == torch.float32
+    manual = torch.nn.functional.linear(x.half(), linear.weight.half(), linear.bias.half())
+    assert torch.equal(y, manual)
+
+
+def test_fp16_recipe_runs_the_transformer_encoder_fast_path():
+    # torch 2.5.1: the fast path raises "got Half and Float" under CPU fp16 autocast; the shim casts
+    # its arguments, which gives bitwise the fast path of an fp16 copy of the layer.
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad(), RECIPES["fp16"].context(torch.device("cpu")):
+        y = layer(x)
+    assert y.dtype == torch.float16 and torch.isfinite(y).all()
+    if recipes.cpu_autocast_breaks_encoder_fast_path(torch.float16):
+        with torch.no_grad():
+            assert torch.equal(y, copy.deepcopy(layer).half()(x.half()))
+    assert torch._transformer_encoder_layer_fwd is recipes._ENCODER_FAST_PATH[0]  # restored
+
+
+def _scaled_grad(scaler, weight):
+    opt = torch.optim.SGD([weight], lr=0.0)
+    loss = (weight * torch.tensor([1.0, -2.0])).sum()
+    scaler.scale(loss).backward()
+    scaled = weight.grad.clone()
+    scaler.unscale_(opt)
+    return scaled, weight.grad.clone()
+
+
+def test_cpu_grad_scaler_is_torch_amp_scaling_by_two_to_the_16():
+    scaler = make_grad_scaler(torch.device("cpu"))
+    assert type(scaler) is torch.amp.GradScaler and scaler.get_scale() == 2.0 ** 16
+    scaled, unscaled = _scaled_grad(scaler, torch.zeros(2, requires_grad=True))
+    assert torch.equal(scaled, torch.tensor([65536.0, -131072.0]))
+    assert torch.equal(unscaled, torch.tensor([1.0, -2.0]))
+
+
+def test_npu_grad_scaler_is_torch_npus_without_a_device_argument(monkeypatch):
+    made = []
+
+    class FakeNpuScaler:  # torch_npu 2.5.1: GradScaler(init_scale=2.**16, ..., dynamic=True, enabled=True)
+        def __init__(self, *args, **kwargs):
+            made.append((args, kwargs))
+
+    amp = types.ModuleType("torch_npu.npu.amp")
+    amp.GradScaler = FakeNpuScaler
+    monkeypatch.setitem(sys.modules, "torch_npu.npu.amp", amp)
+    assert isinstance(make_grad_scaler("npu:1"), FakeNpuScaler)
+    assert made == [((), {})]
+
+
+def test_grad_scaler_fallbacks_when_torch_has_no_torch_amp_scaler(monkeypatch):
+    legacy = []
+    monkeypatch.delattr(torch.amp, "GradScaler")
+    monkeypatch.setattr(torch.cuda.amp, "GradScaler", lambda: legacy.append("cuda") or "cuda-scaler", raising=False)
+    assert make_grad_scaler("cuda:0") == "cuda-scaler" and legacy == ["cuda"]
+    monkeypatch.delattr(torch.cpu.amp, "GradScaler", raising=False)
+    with pytest.raises(RecipeError, match=r"the fp16 recipe needs a GradScaler for cpu, and torch .* has neither "
+                                          r"torch.amp.GradScaler nor torch.cpu.amp.GradScaler; run --parity-dtypes bf16"):
+        make_grad_scaler("cpu")
 
 
 def test_bf16_weights_recipe_does_not_autocast():
@@ -164,6 +242,7 @@ def test_bf16_weights_recipe_does_not_autocast():
     (" bf16 , fp32 ,", ["bf16", "fp32"]),
     ("bf16,fp32,bf16", ["bf16", "fp32"]),  # duplicates dropped, first order kept
     ("bf16-weights", ["bf16-weights"]),
+    ("fp32,fp16", ["fp32", "fp16"]),
 ])
 def test_parse_recipes(text, names):
     assert [r.name for r in parse_recipes(text)] == names
@@ -172,7 +251,7 @@ def test_parse_recipes(text, names):
 @pytest.mark.parametrize("text,message", [
     ("", r"--parity-dtypes is empty; give e.g. 'fp32,bf16'"),
     (" , ", r"--parity-dtypes is empty"),
-    ("fp32,fp8,int4", r"--parity-dtypes: unknown recipe\(s\) fp8, int4; known: fp32, bf16, bf16-weights"),
+    ("fp32,fp8,int4", r"--parity-dtypes: unknown recipe\(s\) fp8, int4; known: fp32, bf16, bf16-weights, fp16"),
     ("FP32", r"unknown recipe\(s\) FP32"),
 ])
 def test_parse_recipes_errors(text, message):

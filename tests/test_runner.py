@@ -383,3 +383,96 @@ def test_stale_suites_needs_most_checks_of_a_model_stale_for_one_cause():
     assert stale_suites([row("a", "weights"), row("b", "weights"), row("c"), row("d")]) == []  # half fresh
     assert stale_suites([row("a", "weights")]) == []  # one stale check is not suite-wide
     assert stale_suites([row("a", "other"), row("b", "other")]) == []  # a leaf or dtype, not the model
+
+
+# --------------------------------------------------------------------------------------------
+# The fp16 recipe: autocast fp16, training steps through a dynamic GradScaler
+
+
+class OverflowNet(torch.nn.Module):
+    """A linear layer whose fp16 backward overflows at the scaler's first scale (2^16) and not at the
+    next (2^15): the loss ``1.5 · Σ y`` of one sample sends ``1.5 · scale`` into the fp16 output's
+    gradient (and its bias gradient), 98304 > 65504 (fp16's largest value) at 2^16, 49152 at 2^15."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(4)
+        self.lin = torch.nn.Linear(8, 4)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.randn(4, 8, generator=g) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 1.5 * self.lin(x).float().sum()
+
+
+SMALL_X = torch.rand(1, 8, generator=torch.Generator().manual_seed(5)) / 100
+
+
+def test_fp16_train_step_backs_off_an_overflowing_scale_and_compares_the_amp_leaves():
+    fp16 = case("fp16")
+    assert fp16.recipe.loss_scaling
+    record = fp16.train_step("step", OverflowNet(), {"x": SMALL_X}, loss_fn=lambda out: out, max_grad_norm=None)
+    assert record.status == "pass" and record.policy == "allclose"
+    assert {"loss", "grad.lin.weight", "param.lin.weight", "amp.scale", "amp.skipped_steps",
+            "amp.grad_norm"} <= {leaf.path for leaf in record.result.leaves}
+    reference = next(iter(fp16.session._reference_memo.values()))[1]
+    assert float(reference["amp.scale"]) == 2.0 ** 15 and int(reference["amp.skipped_steps"]) == 1
+    # the unscaled gradients are the exact ones: d(1.5 Σ (x W^T + b))/dW = 1.5 x per row, /db = 1.5
+    exact = 1.5 * SMALL_X.expand(4, 8)
+    torch.testing.assert_close(reference["grad.lin.weight"], exact, rtol=1e-3, atol=0)
+    assert torch.equal(reference["grad.lin.bias"], torch.full((4,), 1.5))
+    norm = float(torch.cat([exact.flatten(), torch.full((4,), 1.5)]).norm())
+    assert float(reference["amp.grad_norm"]) == pytest.approx(norm, rel=1e-3)
+
+
+def _fp16_fault(fault_name):
+    from loss_scale_faults import FAULTS, target_scaler
+
+    return case("fp16", target_scaler(FAULTS[fault_name]))
+
+
+def test_fp16_train_step_fails_a_scaler_that_unscales_with_a_stale_scale():
+    with pytest.raises(ParityError, match=r"(?s)output .amp\.grad_norm.*expected 3\.0005") as info:
+        _fp16_fault("stale_inverse_scale").train_step("step", OverflowNet(), {"x": SMALL_X}, loss_fn=lambda out: out,
+                                                      max_grad_norm=None)
+    assert "grad.lin.weight" in str(info.value) and "grad.lin.bias" in str(info.value)  # halved
+
+
+def test_fp16_train_step_sees_a_stale_scale_behind_gradient_clipping():
+    # The global norm (3.0) is above max_grad_norm: clipping rescales both sides' gradients to norm 1,
+    # so halved gradients look right afterwards; amp.grad_norm (before clipping) still differs.
+    kwargs = dict(loss_fn=lambda out: out, max_grad_norm=1.0)
+    assert case("fp16").train_step("step", OverflowNet(), {"x": SMALL_X}, **kwargs).status == "pass"
+    with pytest.raises(ParityError) as info:
+        _fp16_fault("stale_inverse_scale").train_step("step", OverflowNet(), {"x": SMALL_X}, **kwargs)
+    failing = [leaf.path for leaf in info.value.result.leaves if not leaf.passed]
+    assert failing == ["amp.grad_norm"]
+
+
+def test_fp16_train_step_fails_a_scaler_that_misses_an_overflow():
+    with pytest.raises(ParityError) as info:
+        _fp16_fault("missed_overflow").train_step("step", OverflowNet(), {"x": SMALL_X}, loss_fn=lambda out: out,
+                                                  max_grad_norm=None)
+    text = str(info.value)
+    assert "amp.skipped_steps" in text and "amp.scale" in text
+
+
+def test_fp16_eval_check_runs_in_fp16_and_fails_a_scaled_weight():
+    record = case("fp16").check("proj", Proj(), X)
+    assert record.status == "pass" and {leaf.dtype for leaf in record.result.leaves} == {"float16"}
+    with pytest.raises(ParityError):
+        case("fp16", target_patch(scale=1 + 1e-2)).check("proj", Proj(), X)
+
+
+def test_fp16_train_step_under_golden_runs_the_scaler_in_fp64_too():
+    # The golden step (fp64, no autocast) goes through the same scaler: no overflow there (scale 2^16,
+    # nothing skipped); both sides are 2^15 off in amp.scale, equally, which the ratio test passes.
+    kwargs = dict(loss_fn=lambda out: out, max_grad_norm=None)
+    record = case("fp16", recipe_policies={"fp16": "golden"}).train_step("step", OverflowNet(), {"x": SMALL_X}, **kwargs)
+    assert record.status == "pass" and record.policy == "golden" and not record.extra.get("policy_note")
+    from loss_scale_faults import FAULTS, target_scaler
+
+    with pytest.raises(ParityError) as info:
+        case("fp16", target_scaler(FAULTS["stale_inverse_scale"]), recipe_policies={"fp16": "golden"}).train_step(
+            "step", OverflowNet(), {"x": SMALL_X}, **kwargs)
+    assert "amp.grad_norm" in {leaf.path for leaf in info.value.result.leaves if not leaf.passed}

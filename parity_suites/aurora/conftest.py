@@ -20,14 +20,9 @@ from pytest_npu_parity.aurora import checks, factory, patches
 def aurora(parity_session) -> checks.AuroraContext:
     """The full seeded Aurora model (eval, CPU), the real CO2 batch and captured submodule inputs.
 
-    On an NPU target, ``transfer_to_npu`` is registered before the model is built, as the seed guide's
-    launcher does.
+    On an NPU target the plugin has done the guide's launcher steps (``npu.launch``: transfer_to_npu,
+    compile mode, ``torch.npu.set_device``) at session start, before anything imports aurora.
     """
-    if parity_session.target.type == "npu":
-        from pytest_npu_parity import npu
-
-        npu.register_transfer_to_npu()
-        npu.set_npu_options()
     model = factory.get_model("full", seed=int(os.environ.get("NPU_PARITY_AURORA_SEED", "0")),
                               checkpoint=os.environ.get("NPU_PARITY_AURORA_CHECKPOINT") or None)
     # Golden verdicts (--parity-policy golden): one golden copy of the model serves every submodule,

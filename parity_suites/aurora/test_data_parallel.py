@@ -24,6 +24,8 @@ WORLD_SIZE = 2
 def test_data_parallel_step(parity):
     if parity.session.update_baselines:
         pytest.skip("the data-parallel step is judged against a live single-process reference; nothing to record")
+    if parity.recipe.loss_scaling:
+        pytest.skip(distributed.loss_scaling_unsupported(parity.recipe.name))
     try:
         distributed.rank_devices(parity.target, WORLD_SIZE)
     except distributed.NotEnoughDevicesError as exc:

@@ -116,3 +116,43 @@ def test_golden_verdict_passes_the_clean_port_and_fails_faults(ctx, recipe, name
         faults = [lambda: checks.scaled_parameter(module, "model.dec_layers.4.ffn_layer.ffn.0.weight", 1 + 1e-4)]
     with pytest.raises(ParityError, match=rf"Parity check '{check.name}' failed under the golden policy"):
         ParityCase(session, fault, recipe, patches=_faulty(*faults)).check(check.name, fn, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# The fp16 training step against its stored baseline, and a wrong loss scale on the target
+
+FP16_TRAIN_STEP_ID = "parity_suites/aurora/test_train_step.py::test_train_step[fp16]"
+
+
+def _fp16_train_step(patch_factory):
+    from pathlib import Path
+
+    from pytest_npu_parity.aurora import factory
+    from pytest_npu_parity.baselines import SuiteStores
+
+    store = SuiteStores(Path(__file__).resolve().parents[2] / "baselines")
+    session = ParitySession(torch.device("cpu"), reference="baseline", store=store)
+    case = ParityCase(session, FP16_TRAIN_STEP_ID, "fp16", patches=patch_factory)
+    batch = checks.suite_batch()
+    return case.train_step("train_step", factory.get_model("tiny", seed=0), batch.forward_kwargs(checks.HORIZON, train=True),
+                           group="training step", fault_weight=checks.TRAIN_STEP_FAULT)
+
+
+def test_fp16_train_step_passes_against_its_stored_baseline():
+    record = _fp16_train_step(patches.patched)
+    assert record.status == "pass" and record.reference == "baseline"
+    paths = {leaf.path for leaf in record.result.leaves}
+    assert {"amp.scale", "amp.skipped_steps", "amp.grad_norm", "loss"} <= paths
+
+
+@pytest.mark.parametrize("fault, failing", [
+    ("stale_inverse_scale", {"amp.grad_norm"}),  # clipping (global norm 21.9 > 1) hides it in every grad
+    ("missed_overflow", {"amp.scale", "amp.skipped_steps", "amp.grad_norm",
+                         "grad.model.embed_layer.proj_layer.weight"}),
+])
+def test_fp16_train_step_fails_a_wrong_loss_scale(fault, failing):
+    from loss_scale_faults import FAULTS, target_scaler
+
+    with pytest.raises(ParityError) as info:
+        _fp16_train_step(target_scaler(FAULTS[fault], patches.patched))
+    assert {leaf.path for leaf in info.value.result.leaves if not leaf.passed} == failing

@@ -10,6 +10,8 @@ The fakes stand in for what a CPU-only machine lacks:
 * ``ascend-toolkit/latest`` — a CANN toolkit directory with a real-format ``version.cfg`` and
   ``x86_64-linux/ascend_toolkit_install.info`` (CANN 8.2.RC1).
 * ``bin/npu-smi`` — prints the ``npu-smi info`` device table.
+* ``import_hook/sitecustomize.py`` — with ``fake_env(event_log=...)``, logs every interpreter's first
+  ``import aurora`` into the stub's event log (order of launcher steps vs. that import).
 
 Everything that imports the stub runs in a subprocess (``run_python``), so the test process's
 real torch never sees it.
@@ -27,12 +29,14 @@ REPO_ROOT = FAKES.parent.parent
 STUB_PACKAGE = FAKES / "torch_npu_stub" / "torch_npu"
 TOOLKIT_HOME = FAKES / "ascend-toolkit" / "latest"
 BIN_DIR = FAKES / "bin"
+IMPORT_HOOK_DIR = FAKES / "import_hook"
 
 #: Environment variables that would let the host's own Ascend setup leak into a test.
 _SCRUBBED = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH", "ASCEND_RT_VISIBLE_DEVICES",
              "TORCH_DEVICE_BACKEND_AUTOLOAD", "PYTHONPATH", "FAKE_TORCH_NPU_MODE",
              "FAKE_NPU_DEVICE_COUNT", "FAKE_NPU_NAME", "FAKE_NPU_SMI_HEALTH",
-             "NPU_PARITY_TORCH_NPU_UNUSABLE")
+             "NPU_PARITY_TORCH_NPU_UNUSABLE", "FAKE_NPU_EVENT_LOG", "FAKE_BLOCK_AURORA_IMPORT",
+             "FAKE_NPU_HCCL")
 
 
 def _torch_release(version: str) -> str:
@@ -68,7 +72,7 @@ def build_site(dest: Path, *, version: str, autoload: bool = True) -> Path:
 
 
 def fake_env(*, site: Path | None = None, toolkit: Path | None = None, npu_smi: bool = False,
-             **extra: str) -> dict[str, str]:
+             event_log: Path | None = None, **extra: str) -> dict[str, str]:
     """A subprocess environment: the host's, minus Ascend settings, plus the chosen fakes.
 
     Args:
@@ -77,10 +81,15 @@ def fake_env(*, site: Path | None = None, toolkit: Path | None = None, npu_smi: 
             path ``/usr/local/Ascend/ascend-toolkit/latest`` is still searched by the code under
             test; on a CPU-only test machine it does not exist.
         npu_smi: put the fake ``npu-smi`` first on PATH.
+        event_log: a file for the stub's event log (``FAKE_NPU_EVENT_LOG``); also puts the
+            ``import aurora`` hook (``import_hook/sitecustomize.py``) on PYTHONPATH.
         **extra: more variables (``FAKE_TORCH_NPU_MODE="libhccl"``, …).
     """
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
-    env["PYTHONPATH"] = os.pathsep.join([*([str(site)] if site else []), str(REPO_ROOT)])
+    hook = [str(IMPORT_HOOK_DIR)] if event_log is not None else []
+    env["PYTHONPATH"] = os.pathsep.join([*([str(site)] if site else []), *hook, str(REPO_ROOT)])
+    if event_log is not None:
+        env["FAKE_NPU_EVENT_LOG"] = str(event_log)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     if toolkit is not None:

@@ -11,6 +11,10 @@ by ``FAKE_TORCH_NPU_MODE``:
   another accelerator (or a second torch_npu registration) is already present.
 * ``glibcxx`` — the OSError of a torch_npu built against another toolchain (seed §10.6).
 
+``FAKE_NPU_HCCL=gloo`` registers a ``torch.distributed`` backend named ``hccl`` (the real wheel
+registers HCCL on import) that is gloo underneath, so a process group can be initialized on the
+CPU; by default no ``hccl`` backend exists.
+
 Like the real wheel (torch_npu 2.5.1 ``__init__``), it switches ``TORCH_DEVICE_BACKEND_AUTOLOAD``
 off, imports torch, and only then fails, leaving the variable at ``0``; ``_autoload`` restores it.
 The package version and its ``torch==<release>+cpu`` pin come from the dist-info that
@@ -54,6 +58,20 @@ from . import npu  # noqa: E402
 
 torch.utils.rename_privateuse1_backend("npu")
 torch._register_device_module("npu", npu)
+
+if os.environ.get("FAKE_NPU_HCCL") == "gloo":
+    import torch.distributed as _dist
+
+    def _hccl_as_gloo(store, rank, size, timeout):
+        return _dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    _dist.Backend.register_backend("hccl", _hccl_as_gloo, devices=["npu", "cpu"])
+
+
+def npu_fusion_attention(*args, **kwargs):
+    """The real wheel's fused attention op; transformers' ``integrations/npu_flash_attention.py`` imports
+    it by name when an NPU is available (4.57), which every transformers model import reaches."""
+    raise RuntimeError("npu_fusion_attention: the torch_npu stub has no NPU kernels")
 
 
 def _autoload():

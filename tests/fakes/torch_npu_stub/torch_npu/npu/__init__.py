@@ -1,10 +1,14 @@
 """Stand-in for ``torch_npu.npu`` / ``torch.npu``: device count, names, memory and flags.
 
 ``FAKE_NPU_DEVICE_COUNT`` (default 1) and ``FAKE_NPU_NAME`` (default ``Ascend910B3``) shape it.
-Calls to ``set_device`` and ``set_compile_mode`` are recorded in ``CALLS`` for the tests.
+Calls to ``set_device`` and ``set_compile_mode`` are recorded in ``CALLS`` for the tests (and in the
+event log, see ``torch_npu._events``); ``is_jit_compile_false`` answers what ``set_compile_mode`` set
+(the real default is JIT compilation on).
 """
 import os
 import types
+
+from torch_npu import _events
 
 CALLS = []
 _COUNT = int(os.environ.get("FAKE_NPU_DEVICE_COUNT", "1"))
@@ -33,6 +37,7 @@ def current_device():
 
 def set_device(index):
     CALLS.append(("set_device", index))
+    _events.record("set_device", index=index)
 
 
 def mem_get_info(index=0):
@@ -44,8 +49,17 @@ def synchronize(device=None):
     return None
 
 
+_JIT_COMPILE = [True]
+
+
 def set_compile_mode(jit_compile=True):
     CALLS.append(("set_compile_mode", jit_compile))
+    _JIT_COMPILE[0] = bool(jit_compile)
+    _events.record("set_compile_mode", jit_compile=bool(jit_compile))
+
+
+def is_jit_compile_false():
+    return not _JIT_COMPILE[0]
 
 
 class Event:
