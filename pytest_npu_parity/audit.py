@@ -35,6 +35,19 @@ the innermost Python frame outside ``torch``, ``einops`` and this package's engi
 
     mixed-device op aten::add.Tensor: cuda:1 + cpu at /path/model.py:42  return x + torch.ones(n)
 
+Budgets: what a check may do
+----------------------------
+:class:`AuditBudget` says how many events of each kind a run may have (:data:`DEFAULT_AUDIT_BUDGET`:
+no mixed-device op, no host<->device copy, no CPU op, no float64 on the target; host syncs counted
+but allowed); :meth:`AuditBudget.judge` turns a record into the message of the events beyond it,
+with the budget that would pass. The plugin's ``--parity-audit`` judges every audited check by its
+budget (``parse_audit_budget`` specs from a suite's ``parity_audit_budget`` fixture,
+``@pytest.mark.parity(audit_budget=...)`` and ``parity.check(audit_budget=...)``) and fails it or
+warns (:class:`ParityAuditWarning`). The plugin's own work inside a run is never the model's:
+:func:`not_audited` keeps tensors tracked and records nothing (the shared random stream's CPU
+draws of dropout masks and their copy to the device, a training step's gradient clipping and
+optimizer step).
+
 Two modes behind one API
 ------------------------
 *Real-device mode* (the target exists here, e.g. ``npu:0`` with torch_npu or ``cuda:0``): the
@@ -82,6 +95,11 @@ or tensor subclass); outputs are bitwise those of a plain CPU run with
 ``torch.backends.mha.set_fastpath_enabled(False)`` and otherwise of a plain CPU run (the fast path
 differs by about 2e-7 on Aurora's retriever, measured).
 
+Backward in logical mode: autograd's backward formulas run in C++ and pass the tensors' *real*
+device (the CPU) to the ops they call (``grad.new_zeros(sizes, self.options())``); inside a
+backward (``torch._C._current_autograd_node()`` set) an explicit CPU device means the device of the
+op's tensor arguments, or the target for a factory, so a clean model's training step reports nothing.
+
 Model of devices in logical mode: ``device="cuda"`` without an index and ``.cuda()`` mean index 0
 (PyTorch's default current device); ``.to(i)`` with an integer means index ``i`` of the target's
 device type. Pick a logical target with a non-zero index (:data:`DEFAULT_LOGICAL_TARGET` is
@@ -122,7 +140,7 @@ import os
 import sys
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -177,6 +195,28 @@ class _DeviceTable:
         return len(self._data)
 
 
+#: > 0 while the plugin does its own work inside an audited run (:func:`not_audited`).
+_QUIET = [0]
+
+
+@contextlib.contextmanager
+def not_audited() -> Iterator[None]:
+    """Inside the block no audit records an event, while tensors stay tracked (logical mode: a
+    tensor moved to the device inside the block is on the device after it).
+
+    For the plugin's own work inside an audited run, which is not the model's: the shared random
+    stream's CPU draws and their copy to the device (``rng.same_randomness``: a dropout mask is
+    drawn on the host so that both sides see the same numbers; unaudited, the model would draw it
+    on the device), and a training step's gradient clipping and optimizer step
+    (``runner.ParityCase.train_step``). Nests; not thread-safe (like the audit itself).
+    """
+    _QUIET[0] += 1
+    try:
+        yield
+    finally:
+        _QUIET[0] -= 1
+
+
 #: Which logical device a CPU tensor lives on (logical mode). Process-wide, like real device
 #: memory: a tensor cached by one audited run (e.g. a patched ``resample`` cache) is still "on the
 #: device" in the next. Absent means on the host. Weak, so it never keeps a tensor alive.
@@ -223,7 +263,7 @@ class AuditEvent:
         devices: the devices involved, as strings: the op's distinct devices for
             ``mixed_device``; ``(source, destination)`` for copies; the tensor's device otherwise.
         dtype: the dtype concerned (``"torch.float64"`` for ``fp64``, the copied tensor's dtype for
-            copies), or None.
+            copies, the stray tensor's for ``mixed_device``, the result's for a CPU op), or None.
         source: ``"/path/file.py:LINE"`` of the innermost frame outside torch, einops and this
             package's engine modules, or ``"<unknown>"``.
         code: that line's code text ("" when not available).
@@ -245,7 +285,7 @@ class AuditEvent:
         ``mixed-device op aten::add.Tensor: cuda:1 + cpu at model.py:42  x + torch.ones(n)``."""
         where = _devices_text(self.kind, self.devices, self.note)
         text = f"{_PHRASES[self.kind]} {self.op}: {where}"
-        if self.dtype and self.kind in ("fp64", "h2d", "d2h"):
+        if self.dtype:
             text += f" {self.dtype.removeprefix('torch.')}"
         if self.note:
             text += f" ({self.note})"
@@ -319,6 +359,17 @@ class AuditRecord:
                        for e in self.events],
         }
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "AuditRecord":
+        """The record :meth:`to_dict` wrote (``CheckRecord.audit``)."""
+        record = cls(str(data["target"]), bool(data.get("logical")), skipped=data.get("skipped"))
+        for e in data.get("events") or ():
+            event = AuditEvent(e["kind"], e["op"], tuple(e.get("devices") or ()), e.get("dtype"), e["source"],
+                               e.get("code", ""), int(e.get("count", 1)), e.get("note", ""))
+            record._index[(event.kind, event.op, event.source)] = event
+            record.events.append(event)
+        return record
+
     def format(self) -> str:
         """A readable table: a header with the counts, then one line per event (most frequent first)."""
         mode = "logical" if self.logical else "real"
@@ -365,6 +416,175 @@ class AuditRecord:
                  + ", ".join(f"{k} {counts[k]} (allowed {allowed.get(k, 0)})" for k in over)]
         lines += ["  " + e.message() for e in self.events if e.kind in over]
         raise DevicePropagationError("\n".join(lines), self)
+
+
+# ------------------------------------------------------------------------------------------------
+# Budgets: what a check may do on the target (the plugin's --parity-audit)
+# ------------------------------------------------------------------------------------------------
+
+#: How an audited parity check treats events beyond its budget (``--parity-audit``,
+#: ``--parity-audit-mode``, ini ``parity_audit``, ``@pytest.mark.parity(audit=...)``): ``fail`` fails the check with the events,
+#: ``warn`` reports them and issues a :class:`ParityAuditWarning` (the verdict stays the
+#: comparison's), ``off`` audits nothing.
+AUDIT_MODES = ("off", "warn", "fail")
+
+#: The budget of a check that declares none: no mixed-device op, no host<->device copy inside the
+#: run, no CPU op, no float64 on the target; host syncs (``.item()``, data-dependent shapes) are
+#: counted and shown but allowed (they cost time, they do not change a result).
+DEFAULT_AUDIT_BUDGET: Mapping[str, int | None] = {"mixed_device": 0, "h2d": 0, "d2h": 0, "host_sync": None,
+                                                  "cpu_fallback": 0, "fp64": 0}
+
+_ANY = ("any", "*", "inf", "unlimited")
+
+
+_FIX_HINTS = {
+    "mixed_device": "create tensors on the input's device: device=x.device",
+    "cpu_fallback": "create tensors on the input's device: device=x.device",
+    "h2d": "keep data on the device: register constants as buffers, no .cpu()/.numpy() round trip",
+    "d2h": "keep data on the device: register constants as buffers, no .cpu()/.numpy() round trip",
+    "host_sync": "avoid .item(), bool() and data-dependent shapes of device tensors",
+    "fp64": "use the input's dtype (dtype=x.dtype), not float64",
+}
+
+
+class ParityAuditWarning(UserWarning):
+    """Events beyond a check's audit budget under ``--parity-audit-mode=warn`` (the message lists them)."""
+
+
+def _budget_limit(value: Any, kind: str, spec: Any) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in _ANY):
+        return None
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            value = value.strip()
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"audit budget {spec!r}: {kind}={value!r} must be a count >= 0 or 'any'")
+    return value
+
+
+@dataclass(frozen=True)
+class AuditBudget:
+    """How many events of each kind a check's audited target run may have.
+
+    Attributes:
+        allowed: kind (every one of :data:`KINDS`) -> the most occurrences allowed, None for any number.
+        source: where it was set: ``default``, ``suite`` (a ``parity_audit_budget`` fixture),
+            ``marker`` (``@pytest.mark.parity(audit_budget=...)``) or ``check`` (``parity.check``).
+        reason: why the check may do more than the default (shown in the report), or None.
+    """
+
+    allowed: Mapping[str, int | None] = field(default_factory=lambda: dict(DEFAULT_AUDIT_BUDGET))
+    source: str = "default"
+    reason: str | None = None
+
+    def replace(self, spec: Any, *, source: str) -> "AuditBudget":
+        """This budget with the kinds ``spec`` names changed (``parse_audit_budget(spec, base=self)``)."""
+        return parse_audit_budget(spec, source=source, base=self)
+
+    def describe(self) -> str:
+        """``mixed_device 0, h2d 2, d2h 0, host_sync any, cpu_fallback 0, fp64 0`` (+ `` # reason``)."""
+        text = ", ".join(f"{k} {'any' if self.allowed.get(k) is None else self.allowed[k]}" for k in KINDS)
+        return text + (f" # {self.reason}" if self.reason else "")
+
+    def excess(self, record: "AuditRecord") -> dict[str, tuple[int, int]]:
+        """Kinds over budget -> (occurrences, allowed), in :data:`KINDS` order; ``{}`` when within
+        budget or when the record was skipped."""
+        counts = record.counts()
+        out = {}
+        for kind in KINDS:
+            limit = self.allowed.get(kind)
+            if limit is not None and counts.get(kind, 0) > limit:
+                out[kind] = (counts[kind], limit)
+        return out
+
+    def judge(self, record: "AuditRecord", check: str = "", *, failing: bool = True) -> str | None:
+        """Why ``record`` exceeds this budget, as a readable message, or None when it does not.
+
+        The message names the kinds over budget with their counts, then every event of those kinds
+        (op, devices, dtype, the model's source line and its code; paths relative to the working
+        directory when below it), then how to fix or allow them (the budget that would pass; with
+        ``failing``, also how to report them without failing).
+        """
+        over = self.excess(record)
+        if not over:
+            return None
+        where = (f"the logical device {record.target} (this machine's CPU run, tracked as an accelerator would "
+                 "see it)" if record.logical else record.target)
+        n = sum(count for count, _ in over.values())
+        what = f"check {check!r}" if check else "the run"
+        lines = [f"Device-propagation audit of {what} on {where}: {n} event{'s' * (n != 1)} beyond its audit "
+                 "budget: " + ", ".join(f"{k} {c} (allowed {a})" for k, (c, a) in over.items()) + "."]
+        events = sorted((e for e in record.events if e.kind in over), key=lambda e: (KINDS.index(e.kind), -e.count))
+        lines += ["  " + _with_short_source(e).message() for e in events]
+        wanted = {k: c for k, (c, _) in over.items()}
+        hints = list(dict.fromkeys(_FIX_HINTS[k] for k in over))
+        lines.append(f"Fix these lines ({'; '.join(hints)}), or allow them with audit_budget={wanted!r} and a "
+                     "reason (parity.check argument or @pytest.mark.parity)"
+                     + (", or report without failing with --parity-audit-mode=warn." if failing else "."))
+        return "\n".join(lines)
+
+
+def parse_audit_budget(spec: Any, *, source: str = "check", base: AuditBudget | None = None) -> AuditBudget:
+    """An :class:`AuditBudget` from ``spec``, over ``base`` (default: :data:`DEFAULT_AUDIT_BUDGET`).
+
+    ``spec`` is None (``base`` itself), an :class:`AuditBudget`, a mapping ``{kind: count}`` (a
+    count is an int >= 0, or None/``"any"`` for any number; an optional ``"reason"`` key), or a
+    string ``"h2d=2 host_sync=0 cpu_fallback=any # reason"`` (commas also separate). Kinds not
+    named keep ``base``'s allowance.
+
+    Raises:
+        ValueError: an unknown kind (the message lists :data:`KINDS`), a negative or non-integer
+            count, a token that is not ``kind=count``, or a spec of another type.
+    """
+    base = base if base is not None else AuditBudget()
+    if spec is None:
+        return base
+    if isinstance(spec, AuditBudget):
+        return spec
+    reason = None
+    if isinstance(spec, str):
+        text, _, comment = spec.partition("#")
+        reason = comment.strip() or None
+        items = []
+        for token in text.replace(",", " ").split():
+            kind, sep, value = token.partition("=")
+            if not sep:
+                raise ValueError(f"audit budget {spec!r}: {token!r} is not kind=count (e.g. 'h2d=2 host_sync=any')")
+            items.append((kind.strip(), value))
+    elif isinstance(spec, Mapping):
+        items = [(str(k), v) for k, v in spec.items() if k != "reason"]
+        reason = spec.get("reason")
+        if reason is not None and (not isinstance(reason, str) or not reason.strip()):
+            raise ValueError(f"audit budget {spec!r}: reason must be a non-empty string")
+    else:
+        raise ValueError(f"audit budget {spec!r} must be a dict such as {{'h2d': 2}} or a string such as "
+                         "'h2d=2 host_sync=any # reason'")
+    allowed = dict(base.allowed)
+    for kind, value in items:
+        if kind not in KINDS:
+            import difflib
+
+            close = difflib.get_close_matches(kind, KINDS, n=1)
+            raise ValueError(f"audit budget {spec!r}: unknown kind {kind!r}"
+                             + (f" (did you mean {close[0]!r}?)" if close else "") + f"; kinds: {', '.join(KINDS)}")
+        allowed[kind] = _budget_limit(value, kind, spec)
+    return AuditBudget(allowed, source=source, reason=(reason.strip() if reason else None) or base.reason)
+
+
+def _with_short_source(event: AuditEvent) -> AuditEvent:
+    """``event`` with its source path relative to the working directory when it lies below it."""
+    path, sep, line = event.source.rpartition(":")
+    if not sep or not os.path.isabs(path):
+        return event
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive
+        return event
+    if rel.startswith(os.pardir):
+        return event
+    return AuditEvent(**{**asdict(event), "source": f"{rel}:{line}", "devices": event.devices})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -446,6 +666,18 @@ def _with_index(device: torch.device) -> torch.device:
     if device.type != "cpu" and device.index is None:
         return torch.device(device.type, 0)
     return device
+
+
+#: The autograd node whose backward runs now, None outside a backward (torch >= 2.0, 2.5.1 checked).
+_current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+def _main_dtype(tensors: list) -> torch.dtype | None:
+    """The dtype of the first tensor that is not 0-dim (else of the first), or None."""
+    for t in tensors:
+        if t.dim() > 0:
+            return t.dtype
+    return tensors[0].dtype if tensors else None
 
 
 def _tensors(obj: Any, out: list | None = None) -> list[torch.Tensor]:
@@ -557,9 +789,14 @@ class _Tracker:
         return self.target if self.target in accel else accel[0]
 
     # -- events -------------------------------------------------------------------------------
+    @property
+    def quiet(self) -> bool:
+        """No events now: the tracker's own copies, or the plugin's own work (:func:`not_audited`)."""
+        return bool(self.suppress or _QUIET[0])
+
     def add(self, kind: str, op: str, devices: Iterable[torch.device], dtype: torch.dtype | None = None,
             note: str = "") -> None:
-        if not self.suppress:
+        if not self.quiet:
             self.record.add(kind, op, devices, dtype, note)
 
     def copy_event(self, op: str, src: torch.device, dst: torch.device, dtype: torch.dtype,
@@ -577,6 +814,7 @@ class _Tracker:
 
     # -- dispatch -----------------------------------------------------------------------------
     def on_dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        __tracebackhide__ = True  # pytest shows the model's frames, not the audit's
         if self.logical and torch._C._is_torch_function_mode_enabled():
             # reached without passing the function mode (e.g. from C++): keep our own tensor
             # accesses (.dim(), .dtype) away from it
@@ -585,8 +823,12 @@ class _Tracker:
         return self._dispatch(func, args, kwargs)
 
     def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        __tracebackhide__ = True  # pytest shows the model's frames, not the audit's
         info = _op_info(func)
         explicit = None
+        ins = _tensors(args)
+        _tensors(kwargs, ins)
+        in_devs = [self.device_of(t) for t in ins]
         if self.logical and kwargs.get("device") is not None:
             device = self.resolve(kwargs["device"])
             if device.type != "cpu":  # run it on the CPU, the result lives on `device`
@@ -594,10 +836,14 @@ class _Tracker:
                 if kwargs.get("pin_memory"):
                     kwargs["pin_memory"] = False
                 explicit = device
-        ins = _tensors(args)
-        _tensors(kwargs, ins)
-        in_devs = [self.device_of(t) for t in ins]
-        if not self.suppress:  # before the call: a real op may raise on what it is recorded for
+            elif _current_autograd_node() is not None:
+                # A backward formula (grad.new_zeros(sizes, self.options()), grad.to(self.options()))
+                # passes the tensors' *real* device, the CPU for every tensor in logical mode: it means
+                # "where the related tensors are", the inputs' device, or the target for a factory.
+                related = self.common_device(in_devs) if ins else self.target
+                explicit = related if related.type != "cpu" else None
+        quiet = self.quiet
+        if not quiet:  # before the call: a real op may raise on what it is recorded for
             self._before(info, args, kwargs, explicit, ins, in_devs)
         out = func(*args, **kwargs)
         outs = _tensors(out)
@@ -612,7 +858,7 @@ class _Tracker:
                     out_devs.append(out_dev)
         else:
             out_devs = [o.device for o in outs]
-        if not self.suppress:
+        if not quiet:
             self._after(info, args, ins, in_devs, outs, out_devs)
         return out
 
@@ -658,7 +904,9 @@ class _Tracker:
         distinct = {d for t, d in pairs if d.type != "cpu" or t.dim() > 0}
         if len(distinct) > 1:
             order = sorted(distinct, key=lambda d: (d != self.target, d.type == "cpu", str(d)))
-            self.add("mixed_device", info.name, order)
+            # the dtype of the first tensor off the op's main device: the stray one
+            stray = next((t for t, d in pairs if d == order[-1] and (d.type != "cpu" or t.dim() > 0)), None)
+            self.add("mixed_device", info.name, order, stray.dtype if stray is not None else None)
         declared = bool(self.unsupported) and (info.name in self.unsupported or info.packet in self.unsupported)
         if not (sync or declared):
             return
@@ -674,14 +922,15 @@ class _Tracker:
         tensors, devices = ins + outs, in_devs + out_devs
         if all(d.type == "cpu" for d in devices):
             if any(t.dim() > 0 for t in tensors):
-                self.add("cpu_fallback", info.name, (_HOST,), note=f"ran on the CPU, target {self.target}")
+                self.add("cpu_fallback", info.name, (_HOST,), _main_dtype(outs or tensors),
+                         note=f"ran on the CPU, target {self.target}")
             return
         fp64 = [(t, d) for t, d in zip(tensors, devices) if t.dtype in _FP64 and d.type != "cpu"]
         if fp64:
             self.add("fp64", info.name, sorted({d for _, d in fp64}, key=str), fp64[0][0].dtype)
         if ins and not info.syncs and all(d.type != "cpu" for d in in_devs) \
                 and any(d.type == "cpu" and t.dim() > 0 for t, d in zip(outs, out_devs)):
-            self.add("cpu_fallback", info.name, sorted(set(in_devs), key=str) + [_HOST],
+            self.add("cpu_fallback", info.name, sorted(set(in_devs), key=str) + [_HOST], _main_dtype(outs),
                      note="target inputs, CPU output")
 
     # -- Python level (logical mode) -------------------------------------------------------------
@@ -689,6 +938,7 @@ class _Tracker:
              copy: bool = False, memory_format: torch.memory_format | None = None,
              non_blocking: bool = False) -> torch.Tensor:
         """``t.to(dst, dtype)`` between logical devices: data stays on the CPU, the mark moves."""
+        __tracebackhide__ = True
         src = self.device_of(t)
         dst = src if dst is None else dst
         extra = {} if memory_format is None else {"memory_format": memory_format}
@@ -704,6 +954,7 @@ class _Tracker:
         return out
 
     def on_function(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        __tracebackhide__ = True  # pytest shows the model's frames, not the audit's
         handler = _SPECIAL.get(func)
         if handler is None and type(func).__name__ == "method-wrapper":
             handler = _SPECIAL.get(func.__self__)
@@ -795,6 +1046,7 @@ def _h_data(tr: _Tracker, func, args, kwargs):
 
 
 def _h_to(tr: _Tracker, func, args, kwargs):
+    __tracebackhide__ = True
     t, pos = args[0], list(args[1:])
     kwargs = dict(kwargs)
     device = dtype = None
@@ -817,6 +1069,7 @@ def _h_to(tr: _Tracker, func, args, kwargs):
 
 
 def _h_cuda(tr: _Tracker, func, args, kwargs):
+    __tracebackhide__ = True
     spec = args[1] if len(args) > 1 else kwargs.get("device")
     if spec is None:
         device = torch.device("cuda", 0)
@@ -830,17 +1083,20 @@ def _h_cuda(tr: _Tracker, func, args, kwargs):
 
 
 def _h_npu(tr: _Tracker, func, args, kwargs):
+    __tracebackhide__ = True
     spec = args[1] if len(args) > 1 else kwargs.get("device")
     index = spec if isinstance(spec, int) else (0 if spec is None else _with_index(torch.device(spec)).index)
     return tr.move(args[0], torch.device("npu", index), None, "Tensor.npu")
 
 
 def _h_cpu(tr: _Tracker, func, args, kwargs):
+    __tracebackhide__ = True
     return tr.move(args[0], _HOST, None, "Tensor.cpu", memory_format=kwargs.get("memory_format"))
 
 
 def _reads_host(api: str, note: str = ""):
     def handler(tr: _Tracker, func, args, kwargs):
+        __tracebackhide__ = True
         device = tr.device_of(args[0])
         if device.type != "cpu":
             tr.add("d2h", api, (device, _HOST), args[0].dtype, note)
@@ -878,6 +1134,7 @@ class _AuditDispatchMode(TorchDispatchMode):
         self.tracker = tracker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        __tracebackhide__ = True  # pytest shows the model's frames, not the audit's
         return self.tracker.on_dispatch(func, args, kwargs or {})
 
 
@@ -887,6 +1144,7 @@ class _LogicalFunctionMode(TorchFunctionMode):
         self.tracker = tracker
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        __tracebackhide__ = True  # pytest shows the model's frames, not the audit's
         return self.tracker.on_function(func, args, kwargs or {})
 
 
@@ -1021,6 +1279,7 @@ class DeviceAudit:
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call ``fn(*args, **kwargs)`` under the audit and return its result (tensors stay where
         they are: on the target in real mode, CPU tensors in logical mode)."""
+        __tracebackhide__ = True
         with self:
             return fn(*args, **kwargs)
 

@@ -37,7 +37,7 @@ PROFILE_KEY = pytest.StashKey[str]()  # the hypothesis profile in force before t
 _SKIP_REASON = "parity suites run only with --npu-parity (or --update-baselines)"
 
 #: Keyword arguments of ``@pytest.mark.parity``.
-MARKER_KEYS = ("rtol", "atol", "budget", "reason", "recipes", "vacuous_ok", "policy")
+MARKER_KEYS = ("rtol", "atol", "budget", "reason", "recipes", "vacuous_ok", "policy", "audit", "audit_budget")
 #: Largest seed (``--parity-seed``, ini ``parity_seed``): torch generators take 64-bit seeds, numpy
 #: and the shared random stream signed 64-bit ones.
 MAX_SEED = 2**63 - 1
@@ -86,7 +86,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "'golden msprobe op=…' in ini or the marker for msprobe 26.2.0's standard); replaces ini parity_<recipe>_policy, while ini parity_policies lines, the "
                          "marker's policy= and parity.check(policy=...) still choose per check")
     group.addoption("--parity-audit", action="store_true", default=False,
-                    help="record a device-propagation audit of every target run (costs time)")
+                    help="audit device propagation of every target run (an extra run on a CPU target): events "
+                         "beyond a check's audit budget (default: no mixed-device op, host<->device copy, CPU op "
+                         "or float64 on the target; host syncs allowed) fail it, or warn with --parity-audit-mode "
+                         "warn (default: ini parity_audit, off)")
+    group.addoption("--parity-audit-mode", default=None, choices=("fail", "warn", "off"),
+                    help="what the audit does with events beyond a check's budget: fail the check or warn; off "
+                         "turns the audit off (a mode other than off implies --parity-audit)")
     group.addoption("--parity-localize", action="store_true", default=False,
                     help="localize the first divergence of every failing check of the selected tests, whatever "
                          "the localization budget (e.g. with -k NAME or a node id)")
@@ -100,6 +106,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "reference to react to its inputs (about two extra runs per check; see selfcheck)")
 
     parser.addini("parity_device", "default for --parity-device", default="auto")
+    parser.addini("parity_audit", "device-propagation audit of every target run: off (default), fail or warn "
+                  "(see --parity-audit, --parity-audit-mode)", default="off")
     parser.addini("parity_reference", "default for --parity-reference", default="auto")
     parser.addini("parity_dtypes", "default for --parity-dtypes", default="fp32,bf16")
     parser.addini("parity_baseline_dir", "default for --baseline-dir (relative to rootdir)", default="baselines")
@@ -127,6 +135,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("parity_policies", type="linelist", default=[],
                   help="per-check verdict policy, one per line: '<check name or glob>: golden [rmse=3 …] # reason' "
                        "or '<check name or glob>: allclose'")
+
+
+def _audit_mode(config: pytest.Config) -> str:
+    """The session's audit mode (off, fail, warn): ``--parity-audit-mode``; else with
+    ``--parity-audit`` ini ``parity_audit`` when it names fail or warn, else fail; else ini
+    ``parity_audit`` (default off)."""
+    value = str(config.getini("parity_audit") or "off").strip().lower()
+    if value not in ("off", "fail", "warn"):
+        raise pytest.UsageError(f"ini parity_audit={value!r}: use off, fail or warn")
+    option = config.getoption("parity_audit_mode")
+    if option is not None:
+        return option
+    if config.getoption("parity_audit"):
+        return value if value != "off" else "fail"
+    return value
 
 
 def _default_budget() -> float:
@@ -264,10 +287,13 @@ def pytest_configure(config: pytest.Config) -> None:
     _hypothesis_profiles(config)
     config.addinivalue_line(
         "markers",
-        "parity(rtol=None, atol=None, budget=None, reason=None, recipes=None, vacuous_ok=None, policy=None): "
+        "parity(rtol=None, atol=None, budget=None, reason=None, recipes=None, vacuous_ok=None, policy=None, "
+        "audit=None, audit_budget=None): "
         "tolerance override for every check of the test (shown in the report with its reason), the recipes it "
         "runs under, why its checks may be vacuous (constant reference output, no teeth under "
-        "--parity-selfcheck), and/or their verdict policy ('allclose' or 'golden [rmse=… # reason]')",
+        "--parity-selfcheck), their verdict policy ('allclose' or 'golden [rmse=… # reason]'), the test's "
+        "device-propagation audit mode ('fail', 'warn', 'off') and what its target runs may do "
+        "(audit_budget={'h2d': 2} or 'h2d=2 host_sync=any # reason')",
     )
     config.stash[CASES_KEY] = []
     config.stash[ROWS_KEY] = []
@@ -366,17 +392,15 @@ def _make_session(config: pytest.Config):
     per_check, per_recipe = _tolerance_overrides(config)
     recipe_policies, check_policies = _policy_overrides(config)
     seed = _seed(config)
-    audit_factory = None
-    if config.getoption("parity_audit"):
-        from .runner import target_audit
-
-        audit_factory = target_audit  # a CPU target is audited as a logical device
     from . import localize, selfcheck
+    from .runner import target_audit
 
     return ParitySession(
         target, reference=reference, update_baselines=config.getoption("update_baselines"),
         store=_make_store(config), check_tolerances=per_check, recipe_tolerances=per_recipe, seed=seed,
-        audit_factory=audit_factory,
+        # Always available, so that @pytest.mark.parity(audit=...) can audit one test; a CPU target is
+        # audited as a logical device. The session mode says whether the other tests are audited.
+        audit_factory=target_audit, audit_mode=_audit_mode(config),
         failure_hooks=[localize.Localizer(_localize_budget(config), forced=config.getoption("parity_localize"),
                                           hint="pytest --npu-parity --parity-localize {test_id}")],
         check_hooks=[selfcheck.SelfCheck()] if config.getoption("parity_selfcheck") else [],
@@ -586,6 +610,13 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         training = _policy_text(session.verdict_policy(recipe, '', training=True), session.tolerance(recipe, ''))
         return f"{recipe} {text}" + (f" (training checks: {training})" if training != text else "")
 
+    audit = _audit_mode(config)
+    if audit != "off":
+        from .audit import DEFAULT_LOGICAL_TARGET
+
+        lines.append(f"npu-parity: audit {audit} · default audit budget {session.audit_budget.describe()}"
+                     + (f" · a CPU target is audited as the logical device {DEFAULT_LOGICAL_TARGET}"
+                        if session.target.type == "cpu" else ""))
     lines.append("npu-parity: verdicts " + " · ".join(verdict(recipe) for recipe in _recipe_names(config)) + (" (per-check choices in parity_policies)" if session.check_policies else ""))
     if session.target.type != "npu" and not status.available and (status.torch_npu_version or _npu.quarantined()):
         lines.append(f"npu-parity: torch_npu is installed but the NPU is not used: {status.reason}")
@@ -673,6 +704,16 @@ def _marker_problems(marker: Any) -> list[str]:
             problems.append(f"recipes={marker.kwargs['recipes']!r}: "
                             + (f"unknown recipe(s) {', '.join(map(repr, unknown))}" if unknown else "no recipe")
                             + f"; known: {', '.join(RECIPES)}")
+    audit = marker.kwargs.get("audit")
+    if audit is not None and audit not in ("off", "fail", "warn"):
+        problems.append(f"audit={audit!r} must be 'fail', 'warn' or 'off'")
+    if marker.kwargs.get("audit_budget") is not None:
+        from .audit import parse_audit_budget
+
+        try:
+            parse_audit_budget(marker.kwargs["audit_budget"], source="marker")
+        except ValueError as exc:
+            problems.append(f"audit_budget=: {exc}")
     policy = marker.kwargs.get("policy")
     if isinstance(policy, str) and policy.strip():
         try:
@@ -735,6 +776,16 @@ def parity_patches():
     return None
 
 
+@pytest.fixture
+def parity_audit_budget():
+    """What the target runs of this suite's checks may do under ``--parity-audit``: a dict
+    (``{"h2d": 2, "host_sync": None}``), a spec string (``"h2d=2 # reason"``) or an
+    ``audit.AuditBudget``, over the default (``audit.DEFAULT_AUDIT_BUDGET``). Override it in a
+    suite's conftest; ``@pytest.mark.parity(audit_budget=...)`` and ``parity.check(audit_budget=...)``
+    refine it per test and check. Default: None (the default budget)."""
+    return None
+
+
 @pytest.fixture(scope="session")
 def parity_session(pytestconfig: pytest.Config):
     """The session-wide ``runner.ParitySession`` (target device, reference mode, records)."""
@@ -744,21 +795,30 @@ def parity_session(pytestconfig: pytest.Config):
 
 
 @pytest.fixture
-def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, parity_patches) -> Iterator[Any]:
+def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, parity_patches,
+           parity_audit_budget) -> Iterator[Any]:
     """Run and compare computations on the reference and the target device.
 
     ``parity.check(name, module_or_fn, *args, **kwargs)`` runs on both sides and compares every
     output leaf; ``parity.train_step(name, module, inputs)`` compares one optimizer step;
     ``parity.compare(name, actual, expected)`` judges outputs you computed. See ``runner.ParityCase``.
     """
+    from .audit import parse_audit_budget
     from .runner import ParityCase
 
     marker = request.node.get_closest_marker("parity")
     try:
+        budget = parse_audit_budget(parity_audit_budget, source="suite", base=parity_session.audit_budget)
+    except ValueError as exc:
+        raise pytest.UsageError(f"{request.node.nodeid}: the parity_audit_budget fixture: {exc}") from None
+    try:
+        if marker is not None and marker.kwargs.get("audit_budget") is not None:
+            budget = parse_audit_budget(marker.kwargs["audit_budget"], source="marker", base=budget)
         case = ParityCase(parity_session, request.node.nodeid, parity_recipe,
                           marker_tolerance=_marker_tolerance(request.node, parity_recipe), patches=parity_patches,
                           vacuous_ok=marker.kwargs.get("vacuous_ok") if marker else None,
-                          marker_policy=marker.kwargs.get("policy") if marker else None)
+                          marker_policy=marker.kwargs.get("policy") if marker else None,
+                          audit_budget=budget, audit_mode=marker.kwargs.get("audit") if marker else None)
     except (ValueError, TypeError) as exc:  # a bad policy= in the marker
         raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.parity: {exc}") from None
     request.config.stash[CASES_KEY].append(case)
@@ -938,6 +998,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     else:
         tr.write_line("no parity checks ran")
     _summarize_references(tr, rows)
+    _summarize_audit(tr, rows)
     _summarize_policies(tr, rows)
     _summarize_teeth(tr, rows)
     _summarize_baseline_problems(tr, rows, session)
@@ -989,6 +1050,36 @@ def _summarize_references(tr: Any, rows: list[dict]) -> None:
             counts[{"cpu": "a live CPU run", "given": "the given expected output"}.get(reference, str(reference))] += 1
     for reference, n in sorted(counts.items()):
         tr.write_line(f"reference: {n} check{'s' * (n != 1)} vs {reference}")
+
+
+def _summarize_audit(tr: Any, rows: list[dict]) -> None:
+    """With any audited check: the events of the audited checks per kind (each check counted once,
+    not once per output leaf), then every check with events beyond its audit budget, with those
+    events (op, devices, dtype, source line) and whether they failed the check or warned."""
+    audited = [row for row in _per_check(rows).values() if row.get("audit_mixed_device") is not None]
+    if not audited:
+        return
+    from .audit import KINDS
+
+    totals = {k: sum(int(row.get(f"audit_{k}") or 0) for row in audited) for k in KINDS}
+    over = [row for row in audited if row.get("audit_problem")]
+    tr.write_line(f"audit: {len(audited)} check{'s' * (len(audited) != 1)} audited, events "
+                  + ", ".join(f"{k} {v}" for k, v in totals.items())
+                  + (f"; {len(over)} beyond their audit budget" if over else "; none beyond the audit budgets"))
+    for row in sorted(over, key=lambda r: (r["test_id"], r["check"], r["recipe"])):
+        verdict = "failed" if row.get("audit_verdict") == "fail" else "warned"
+        lines = str(row["audit_problem"]).splitlines()
+        head = lines[0].partition(": ")[2] if ": " in lines[0] else lines[0]
+        tr.write_line(f"  {verdict}: {row['test_id']} check {row['check']!r} ({row['recipe']}): {head}",
+                      red=verdict == "failed", yellow=verdict == "warned")
+        for line in lines[1:]:
+            if line.startswith("  "):
+                tr.write_line(f"  {line}")
+    if over:
+        failed = any(row.get("audit_verdict") == "fail" for row in over)
+        tr.write_line("  fix those lines, or allow them per test or check with audit_budget={...} and a reason "
+                      "(@pytest.mark.parity / parity.check)"
+                      + (", or report without failing with --parity-audit-mode=warn" if failed else ""))
 
 
 def _summarize_policies(tr: Any, rows: list[dict]) -> None:

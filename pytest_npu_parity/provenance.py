@@ -5,8 +5,9 @@ module gathers that record and computes the content fingerprints used to tell wh
 still describes the current model and input:
 
 * ``collect_provenance(device, recipe=..., seed=...)`` — a JSON-ready dict: plugin, torch,
-  torch_npu, CANN, transformers and aurora-model versions, Python and OS, the device type and
-  name, recipe, seed, precision flags, creation time (UTC) and the project's git revision; on an
+  torch_npu, CANN, transformers and (when the run imported Aurora) aurora-model versions, Python
+  and OS, torch's intra-op and inter-op thread counts, the device type and name, recipe, seed,
+  precision flags, creation time (UTC) and the project's git revision; on an
   NPU also torch_npu's compile mode and the Ascend/HCCL environment (``ascend_environment``).
   The host name is deliberately left out (baselines are committed to git and shared).
 * ``describe_provenance(prov)`` — the one-line summary that reports and failure messages print.
@@ -86,12 +87,16 @@ def collect_provenance(
 
     Returns:
         A dict with the keys ``plugin_version, torch, cuda, torch_npu, cann, transformers,
-        aurora_model, python, platform, device_type, device_index, device_name, recipe, seed,
-        precision_flags, created, git_revision, git_dirty``; for an NPU device also
-        ``npu_compile_mode`` (:func:`npu_compile_mode`) and ``ascend_env``
-        (:func:`ascend_environment`). Versions of absent packages and an unknown git revision are
-        ``None``. ``created`` is UTC ISO-8601 to the second (``2026-11-30T09:27:05+00:00``). The
-        host name is never included.
+        aurora_model, python, platform, threads, interop_threads, device_type, device_index,
+        device_name, recipe, seed, precision_flags, created, git_revision, git_dirty``; for an NPU
+        device also ``npu_compile_mode`` (:func:`npu_compile_mode`) and ``ascend_env``
+        (:func:`ascend_environment`). Versions
+        of absent packages and an unknown git revision are ``None``; ``aurora_model`` is None unless
+        the ``aurora`` package is imported in this process (a project without Aurora does not
+        depend on its version). ``threads``/``interop_threads`` are ``torch.get_num_threads()`` /
+        ``torch.get_num_interop_threads()``: bf16 CPU kernels block their reductions by thread
+        count, so a bf16 CPU baseline depends on it (README, "Verdict accuracy"). ``created`` is UTC ISO-8601 to the second
+        (``2026-11-30T09:27:05+00:00``). The host name is never included.
 
     Raises:
         TypeError: when ``precision_flags`` or ``extra`` hold a value JSON cannot encode; the
@@ -108,9 +113,11 @@ def collect_provenance(
         "torch_npu": _torch_npu_version(),
         "cann": _cann_version(),
         "transformers": _dist_version("transformers"),
-        "aurora_model": _dist_version("aurora-model"),
+        "aurora_model": _dist_version("aurora-model") if "aurora" in sys.modules else None,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
         "device_type": device.type,
         "device_index": device.index,
         "device_name": device_name(device),
@@ -201,7 +208,8 @@ def describe_provenance(prov: Mapping[str, Any] | None) -> str:
     """One line naming a baseline's device, date, versions and revision.
 
     Example: ``"cuda (NVIDIA H200) · 2026-11-30 · torch 2.14.1 · recipe bf16 · git ab12cd3"``;
-    on an NPU the torch_npu and CANN versions follow the torch version. Missing fields are left
+    on an NPU the torch_npu and CANN versions follow the torch version; a CPU record names its
+    intra-op thread count before the recipe (``· 2 threads · recipe bf16``). Missing fields are left
     out; an empty or ``None`` record gives ``"unknown provenance"``.
     """
     if not prov:
@@ -215,6 +223,8 @@ def describe_provenance(prov: Mapping[str, Any] | None) -> str:
     for key, label in (("torch", "torch"), ("torch_npu", "torch_npu"), ("cann", "CANN")):
         if prov.get(key):
             parts.append(f"{label} {prov[key]}")
+    if device_type == "cpu" and prov.get("threads"):  # a CPU result's bf16 reductions depend on it
+        parts.append(f"{prov['threads']} thread{'s' * (prov['threads'] != 1)}")
     if prov.get("recipe"):
         parts.append(f"recipe {prov['recipe']}")
     revision = prov.get("git_revision")

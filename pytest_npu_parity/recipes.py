@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -182,6 +182,43 @@ def encoder_fast_path_autocast_shim(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch._transformer_encoder_layer_fwd = original
+
+
+class RecipeUnsupportedError(RuntimeError):
+    """A computation that runs under ``fp32`` raised under another recipe on the same device: an op
+    the backend cannot run in that precision (e.g. on torch 2.14.1 the CPU's nested-tensor fast
+    path of ``nn.TransformerEncoderLayer`` with a ``src_key_padding_mask`` under bf16 autocast:
+    "expected scalar type Float but found BFloat16"; ``torch.fft.rfft`` of a bfloat16 tensor:
+    "Unsupported dtype BFloat16").
+
+    The message is one sentence: the op (the ATen op when a re-run under a dispatch mode saw it
+    raise, else the call on the innermost source line), the module it ran in, the recipe, the
+    device and how to restrict the test's recipes. The backend's own error is ``__cause__``.
+
+    Attributes:
+        recipe: the recipe name (``bf16``).
+        device: the device the run was on.
+        op: the ATen op (``aten::index_add_``) or the call on the innermost line, or None.
+        module: ``"layers.0 (TransformerEncoderLayer)"``, or None when no module was running.
+        where: ``"torch/nn/modules/transformer.py:921"``, the innermost source line of the error.
+    """
+
+    def __init__(self, recipe: str, device: Any, error: BaseException, *, op: str | None = None,
+                 module: str | None = None, where: str | None = None):
+        self.recipe, self.device, self.op, self.module, self.where = recipe, str(device), op, module, where
+        first = (str(error).strip().splitlines() or [""])[0]
+        if len(first) > 160:
+            first = first[:157] + "..."
+        what = op or "an op"
+        if module:
+            what += f" in {module}"
+        if where:
+            what += f" (at {where})"
+        super().__init__(
+            f"{what} cannot run on {self.device} under recipe {recipe} — the same computation runs under fp32 — "
+            f"({type(error).__name__}: {first}); run the test only under the recipes that work with "
+            f"@pytest.mark.parity(recipes=[\"fp32\"]) on it, or select them for the session with "
+            "--parity-dtypes fp32.")
 
 
 def parse_recipes(text: str) -> list[Recipe]:

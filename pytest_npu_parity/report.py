@@ -90,12 +90,15 @@ COLUMNS: dict[str, str] = {
     "golden_msprobe_verdict": "golden msprobe policy: msprobe's own benchmark verdict (pass/error), without our NaN/Inf rule",
     "problem": "structural failure (missing leaf, shape or dtype mismatch, exception); metrics NaN then",
     "verdict": "pass, fail (out of tolerance or structural problem), error (the check did not run) or recorded",
-    "audit_mixed_device": "ops on the target that mixed devices",
-    "audit_h2d": "host-to-device copies during the target run",
-    "audit_d2h": "device-to-host copies during the target run",
-    "audit_host_sync": "host syncs (.item(), .cpu(), .numpy(), ...) during the target run",
-    "audit_cpu_fallback": "ops that fell back to the CPU during the target run",
-    "audit_fp64": "fp64 tensors created on the target (NPUs downcast fp64 to fp32)",
+    "audit_mixed_device": "ops on the target that mixed devices (per check: repeated on each of its leaf rows)",
+    "audit_h2d": "host-to-device copies during the target run (per check)",
+    "audit_d2h": "device-to-host copies during the target run (per check)",
+    "audit_host_sync": "host syncs (.item(), .cpu(), .numpy(), ...) during the target run (per check)",
+    "audit_cpu_fallback": "ops that fell back to the CPU during the target run (per check)",
+    "audit_fp64": "fp64 tensors created on the target (NPUs downcast fp64 to fp32) (per check)",
+    "audit_budget": "the audit budget the check was judged by (--parity-audit, --parity-audit-mode fail|warn), e.g. 'h2d 0, host_sync any, …'",
+    "audit_problem": "the audit events beyond the check's budget: op, devices, dtype and source line, one per line",
+    "audit_verdict": "what the events beyond the audit budget did: fail (failed the check) or warn; empty within budget",
     "duration_s": "wall time of the check in seconds (reference + target + compare)",
 }
 
@@ -113,6 +116,8 @@ META_COLUMNS: dict[str, str] = {
     "transformers": "transformers version",
     "aurora_model": "aurora-model version",
     "plugin_version": "pytest-npu-parity version",
+    "threads": "torch intra-op threads of the run (torch.get_num_threads(); bf16 CPU results depend on it)",
+    "interop_threads": "torch inter-op threads of the run (torch.get_num_interop_threads())",
     "target": "device under test of the run",
     "target_name": "human-readable target name",
     "reference": "cpu (live) or baseline",
@@ -137,7 +142,8 @@ _FLOAT = {"max_abs", "max_rel", "rel_l2", "cosine", "err_ratio", "mismatched_fra
 _INT = {"numel", "mismatched", "nonfinite_mismatched", "audit_mixed_device", "audit_h2d", "audit_d2h",
         "audit_host_sync", "audit_cpu_fallback", "audit_fp64"}
 _JSON_META = {"recipes", "precision_flags", "patch_set", "pytest_args"}
-AUDIT_COLUMNS = tuple(c for c in COLUMNS if c.startswith("audit_"))
+AUDIT_COLUMNS = tuple(c for c in COLUMNS if c.startswith("audit_") and c.removeprefix("audit_") in
+                      ("mixed_device", "h2d", "d2h", "host_sync", "cpu_fallback", "fp64"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -679,6 +685,7 @@ class Summary:
     audit_totals: dict[str, int] = field(default_factory=dict)
     top: int = 10
     history: pd.DataFrame | None = None
+    audit_problems: pd.DataFrame | None = None
 
 
 def summarize(df: pd.DataFrame, meta: Mapping[str, Any], history: pd.DataFrame | None = None, *, top: int = 10) -> Summary:
@@ -731,10 +738,15 @@ def summarize(df: pd.DataFrame, meta: Mapping[str, Any], history: pd.DataFrame |
         worst["failing_since"] = [first.get(k, pd.NaT) for k in keys]
     overrides = df[df["tolerance_source"].notna() & (df["tolerance_source"] != "default")]
     overrides = overrides.drop_duplicates(["check", "recipe", "rtol", "atol", "budget", "tolerance_source", "tolerance_reason"])
-    audit = {c.removeprefix("audit_"): int(df[c].fillna(0).sum()) for c in AUDIT_COLUMNS}
+    # Audit counts are per check (each of its leaf rows repeats them): one row per check is summed.
+    per_check = df.drop_duplicates(["test_id", "check", "recipe"])
+    audit = {c.removeprefix("audit_"): int(pd.to_numeric(per_check[c], errors="coerce").fillna(0).sum())
+             for c in AUDIT_COLUMNS}
+    problems = per_check[per_check["audit_problem"].map(lambda v: bool(_txt(v)))]
     return Summary(meta=meta, run_id=run_id, checks=checks, counts=counts, by_suite_recipe=by_suite_recipe,
                    worst=worst, new=new, since=since, previous_run_id=prev_id, previous_created=prev_created,
-                   history_runs=n_runs, overrides=overrides.reset_index(drop=True), audit_totals=audit, top=top, history=full)
+                   history_runs=n_runs, overrides=overrides.reset_index(drop=True), audit_totals=audit, top=top, history=full,
+                   audit_problems=problems.reset_index(drop=True))
 
 
 def combine_history(history: pd.DataFrame, df: pd.DataFrame) -> pd.DataFrame:
@@ -800,6 +812,9 @@ def run_line(meta: Mapping[str, Any], references: Iterable[str] = ()) -> str:
         parts.append(f"on {meta['machine']}")
     if versions:
         parts.append(versions)
+    if meta.get("threads") not in (None, ""):
+        interop = meta.get("interop_threads")
+        parts.append(f"{meta['threads']} torch threads" + (f" ({interop} inter-op)" if interop not in (None, "") else ""))
     return "; ".join(parts)
 
 
@@ -902,9 +917,20 @@ def _summary_markdown(s: Summary) -> str:
                            ([r["check"], r["recipe"], tolerance_text(r), r["tolerance_reason"]]
                             for _, r in s.overrides.iterrows()))
         lines.append("")
-    if any(s.audit_totals.values()):
-        lines.append("Device-propagation audit (sums over leaves): "
+    problems = s.audit_problems if s.audit_problems is not None else pd.DataFrame()
+    if any(s.audit_totals.values()) or len(problems):
+        lines += ["### Device-propagation audit", ""]
+        lines.append("Events on the target, each check counted once: "
                      + ", ".join(f"{k} {v}" for k, v in s.audit_totals.items()) + ".")
+        if len(problems):
+            lines += ["", f"{len(problems)} check{'s' * (len(problems) != 1)} with events beyond their audit budget:", ""]
+            rows = []
+            for r in problems.itertuples():
+                for event in str(r.audit_problem).splitlines()[1:]:
+                    if event.startswith("  "):
+                        rows.append([{"fail": "❌ failed", "warn": "⚠️ warned"}.get(_txt(r.audit_verdict), "–"),
+                                     _short_test(r.test_id), r.check, r.recipe, f"`{event.strip()}`"])
+            lines += _md_table(["audit", "test", "check", "recipe", "event (op, devices, dtype, source line)"], rows)
         lines.append("")
     return "\n".join(lines)
 

@@ -235,7 +235,8 @@ def _results_html(df: pd.DataFrame) -> str:
             (r["submodule"],), (r["recipe"],), (r["dtype"],), (r["shape"],), _n(r["err_ratio"]), _n(r["max_abs"]),
             _n(r["max_rel"]), _n(r["rel_l2"]), _n(r["cosine"], 7), _n(r["mismatched"]), _n(r["numel"]),
             (tolerance_text(r),), (r["reference"], "", _reference_text(r["reference"], r["reference_provenance"])),
-            (", ".join(f"{k} {v}" for k, v in audit.items()) or "–", sum(int(v) for v in audit.values())),
+            ((", ".join(f"{k} {v}" for k, v in audit.items()) or "–") + (" ⚠" if _txt(r.get("audit_problem")) else ""),
+             sum(int(v) for v in audit.values()), _txt(r.get("audit_problem"))),
             _n(r["duration_s"]),
         ])
         classes.append(r["verdict"])

@@ -15,7 +15,10 @@ Inside ``same_randomness(seed)``:
   fused kernel's device RNG. With ``dropout_p == 0`` the kernel that was installed when the block
   started runs (torch's own, or a patch set's fused replacement entered before the block).
 
-So both sides see the same numbers in the same order. The replacements are installed on entry;
+So both sides see the same numbers in the same order. A draw for a device tensor is the plugin's
+work, not the model's: under a device-propagation audit (``audit.not_audited``) its host ops and
+its copy to the device are not recorded (a draw the model asks for on the host, ``torch.rand(n)``
+without ``device=``, still is). The replacements are installed on entry;
 on exit (also on error) the functions that were there before are put back and the Python, NumPy
 and torch CPU RNG states (and those of CUDA / the ``privateuse1`` backend such as ``npu``, when
 already initialized) are restored. The scope wraps one run of one check; it is not thread-safe.
@@ -36,6 +39,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .audit import not_audited
 
 #: The functions replaced inside ``same_randomness``; the CPU draws use these import-time objects.
 _ORIGINALS = {
@@ -68,6 +73,18 @@ def _size(args: tuple, size: Any, fn: str) -> tuple[int, ...]:
     if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
         args = tuple(args[0])
     return tuple(_as_int(s, f"torch.{fn}() size") for s in args)
+
+
+def _plugin_draw(device: Any):
+    """``audit.not_audited()`` for a draw placed on an accelerator (the plugin draws it on the host
+    so that both sides see the same numbers); nothing for a draw the caller placed on the host."""
+    if device is None:
+        return contextlib.nullcontext()
+    try:
+        on_host = torch.device(device).type == "cpu"
+    except (RuntimeError, TypeError, ValueError):  # torch itself rejects it when the sample is placed
+        on_host = False
+    return contextlib.nullcontext() if on_host else not_audited()
 
 
 def _cpu_generator(generator: torch.Generator | None, default: torch.Generator) -> torch.Generator:
@@ -108,10 +125,12 @@ class _CpuDraws:
 
     def _float_draw(self, fn: str, args: tuple, size=None, *, generator=None, out=None, dtype=None, device=None,
                     requires_grad=False, **kwargs) -> torch.Tensor:
+        __tracebackhide__ = True  # pytest shows the model's frames, not the plugin's
         _check_factory_kwargs(fn, kwargs)
         shape = _size(args, size, fn)
-        sample = _ORIGINALS[(torch, fn)](shape, generator=_cpu_generator(generator, self.gen), dtype=torch.float32)
-        return self._place(sample, device, dtype or torch.get_default_dtype(), requires_grad, out)
+        with _plugin_draw(out.device if out is not None else device):
+            sample = _ORIGINALS[(torch, fn)](shape, generator=_cpu_generator(generator, self.gen), dtype=torch.float32)
+            return self._place(sample, device, dtype or torch.get_default_dtype(), requires_grad, out)
 
     def rand(self, *args, **kwargs) -> torch.Tensor:
         return self._float_draw("rand", args, **kwargs)
@@ -122,9 +141,11 @@ class _CpuDraws:
     def _like(self, fn: str, x: torch.Tensor, dtype=None, device=None, requires_grad=False, memory_format=None,
               generator=None, **kwargs) -> torch.Tensor:
         _check_factory_kwargs(f"{fn}_like", kwargs)
-        sample = _ORIGINALS[(torch, fn)](tuple(x.shape), generator=_cpu_generator(generator, self.gen),
-                                         dtype=torch.float32)
-        return self._place(sample, device or x.device, dtype or x.dtype, requires_grad)
+        device = device or x.device
+        with _plugin_draw(device):
+            sample = _ORIGINALS[(torch, fn)](tuple(x.shape), generator=_cpu_generator(generator, self.gen),
+                                             dtype=torch.float32)
+            return self._place(sample, device, dtype or x.dtype, requires_grad)
 
     def rand_like(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         return self._like("rand", x, **kwargs)
@@ -151,18 +172,21 @@ class _CpuDraws:
             raise TypeError("torch.randint() needs high and size: randint(high, size) or randint(low, high, size)")
         low = 0 if low is None else _as_int(low, "torch.randint() low")
         shape = _size((), size, "randint")
-        sample = _ORIGINALS[(torch, "randint")](low, _as_int(high, "torch.randint() high"), shape,
-                                                generator=_cpu_generator(generator, self.gen))
-        return self._place(sample, device, dtype or torch.int64, requires_grad, out)
+        with _plugin_draw(out.device if out is not None else device):
+            sample = _ORIGINALS[(torch, "randint")](low, _as_int(high, "torch.randint() high"), shape,
+                                                    generator=_cpu_generator(generator, self.gen))
+            return self._place(sample, device, dtype or torch.int64, requires_grad, out)
 
     def dropout_mask(self, shape, p: float, device, dtype) -> torch.Tensor:
         """Keep-mask scaled by 1/(1-p), as ``F.dropout`` applies it: each element is kept with
         probability 1 - p (a CPU float32 uniform draw >= p, whatever the default dtype, so a
         float64 golden run draws the same mask)."""
-        keep = _ORIGINALS[(torch, "rand")](tuple(shape), generator=self.gen, dtype=torch.float32) >= p
-        return (keep.to(dtype=dtype) / (1.0 - p)).to(device)
+        with _plugin_draw(device):
+            keep = _ORIGINALS[(torch, "rand")](tuple(shape), generator=self.gen, dtype=torch.float32) >= p
+            return (keep.to(dtype=dtype) / (1.0 - p)).to(device)
 
     def dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        __tracebackhide__ = True  # pytest shows the model's frames, not the plugin's
         if p < 0.0 or p > 1.0:
             raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
         if not training or p == 0.0:
@@ -175,6 +199,7 @@ class _CpuDraws:
     def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              enable_gqa=False, **kwargs) -> torch.Tensor:
         """``F.scaled_dot_product_attention``; with ``dropout_p > 0`` its reference formula."""
+        __tracebackhide__ = True
         if dropout_p == 0.0:
             if enable_gqa:
                 kwargs["enable_gqa"] = True  # only passed when set: torch < 2.5 has no such argument

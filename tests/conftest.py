@@ -23,3 +23,22 @@ def aurora_ctx(aurora_full):
     from pytest_npu_parity.aurora import checks
 
     return checks.build_context(aurora_full, checks.suite_batch())
+
+
+_LAZY_IMPORTED: list[bool] = []
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the first test using pytester (and before its fixture snapshots ``sys.modules``):
+    import the modules that cannot be imported twice in one process
+    (``pytester_helpers.import_lazy_modules``). Each in-process run drops the modules it imported,
+    so whichever run imported them first would break every later one."""
+    if _LAZY_IMPORTED or "pytester" not in getattr(item, "fixturenames", ()):
+        return
+    import tempfile
+
+    from pytester_helpers import import_lazy_modules
+
+    with tempfile.TemporaryDirectory() as tmp:
+        import_lazy_modules(tmp)
+    _LAZY_IMPORTED.append(True)

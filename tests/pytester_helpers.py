@@ -13,3 +13,23 @@ def edit_module(module: Path, old: str, new: str) -> None:
     stat = module.stat()
     module.write_text(text.replace(old, new))
     os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))
+
+
+def import_lazy_modules(tmp_dir: Path) -> None:
+    """Import, in this process, the modules that cannot be imported twice in one process, before
+    in-process pytester runs (each drops the modules it imported): torch._inductor ("Only a single
+    TORCH_LIBRARY can be used to register the namespace _inductor_test"; torch imports
+    torch._dynamo lazily at the first op under an audit's function mode and at the first optimizer
+    step) and pandas' parquet support ("A type extension with name pandas.period already defined",
+    at a report's first parquet file)."""
+    import pandas as pd
+    import torch
+
+    from pytest_npu_parity.audit import audit_call
+
+    audit_call(torch.nn.Linear(2, 2), (torch.ones(1, 2),), logical=True)
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]).step()
+    try:
+        pd.DataFrame({"a": [1]}).to_parquet(Path(tmp_dir) / "a.parquet")
+    except ImportError:  # no parquet engine: reports write csv only
+        pass

@@ -522,3 +522,125 @@ def test_audit_overhead_is_bounded(aurora_tiny):
     ratio = min(audited) / min(plain)
     print(f"tiny Aurora eval forward: plain {min(plain):.4f} s, audited {min(audited):.4f} s, ratio {ratio:.2f}")
     assert ratio < 12.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Budgets (what --parity-audit judges), dtypes in messages, the plugin's own work
+# ---------------------------------------------------------------------------------------------
+
+def test_messages_name_the_dtype_of_mixed_device_and_cpu_ops():
+    mod = load_pattern("factory_without_device")
+    _, record = audit_call(mod.BuggyOnes(), (mod.make_input(),), target=TARGET, logical=True)
+    (mixed,) = record.of_kind("mixed_device")
+    assert mixed.dtype == "torch.float32"  # the stray CPU tensor's dtype
+    assert "cuda:1 + cpu float32 at" in mixed.message()
+    (cpu_op,) = record.of_kind("cpu_fallback")
+    assert cpu_op.op == "aten::ones" and "cpu float32 (ran on the CPU" in cpu_op.message()
+
+
+def test_default_budget_fails_every_kind_but_host_syncs():
+    from pytest_npu_parity.audit import DEFAULT_AUDIT_BUDGET, AuditBudget
+
+    assert DEFAULT_AUDIT_BUDGET == {"mixed_device": 0, "h2d": 0, "d2h": 0, "host_sync": None, "cpu_fallback": 0,
+                                    "fp64": 0}
+    budget = AuditBudget()
+    for pattern, cls in (("factory_without_device", "BuggyOnes"), ("device_index", "Buggy"),
+                         ("float64_constant", "Buggy"), ("hardcoded_cuda", "Buggy")):
+        mod = load_pattern(pattern)
+        buggy = getattr(mod, cls)
+        _, record = audit_call(buggy(), (mod.make_input(),), target=TARGET, logical=True)
+        text = budget.judge(record, "out")
+        assert text and bug_source(buggy).rpartition(":")[2] in text and "# BUG" in text, text
+        assert text.startswith("Device-propagation audit of check 'out' on the logical device cuda:1")
+        _, clean = audit_call(mod.Fixed(), (mod.make_input(),), target=TARGET, logical=True)
+        assert budget.judge(clean, "out") is None
+    mod = load_pattern("item_in_loop")
+    _, record = audit_call(mod.Buggy(), (mod.make_input(),), target=TARGET, logical=True)
+    assert record.counts()["host_sync"] == 5 and budget.judge(record) is None  # counted, allowed
+    assert budget.replace({"host_sync": 4}, source="check").excess(record) == {"host_sync": (5, 4)}
+
+
+def test_judge_lists_only_the_kinds_over_budget_and_the_budget_that_would_pass():
+    from pytest_npu_parity.audit import parse_audit_budget
+
+    mod = load_pattern("cpu_only_op")
+    _, record = audit_call(mod.ManualFallback(), (mod.make_input(),), target=TARGET, logical=True)
+    counts = record.counts()
+    assert counts["h2d"] == 1 and counts["d2h"] == 1 and counts["cpu_fallback"] >= 1
+    budget = parse_audit_budget("h2d=1 d2h=1 # the manual pinv fallback", source="marker")
+    text = budget.judge(record, "pinv")
+    assert "cpu_fallback" in text and "h2d 1 (allowed" not in text
+    assert all("CPU op" in line for line in text.splitlines()[1:-1]), text
+    assert f"audit_budget={{'cpu_fallback': {counts['cpu_fallback']}}}" in text
+    assert budget.reason == "the manual pinv fallback" and budget.source == "marker"
+    assert parse_audit_budget({"cpu_fallback": "any"}, base=budget).judge(record) is None
+    assert "--parity-audit-mode=warn" not in budget.judge(record, failing=False)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("h2=1", "unknown kind 'h2' (did you mean 'h2d'?)"),
+    ({"h2d": -1}, "h2d=-1 must be a count >= 0 or 'any'"),
+    ({"fp64": 1.5}, "fp64=1.5 must be a count"),
+    ({"d2h": True}, "d2h=True must be a count"),
+    ("h2d", "'h2d' is not kind=count"),
+    (3, "must be a dict such as"),
+    ({"h2d": 1, "reason": ""}, "reason must be a non-empty string"),
+])
+def test_bad_budget_specs_name_the_problem(spec, message):
+    from pytest_npu_parity.audit import parse_audit_budget
+
+    with pytest.raises(ValueError, match="audit budget") as info:
+        parse_audit_budget(spec)
+    assert message in str(info.value)
+
+
+def test_budget_specs_merge_over_their_base():
+    from pytest_npu_parity.audit import parse_audit_budget
+
+    suite = parse_audit_budget({"h2d": 2, "reason": "cached table"}, source="suite")
+    test = parse_audit_budget("d2h=1, host_sync=0", source="marker", base=suite)
+    assert dict(test.allowed) == {"mixed_device": 0, "h2d": 2, "d2h": 1, "host_sync": 0, "cpu_fallback": 0, "fp64": 0}
+    assert test.reason == "cached table" and test.source == "marker"
+    assert test.describe() == "mixed_device 0, h2d 2, d2h 1, host_sync 0, cpu_fallback 0, fp64 0 # cached table"
+    assert parse_audit_budget(None, base=test) is test and parse_audit_budget(test) is test
+
+
+def test_record_round_trips_through_its_dict():
+    mod = load_pattern("cpu_only_op")
+    _, record = audit_call(mod.ManualFallback(), (mod.make_input(),), target=TARGET, logical=True)
+    again = AuditRecord.from_dict(json.loads(json.dumps(record.to_dict())))
+    assert again.to_dict() == record.to_dict() and again.counts() == record.counts()
+
+
+def test_not_audited_keeps_tracking_but_records_nothing():
+    from pytest_npu_parity.audit import not_audited
+
+    audit = DeviceAudit(TARGET, logical=True)
+    x = audit.to_target(torch.ones(3))
+    with audit:
+        with not_audited():
+            table = torch.arange(3.0).to(x.device)  # a host op and a copy: the plugin's, not counted
+        y = x * table  # table is on the device now: no mixed-device op
+        z = x + torch.ones(3)  # outside the block: counted
+    assert torch.equal(y, torch.arange(3.0)) and torch.equal(z, torch.full((3,), 2.0))
+    assert audit.device_of(table) == torch.device(TARGET)
+    assert [(e.kind, e.op) for e in audit.record.events] == [("cpu_fallback", "aten::ones"),
+                                                              ("mixed_device", "aten::add.Tensor")]
+
+
+def test_backward_formulas_create_their_tensors_where_the_gradients_are():
+    """Autograd's C++ backward passes the real (CPU) device to new_zeros/index_put in logical
+    mode; inside a backward that means the gradients' device: no mixed-device op, no CPU op. The
+    CPU index tensor of ``h[:, [0, 2]]`` is copied to the device in the forward and again in the
+    backward (index_put), as on a real device."""
+    audit = DeviceAudit(TARGET, logical=True)
+    holder = torch.nn.ParameterList([torch.nn.Parameter(torch.linspace(-1.0, 1.0, 12).reshape(3, 4))])
+    w = audit.to_target(holder)[0]  # a module's parameters are marked in place
+    with audit:
+        (w[:, [0, 2]] * 2).sum().backward()
+    assert audit.device_of(w.grad) == torch.device(TARGET)
+    kinds = sorted((e.kind, e.op) for e in audit.record.events)
+    assert kinds == [("h2d", "aten::index.Tensor"), ("h2d", "aten::index_put")], audit.record.format()
+    expected = torch.zeros(3, 4)
+    expected[:, [0, 2]] = 2.0
+    assert torch.equal(w.grad, expected)

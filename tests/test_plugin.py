@@ -1,6 +1,8 @@
 """Plugin behaviour through pytester: options, skipping, recipes, verdicts, messages, device errors."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -399,3 +401,82 @@ def test_unreadable_deepspeed_config_is_a_usage_error(pytester: pytest.Pytester,
     result = pytester.runpytest("--npu-parity", "--parity-device", "cpu")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*ini parity_deepspeed_config: DeepSpeed config *ds.json *"])
+
+
+RECIPE_MODELS = """
+import pytest
+import torch
+from torch import nn
+
+
+def test_lstm(parity):
+    torch.manual_seed(0)
+    parity.check("lstm", nn.LSTM(8, 16, batch_first=True).eval(), torch.randn(2, 5, 8))
+
+
+def test_masked_encoder(parity):
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2).eval()
+    mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    parity.check("encoder", encoder, torch.randn(2, 5, 16), src_key_padding_mask=mask)
+
+
+@pytest.mark.parity(recipes=["fp32"])
+def test_masked_encoder_fp32_only(parity):
+    test_masked_encoder(parity)
+"""
+
+
+def test_an_op_a_recipe_cannot_run_is_one_sentence_and_the_marker_fixes_it(pytester: pytest.Pytester) -> None:
+    """nn.LSTM runs under CPU bf16 autocast (torch 2.5.1 and 2.14.1 measured); the masked
+    nn.TransformerEncoder's nested-tensor fast path raises under it on torch 2.14.1 ("expected scalar
+    type Float but found BFloat16") and is shimmed on 2.5.1 (see recipes.py)."""
+    from pytest_npu_parity.recipes import cpu_autocast_breaks_encoder_fast_path
+
+    pytester.makepyfile(test_user_recipes=RECIPE_MODELS)
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32,bf16")
+    if cpu_autocast_breaks_encoder_fast_path():  # torch 2.5.1: the shim runs it
+        result.assert_outcomes(passed=5)
+        return
+    result.assert_outcomes(passed=4, failed=1)
+    result.stdout.fnmatch_lines([
+        "E * pytest_npu_parity.recipes.RecipeUnsupportedError: torch._transformer_encoder_layer_fwd in layers.0 "
+        "(TransformerEncoderLayer) (at torch/nn/modules/transformer.py:*) cannot run on cpu under recipe bf16 *"
+        "(RuntimeError: expected scalar type Float but found BFloat16); run the test only under the recipes that "
+        "work with @pytest.mark.parity(recipes=[[]\"fp32\"[]]) on it, or select them for the session with "
+        "--parity-dtypes fp32.",
+    ])
+    result.stdout.fnmatch_lines(["FAILED test_user_recipes.py::test_masked_encoder[[]bf16[]]*"])
+    # the backend's own error is kept as the cause, shown above it
+    result.stdout.fnmatch_lines(["*RuntimeError: expected scalar type Float but found BFloat16",
+                                 "*The above exception was the direct cause of the following exception:*"])
+
+
+def test_tracebacks_show_the_model_not_the_plugins_runner(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_broken_model="""
+        import torch
+
+        class Broken(torch.nn.Module):
+            def forward(self, x):
+                return x @ torch.ones(3, 3, device=x.device)  # shapes do not match
+
+        def test_broken(parity):
+            parity.check("broken", Broken(), torch.ones(2, 4))
+    """)
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32")
+    result.assert_outcomes(failed=1)
+    failures = result.stdout.str().split("= FAILURES =")[1].split("= npu-parity")[0]
+    assert "runner.py:" not in failures and "pytest_npu_parity/" not in failures, failures  # no frame of the plugin
+    result.stdout.fnmatch_lines(['>       parity.check("broken", Broken(), torch.ones(2, 4))',
+                                 ">       return x @ torch.ones(3, 3, device=x.device)  # shapes do not match",
+                                 "E       RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x4 and 3x3)"])
+
+
+def test_summary_names_a_patch_override_and_no_aurora_version(pytester: pytest.Pytester, monkeypatch) -> None:
+    monkeypatch.delitem(sys.modules, "aurora", raising=False)  # other tests of this process may have imported it
+    pytester.makepyfile(BROKEN_TARGET.replace("y[1, 2] += 2 * (1e-5 + 1e-5 * abs(float(y[1, 2])))", "pass"))
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32", "--parity-report=rep")
+    result.assert_outcomes(passed=2)
+    summary = (pytester.path / "rep" / "summary.md").read_text()
+    assert "Patch set: `test_summary_names_a_patch_override_and_no_aurora_version.parity_patches.corrupt`." in summary
+    assert "aurora_model" not in summary and " torch threads" in summary

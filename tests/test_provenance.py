@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 EXPECTED_KEYS = {
     "plugin_version", "torch", "torch_npu", "cann", "transformers", "aurora_model", "python",
-    "platform", "device_type", "device_name", "recipe", "seed", "precision_flags", "created",
-    "git_revision",
+    "platform", "threads", "interop_threads", "device_type", "device_name", "recipe", "seed", "precision_flags",
+    "created", "git_revision",
 }
 
 
@@ -84,10 +84,36 @@ def test_versions_of_installed_and_absent_packages(monkeypatch):
 
     monkeypatch.setattr(prov_mod.importlib.metadata, "version", fake_version)
     monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    monkeypatch.setitem(sys.modules, "aurora", types.ModuleType("aurora"))  # the run uses Aurora
     prov = collect_provenance("cpu", recipe="fp32", seed=0)
     assert prov["aurora_model"] == "0.2.0-test"
     assert prov["torch_npu"] is None
     assert "torch_npu" not in sys.modules  # never imported to read the version
+
+
+def test_aurora_version_only_when_the_run_imported_aurora(monkeypatch):
+    """A project without Aurora gets no aurora-model version, even with the package installed."""
+    import importlib.metadata as md
+
+    real = md.version
+    monkeypatch.setattr(prov_mod.importlib.metadata, "version",
+                        lambda name: "0.2.0-test" if name == "aurora-model" else real(name))
+    monkeypatch.delitem(sys.modules, "aurora", raising=False)
+    assert collect_provenance("cpu", recipe="fp32", seed=0)["aurora_model"] is None
+    monkeypatch.setitem(sys.modules, "aurora", types.ModuleType("aurora"))
+    assert collect_provenance("cpu", recipe="fp32", seed=0)["aurora_model"] == "0.2.0-test"
+
+
+def test_thread_counts_are_recorded_and_named_for_a_cpu_record():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prov = collect_provenance("cpu", recipe="bf16", seed=0)
+    finally:
+        torch.set_num_threads(previous)
+    assert prov["threads"] == 1 and prov["interop_threads"] == torch.get_num_interop_threads()
+    assert "· 1 thread · recipe bf16" in describe_provenance(prov)
+    assert "thread" not in describe_provenance({**prov, "device_type": "cuda", "threads": 2})
 
 
 def test_torch_npu_version_from_loaded_module(monkeypatch):

@@ -257,3 +257,18 @@ def test_parse_recipes(text, names):
 def test_parse_recipes_errors(text, message):
     with pytest.raises(ValueError, match=message):
         parse_recipes(text)
+
+
+def test_recipe_unsupported_error_is_one_sentence_naming_op_module_recipe_and_the_fix():
+    from pytest_npu_parity.recipes import RecipeUnsupportedError
+
+    backend = RuntimeError("expected scalar type Float but found BFloat16\nmore backend detail")
+    error = RecipeUnsupportedError("bf16", torch.device("cpu"), backend, op="aten::index_add_",
+                                   module="head (Linear)", where="model.py:12")
+    text = str(error)
+    assert text.startswith("aten::index_add_ in head (Linear) (at model.py:12) cannot run on cpu under recipe bf16")
+    assert "(RuntimeError: expected scalar type Float but found BFloat16)" in text and "more backend" not in text
+    assert '@pytest.mark.parity(recipes=["fp32"])' in text and "\n" not in text
+    assert isinstance(error, RuntimeError) and (error.recipe, error.op) == ("bf16", "aten::index_add_")
+    long = RecipeUnsupportedError("bf16", "cpu", RuntimeError("x" * 500))
+    assert str(long).startswith("an op cannot run on cpu") and "x" * 157 + "..." in str(long)

@@ -99,7 +99,8 @@ def test_columns_are_the_documented_contract():
                 "golden_dtype golden_worst_metric golden_worst_margin msprobe_cosine msprobe_euc_dist msprobe_max_abs_err "
                 "msprobe_max_rel_err msprobe_one_thousandth msprobe_five_thousandths msprobe_note golden_msprobe_verdict "
                 "problem verdict "
-                "audit_mixed_device audit_h2d audit_d2h audit_host_sync audit_cpu_fallback audit_fp64 duration_s").split()
+                "audit_mixed_device audit_h2d audit_d2h audit_host_sync audit_cpu_fallback audit_fp64 audit_budget audit_problem "
+                "audit_verdict duration_s").split()
     assert list(report.COLUMNS) == expected
     for name, text in {**report.COLUMNS, **report.META_COLUMNS}.items():
         assert text and "\n" not in text, name
@@ -519,3 +520,33 @@ def test_msprobe_view_columns_round_trip(tmp_path):
         assert pd.isna(s["msprobe_cosine"]) and s["msprobe_note"].startswith("cosine=unsupported")
     table = report.check_table(df)
     assert table.loc[0, "msprobe_max_rel_err"] == 1.0  # the 0-d leaf: |2 - 1| / 1
+
+
+def test_audit_totals_count_each_check_once_and_the_summary_lists_events_beyond_budget():
+    """Audit counts are per check, repeated on each leaf row: the summary counts events, not leaves."""
+    out = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0]), "c": torch.tensor([4.0])}
+    problem = ("Device-propagation audit of check 'dec_a' on npu:0: 1 event beyond its audit budget: "
+               "mixed_device 1 (allowed 0).\n"
+               "  mixed-device op aten::add.Tensor: npu:0 + cpu float32 at model.py:9  x + torch.ones(4)\n"
+               "Fix these lines (create tensors on the input's device: device=x.device), or allow them.")
+    result = compare(out, out, FP32, name="dec_a")
+    rows = [dict(leaf.to_row(), check="dec_a", **_base("test_a", audit_mixed_device=1, audit_h2d=0, audit_d2h=0,
+                                                       audit_host_sync=2, audit_cpu_fallback=0, audit_fp64=0,
+                                                       audit_problem=problem, audit_budget="mixed_device 0",
+                                                       audit_verdict="fail"))
+            for leaf in result.leaves]
+    assert len(rows) == 3
+    s = report.summarize(rows, _meta())
+    assert s.audit_totals == {"mixed_device": 1, "h2d": 0, "d2h": 0, "host_sync": 2, "cpu_fallback": 0, "fp64": 0}
+    text = report.summary_markdown(rows, _meta())
+    assert "each check counted once: mixed_device 1, h2d 0, d2h 0, host_sync 2" in text
+    assert "1 check with events beyond their audit budget" in text
+    assert ("| ❌ failed | test_layers.py::test_a[fp32] | dec_a | fp32 | "
+            "`mixed-device op aten::add.Tensor: npu:0 + cpu float32 at model.py:9  x + torch.ones(4)` |") in text
+    assert text.count("mixed-device op aten::add.Tensor") == 1  # once, not once per leaf
+
+
+def test_run_line_names_the_thread_counts_and_leaves_out_absent_versions():
+    line = report.run_line(_meta(aurora_model=None, threads=2, interop_threads=1))
+    assert "2 torch threads (1 inter-op)" in line and "aurora_model" not in line
+    assert "aurora_model 0.2.0" in report.run_line(_meta())

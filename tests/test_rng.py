@@ -391,3 +391,39 @@ def test_seed_must_be_an_integer():
         a = torch.rand(2)
     with same_randomness(3):
         assert torch.equal(a, torch.rand(2))
+
+
+def test_draws_for_a_device_tensor_are_not_the_models_events_under_an_audit():
+    """A dropout mask (and torch.rand(..., device=x.device)) is drawn on the host and copied by the
+    plugin so that both sides see the same numbers: an audit of the run records none of it, while a
+    draw the model itself leaves on the host (torch.rand without device=) is still recorded."""
+    from pytest_npu_parity.audit import DEFAULT_LOGICAL_TARGET, DeviceAudit
+
+    class Model(torch.nn.Module):
+        def __init__(self, host_noise: bool) -> None:
+            super().__init__()
+            self.drop = torch.nn.Dropout(0.25)
+            self.host_noise = host_noise
+
+        def forward(self, x):
+            y = self.drop(x) + torch.rand(x.shape, device=x.device) + torch.randn_like(x)
+            if self.host_noise:
+                y = y + torch.rand(x.shape[-1])  # the model's own bug: a host draw mixed in
+            return y
+
+    for host_noise in (False, True):
+        audit = DeviceAudit(DEFAULT_LOGICAL_TARGET, logical=True)
+        model = audit.to_target(Model(host_noise).train())
+        x = audit.to_target(torch.ones(4, 8))
+        with same_randomness(0), audit:
+            out = model(x)
+        assert audit.device_of(out) == torch.device(DEFAULT_LOGICAL_TARGET)
+        kinds = {(e.kind, e.op) for e in audit.record.events}
+        if host_noise:
+            assert kinds == {("cpu_fallback", "aten::rand.generator"), ("mixed_device", "aten::add.Tensor")}, \
+                audit.record.format()
+        else:
+            assert kinds == set(), audit.record.format()
+        with same_randomness(0):
+            plain = Model(host_noise).train()(torch.ones(4, 8))
+        assert torch.equal(out, plain)

@@ -476,3 +476,162 @@ def test_fp16_train_step_under_golden_runs_the_scaler_in_fp64_too():
         case("fp16", target_scaler(FAULTS["stale_inverse_scale"]), recipe_policies={"fp16": "golden"}).train_step(
             "step", OverflowNet(), {"x": SMALL_X}, **kwargs)
     assert "amp.grad_norm" in {leaf.path for leaf in info.value.result.leaves if not leaf.passed}
+
+
+# ---------------------------------------------------------------------------------------------
+# Audit modes and budgets, recipe errors, run metadata
+# ---------------------------------------------------------------------------------------------
+
+class HostOnes(torch.nn.Module):
+    """Adds a constant built without ``device=``: a mixed-device op (and a CPU op) on a target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) + torch.ones(4)
+
+
+def audit_case(mode, recipe="fp32", **case_kwargs) -> ParityCase:
+    from pytest_npu_parity.runner import target_audit
+
+    session = ParitySession(CPU, reference="cpu", audit_factory=target_audit, audit_mode=mode)
+    return ParityCase(session, "tests/test_runner.py::audited", recipe, **case_kwargs)
+
+
+def test_audit_mode_fail_fails_a_check_whose_numbers_pass():
+    torch.manual_seed(0)
+    with pytest.raises(ParityError, match="with every output leaf within tolerance") as info:
+        audit_case("fail").check("ones", HostOnes(), torch.randn(3, 4))
+    text = str(info.value)
+    assert "mixed-device op aten::add.Tensor: cuda:1 + cpu float32 at" in text
+    assert "return self.lin(x) + torch.ones(4)" in text and "audit_budget={'mixed_device': 1, 'cpu_fallback': 1}" in text
+    # the same check under record mode (the engine's default with an audit factory) judges nothing
+    record = audit_case(None).check("ones", HostOnes(), torch.randn(3, 4))
+    assert record.status == "pass" and record.audit["counts"]["mixed_device"] == 1
+    assert "audit_problem" not in record.extra
+
+
+def test_audit_mode_warn_keeps_the_verdict_and_warns_at_the_models_line():
+    from pytest_npu_parity.audit import ParityAuditWarning
+
+    torch.manual_seed(0)
+    with pytest.warns(ParityAuditWarning, match="mixed-device op aten::add.Tensor") as caught:
+        record = audit_case("warn").check("ones", HostOnes(), torch.randn(3, 4))
+    assert record.status == "pass"
+    assert caught[0].filename == __file__ and "torch.ones(4)" in open(__file__).read().splitlines()[caught[0].lineno - 1]
+    row = record.rows()[0]
+    assert row["verdict"] == "pass" and "aten::add.Tensor" in row["audit_problem"] and row["audit_verdict"] == "warn"
+    assert row["audit_budget"] == "mixed_device 0, h2d 0, d2h 0, host_sync any, cpu_fallback 0, fp64 0"
+
+
+def test_audit_budgets_of_test_and_check_allow_declared_events():
+    torch.manual_seed(0)
+    case = audit_case("fail", audit_budget={"cpu_fallback": 1})
+    with pytest.raises(ParityError, match=r"mixed_device 1 \(allowed 0\)"):
+        case.check("ones", HostOnes(), torch.randn(3, 4))
+    record = case.check("ones_allowed", HostOnes(), torch.randn(3, 4), audit_budget="mixed_device=1 # known constant")
+    assert record.status == "pass" and record.extra["audit_budget"].endswith("# known constant")
+    with pytest.raises(ValueError, match="parity check 'bad': audit budget"):
+        case.check("bad", HostOnes(), torch.randn(3, 4), audit_budget={"mixed": 1})
+    off = audit_case("fail", audit_mode="off").check("ones", HostOnes(), torch.randn(3, 4))
+    assert off.audit is None and off.status == "pass"
+
+
+def test_a_clean_training_step_with_dropout_has_no_audit_events():
+    """Dropout masks (the shared random stream), gradient clipping and the optimizer step are the
+    plugin's: the audited training step of a clean model records nothing."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.2), torch.nn.TransformerEncoder(layer, 1))
+    record = audit_case("fail").train_step("step", model, {"input": torch.randn(2, 5, 16)},
+                                           loss_fn=lambda out: out.square().mean())
+    assert record.status == "pass"
+    assert record.audit["events"] == [], record.audit
+
+
+def test_an_op_the_recipe_breaks_is_one_sentence_with_the_backend_error_as_cause():
+    class Spectrum(torch.nn.Module):
+        def forward(self, x):
+            return torch.fft.rfft(x).abs()  # bfloat16 has no FFT on the CPU
+
+    with pytest.raises(RuntimeError) as info:
+        case("bf16-weights").check("spectrum", Spectrum(), torch.randn(2, 16))
+    from pytest_npu_parity.recipes import RecipeUnsupportedError
+
+    error = info.value
+    assert isinstance(error, RecipeUnsupportedError), error
+    text = str(error)
+    assert text.count(". ") == 0 and text.endswith("--parity-dtypes fp32.")  # one sentence
+    assert "`return torch.fft.rfft(x).abs()` in Spectrum" in text and "under recipe bf16-weights" in text and "recipes=[\"fp32\"]" in text
+    assert "Unsupported dtype BFloat16" in text and "test_runner.py:" in text
+    assert "Unsupported dtype BFloat16" in str(error.__cause__)
+    assert case("fp32").check("spectrum", Spectrum(), torch.randn(2, 16)).status == "pass"
+
+
+def test_an_error_under_fp32_too_is_not_blamed_on_the_recipe():
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            return x @ torch.ones(3, 3)  # a shape bug: fails under every recipe
+
+    with pytest.raises(RuntimeError, match="cannot be multiplied") as info:
+        case("bf16").check("broken", Broken(), torch.randn(2, 4))
+    from pytest_npu_parity.recipes import RecipeUnsupportedError
+
+    assert not isinstance(info.value, RecipeUnsupportedError)
+
+
+def test_lstm_and_gru_run_under_bf16_on_this_cpu():
+    """nn.LSTM/GRU under CPU bf16 autocast: measured to run on torch 2.5.1 and 2.14.1 (x86 with
+    AVX512-BF16/AMX), eval and training, so no recipe error may be raised for them."""
+    torch.manual_seed(0)
+    for rnn in (torch.nn.LSTM(8, 16, batch_first=True), torch.nn.GRU(8, 16, num_layers=2, batch_first=True)):
+        record = case("bf16").check("rnn", rnn.eval(), torch.randn(2, 5, 8))
+        assert record.status == "pass"
+
+
+def test_masked_transformer_encoder_under_bf16_says_which_op_and_how_to_restrict():
+    """nn.TransformerEncoder with a src_key_padding_mask takes the nested-tensor fast path in eval:
+    under CPU bf16 autocast torch 2.14.1 raises "expected scalar type Float but found BFloat16"
+    there; torch 2.5.1 runs it through the recipe's encoder shim (recipes module docstring)."""
+    from pytest_npu_parity.recipes import RecipeUnsupportedError, cpu_autocast_breaks_encoder_fast_path
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2).eval()
+    x = torch.randn(2, 5, 16)
+    mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    assert case("fp32").check("enc", encoder, x, src_key_padding_mask=mask).status == "pass"
+    try:
+        record = case("bf16").check("enc", encoder, x, src_key_padding_mask=mask)
+    except RecipeUnsupportedError as exc:
+        assert not cpu_autocast_breaks_encoder_fast_path()  # the torch releases without the shim
+        assert "torch._transformer_encoder_layer_fwd in layers.0 (TransformerEncoderLayer)" in str(exc)
+        assert "under recipe bf16" in str(exc) and "expected scalar type Float but found BFloat16" in str(exc)
+    else:
+        assert record.status == "pass" and cpu_autocast_breaks_encoder_fast_path()
+
+
+def test_metadata_names_a_patch_factory_that_names_no_patches_and_the_threads():
+    @contextlib.contextmanager
+    def my_patches(device):
+        yield  # names no patches (no .applied)
+
+    c = case("fp32", patches=my_patches)
+    c.check("proj", Proj(), X)
+    meta = c.session.metadata(["fp32"])
+    assert meta["patch_set"] == ["test_runner.test_metadata_names_a_patch_factory_that_names_no_patches_and_the_threads.my_patches"]
+    assert meta["threads"] == torch.get_num_threads() and meta["interop_threads"] == torch.get_num_interop_threads()
+    assert case("fp32").session.metadata(["fp32"])["patch_set"] == []
+
+
+def test_thread_count_mismatch_note():
+    from pytest_npu_parity.runner import thread_count_mismatch
+
+    n = torch.get_num_threads()
+    note = thread_count_mismatch({"device_type": "cpu", "threads": n + 1}, CPU)
+    assert note and f"recorded with {n + 1} intra-op threads, this run uses {n}" in note
+    assert thread_count_mismatch({"device_type": "cpu", "threads": n}, CPU) is None
+    assert thread_count_mismatch({"device_type": "cpu"}, CPU) is None  # older baselines record no count
+    assert thread_count_mismatch({"device_type": "cuda", "threads": n + 1}, CPU) is None

@@ -44,6 +44,16 @@ def aurora_tiny(parity_session):
 
 
 @pytest.fixture
+def parity_audit_budget():
+    """Under ``--parity-audit``: no mixed-device op and no float64 on the target (the porting bugs),
+    while upstream Aurora's host-built tables, the period search's ``.cpu().numpy()`` and the other
+    host round trips the patch set leaves on purpose are allowed here; test_device_propagation.py
+    declares them exactly, per submodule and input shape, and fails on any new one."""
+    return {"h2d": None, "d2h": None, "cpu_fallback": None,
+            "reason": "upstream Aurora host round trips, counted exactly in test_device_propagation.py"}
+
+
+@pytest.fixture
 def parity_patches():
     """Target runs happen under the NPU patch set (applied and reverted around each run)."""
     return lambda device: patches.patched(device)
