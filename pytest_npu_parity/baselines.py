@@ -44,7 +44,10 @@ Plain safetensors (never pickle), readable with ``safetensors.safe_open`` alone:
   ``{check: {"leaves": {leaf: key}, "none_leaves": [...], "meta": {...}}}``, where ``meta``
   holds ``input_hash``, ``input_summary`` (order-sensitive, see ``provenance.summarize_tensors``),
   ``config_hash``, ``config_tensors`` (per-weight digests, ``provenance.module_tensor_digests``),
-  ``recipe``, ``seed``, ``shapes``, ``dtypes`` and whatever the runner records) and
+  ``structure_hash`` and ``structure`` (the module's configuration and structure,
+  ``structure.module_structure``, packed by ``structure.pack_structure``; absent for a function and
+  in files recorded before they existed), ``recipe``, ``seed``, ``shapes``, ``dtypes`` and whatever
+  the runner records) and
   ``content_hash``: BLAKE2b over the other five fields and every tensor's dtype, shape and bytes,
   checked on every load — a flipped bit in the data region or an edited provenance, test id or
   check record is reported as corruption, never compared against or printed as fact.
@@ -158,7 +161,13 @@ class MissingBaselineError(BaselineError):
 
 
 class StaleBaselineError(BaselineError):
-    """The baseline was recorded for a different input, model configuration, shape or dtype."""
+    """The baseline was recorded for a different input, model configuration, shape or dtype.
+
+    ``structure_changed`` is True when the module's recorded configuration or structure differs
+    (``BaselineStore.check_fresh``; the runner reports that cause as ``config``).
+    """
+
+    structure_changed: bool = False
 
 
 class CorruptBaselineError(BaselineError):
@@ -411,6 +420,8 @@ class BaselineStore:
         config_tensors: dict[str, str] | Callable[[], dict[str, str]] | None = None,
         recipe: str | None = None,
         seed: int | None = None,
+        structure_hash: str | None = None,
+        structure: dict | Callable[[], dict] | None = None,
     ) -> CheckBaseline:
         """Return the stored check if it was recorded for this input and configuration.
 
@@ -436,10 +447,19 @@ class BaselineStore:
                 differing one is noted in ``meta["bitwise_config"]`` only.
             recipe, seed: the recipe name and seed of this run; a baseline recorded under another
                 recipe (a bf16 recording in the fp32 file) or seed is stale.
+            structure_hash, structure: ``structure.structure_hash`` of the current module's
+                ``structure.module_structure`` record, and that record (or a callable returning it,
+                called only when the hashes differ); None for a function. When the entry recorded
+                one and the hashes differ, the two records are compared where both have a field
+                (``structure.structure_changes``): a difference (``config changed: layer_norm_epsilon
+                1e-05 → 0.001``, ``structure changed (…)``) is stale; none (a field only one side
+                has, e.g. added by another torch release) is fresh, with ``meta["bitwise_structure"]``
+                False. An entry without a recorded structure (an older file) makes no claim.
 
         Raises:
             MissingBaselineError: the file has no entry for ``check``.
-            StaleBaselineError: the recipe, seed, input, weights, leaf set, shape or dtype differs;
+            StaleBaselineError: the recipe, seed, input, weights, configuration or structure, leaf
+                set, shape or dtype differs;
                 the message lists each difference as recorded vs now, the baseline's provenance and
                 the re-record command.
         """
@@ -479,6 +499,14 @@ class BaselineStore:
                 if prefix:  # name the tensors as in the whole model
                     what = re.sub(r"'([^']+)'", lambda m: repr(f"{prefix}.{m.group(1)}"), what)
                 changes.append(f"{what}; model fingerprint recorded {_short(before)}, now {_short(config_hash)}")
+        structure_changed = False
+        before = meta.get("structure_hash")
+        if before is not None and structure_hash is not None:
+            meta["bitwise_structure"] = before == structure_hash
+            if before != structure_hash:
+                lines = _structure_changes(meta.get("structure"), structure, meta.get("submodule"))
+                structure_changed = bool(lines)
+                changes += lines
         if shapes is not None:
             was = {leaf: tuple(s) for leaf, s in _recorded_shapes(recorded).items()}
             was.update({leaf: None for leaf in recorded.none_leaves})
@@ -489,12 +517,14 @@ class BaselineStore:
             now_d = {leaf: _dtype_name(d) for leaf, d in dtypes.items() if d is not None}
             changes += _diff_leaves("dtype", was_d, now_d, report_sets=shapes is None)
         if changes:
-            raise StaleBaselineError(
+            error = StaleBaselineError(
                 f"baseline {_show(baseline.path)} is stale for check {check!r}: " + "; ".join(changes)
                 + f". It was recorded on {describe_provenance(baseline.provenance)}. "
                 f"Re-record it on a trusted machine with: {self.command(test_id)}",
                 baseline.path,
             )
+            error.structure_changed = structure_changed
+            raise error
         return CheckBaseline(name=recorded.name, tensors=recorded.tensors, none_leaves=recorded.none_leaves,
                              meta=meta)
 
@@ -1095,6 +1125,22 @@ def _dumps(value: Any, what: str) -> str:
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _structure_changes(packed: Any, structure: dict | Callable[[], dict] | None, prefix: Any) -> list[str]:
+    """``structure.structure_changes`` of a recorded (packed) and the current record; a recorded
+    record that cannot be read is itself a change (the checksum covers it, so only a writer of another
+    layout can have produced it)."""
+    from .structure import structure_changes, unpack_structure
+
+    now = structure() if callable(structure) else structure
+    if now is None:
+        return []
+    try:
+        recorded = unpack_structure(packed)
+    except ValueError as exc:
+        return [f"structure changed (the recorded structure cannot be compared: {exc})"]
+    return structure_changes(recorded, now, prefix=prefix if isinstance(prefix, str) else None)
 
 
 def _recorded_shapes(check: CheckBaseline) -> dict[str, list[int]]:

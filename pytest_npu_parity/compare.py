@@ -1,8 +1,9 @@
 """How two computations are judged: metrics and verdicts over tensors and nested outputs.
 
 ``compare(actual, expected, policy)`` walks both structures (tensors, numbers, ``None``, tuples,
-lists, dicts and Hugging Face ``ModelOutput``), pairs their leaves by path (``logits``,
-``hidden_states[1]``, ``[0].loss``) and measures every pair in float64 on the CPU:
+lists, dicts, Hugging Face ``ModelOutput`` and key/value caches, see ``flatten``), pairs their leaves
+by path (``logits``, ``hidden_states[1]``, ``[0].loss``, ``past_key_values.layers[0].keys``) and
+measures every pair in float64 on the CPU:
 
 * ``max_abs``  — max |a − e|
 * ``max_rel``  — max |a − e| / (|e| + 1e-10) in float64 (``REL_EPS``; our definition: one eps for
@@ -335,8 +336,10 @@ def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     Leaves are tensors, Python numbers and ``None``. Numbers become 0-d tensors that hold them
     exactly: ``bool`` → bool, ``int`` → int64, ``float`` → float64, ``complex`` → complex128.
     Containers are mappings (including ``transformers`` ``ModelOutput``, whose ``None`` fields are
-    skipped as its ``to_tuple`` does), tuples and lists. Paths join mapping keys with ``.`` and
-    sequence positions as ``[i]``: ``{"a": (x, {"b": y})}`` gives ``a[0]`` and ``a[1].b``.
+    skipped as its ``to_tuple`` does), tuples, lists and Hugging Face key/value caches (see
+    ``cache_fields``: ``GenerateDecoderOnlyOutput.past_key_values`` gives
+    ``past_key_values.layers[0].keys``, ``…layers[0].values``, … per layer). Paths join mapping keys
+    with ``.`` and sequence positions as ``[i]``: ``{"a": (x, {"b": y})}`` gives ``a[0]`` and ``a[1].b``.
 
     Raises:
         TypeError: for any other object, naming its path and type.
@@ -353,12 +356,65 @@ def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     elif isinstance(obj, Sequence) and not isinstance(obj, str | bytes):
         for i, value in enumerate(obj):
             yield from flatten(value, f"{prefix}[{i}]")
+    elif (fields := cache_fields(obj)) is not None:
+        for key, value in fields.items():
+            yield from flatten(value, f"{prefix}.{key}" if prefix else key)
     else:
         where = f"at {prefix!r}" if prefix else "at the top level"
         raise TypeError(
             f"cannot compare a {type(obj).__name__} {where}: outputs must be tensors, numbers, None, "
-            "or tuples/lists/dicts/ModelOutputs of them"
+            "or tuples/lists/dicts/ModelOutputs/Hugging Face caches of them"
         )
+
+
+def cache_fields(obj: Any) -> dict[str, Any] | None:
+    """The contents of a Hugging Face key/value cache as a plain structure, or None for any other object.
+
+    A cache is an instance of a class named ``Cache`` or of a subclass (``transformers.cache_utils``:
+    ``DynamicCache``, ``StaticCache``, ``EncoderDecoderCache``, …), recognized by its class names so
+    that transformers is never imported here. Read from transformers 4.57's classes
+    (``cache_utils.Cache.__init__``, ``CacheLayerMixin.__init__``, ``EncoderDecoderCache.__init__``):
+
+    * an encoder-decoder cache: ``{"self_attention_cache": …, "cross_attention_cache": …}``;
+    * a cache of layers (``Cache.layers``, transformers >= 4.56): ``{"layers": [layer, …]}``, each
+      layer as ``{"keys": …, "values": …}`` followed by its other tensor attributes in name order
+      (``[batch, heads, tokens, head_dim]`` tensors; ``None`` for a layer not yet filled), so a
+      quantized layer's stored tensors are compared too;
+    * the older list layout (``key_cache`` / ``value_cache`` lists, transformers < 4.56):
+      ``{"key_cache": [...], "value_cache": [...]}``.
+
+    Raises:
+        TypeError: a ``Cache`` with none of these layouts, naming its class.
+    """
+    kinds = type(obj).__mro__
+    if not any(cls.__name__ == "Cache" for cls in kinds):
+        return None
+    if hasattr(obj, "self_attention_cache") and hasattr(obj, "cross_attention_cache"):
+        return {"self_attention_cache": obj.self_attention_cache, "cross_attention_cache": obj.cross_attention_cache}
+    layers = getattr(obj, "layers", None)
+    if isinstance(layers, Sequence):
+        return {"layers": [_cache_layer_fields(layer) for layer in layers]}
+    keys, values = getattr(obj, "key_cache", None), getattr(obj, "value_cache", None)
+    if isinstance(keys, Sequence) and isinstance(values, Sequence):
+        return {"key_cache": list(keys), "value_cache": list(values)}
+    raise TypeError(f"cannot compare a {type(obj).__name__}: a cache without layers or key_cache/value_cache "
+                    "lists; compare its tensors yourself (parity.compare) or run with use_cache=False")
+
+
+def _cache_layer_fields(layer: Any) -> Any:
+    """``{"keys", "values", other tensor attributes in name order}`` of one cache layer (a layer
+    that is itself a tuple or list, ``(keys, values)``, is returned as it is)."""
+    if isinstance(layer, Sequence):
+        return layer
+    state = vars(layer) if hasattr(layer, "__dict__") else {}
+    fields = {"keys": getattr(layer, "keys", None), "values": getattr(layer, "values", None)}
+    for name in sorted(state):
+        if name not in fields and isinstance(state[name], torch.Tensor):
+            fields[name] = state[name]
+    for name in ("keys", "values"):  # a layer class whose keys/values are not tensors: leave them out
+        if fields[name] is not None and not isinstance(fields[name], torch.Tensor):
+            del fields[name]
+    return fields
 
 
 def _number_tensor(value: bool | int | float | complex, path: str) -> torch.Tensor:

@@ -863,13 +863,14 @@ def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: t
         return leaf
     threshold, small_atol = policy.small_values_for(coarse)
     sides = (_SideSums(), _SideSums(), _SideSums())  # target, reference, golden rounded to the dtype
-    for a, e, g, rounded in float64_blocks(actual, expected, golden, golden.detach().to("cpu").to(coarse)):
-        mask = torch.isfinite(a) & torch.isfinite(e) & torch.isfinite(g)
-        small = mask & (g.abs() < threshold)
-        mask_floor = mask & torch.isfinite(rounded)  # a golden beyond the dtype's range rounds to inf
-        sides[0].add(a, g, mask, small, small_atol)
-        sides[1].add(e, g, mask, small, small_atol)
-        sides[2].add(rounded, g, mask_floor, small & mask_floor, small_atol)
+    with _one_intra_op_thread():
+        for a, e, g, rounded in float64_blocks(actual, expected, golden, golden.detach().to("cpu").to(coarse)):
+            mask = torch.isfinite(a) & torch.isfinite(e) & torch.isfinite(g)
+            small = mask & (g.abs() < threshold)
+            mask_floor = mask & torch.isfinite(rounded)  # a golden beyond the dtype's range rounds to inf
+            sides[0].add(a, g, mask, small, small_atol)
+            sides[1].add(e, g, mask, small, small_atol)
+            sides[2].add(rounded, g, mask_floor, small & mask_floor, small_atol)
     leaf.target, leaf.reference, leaf.floor = (side.result() for side in sides)
     share_floor = 1.0 / leaf.reference.small if leaf.reference.small else 0.0
     leaf.ratios = {
@@ -882,6 +883,24 @@ def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: t
     return leaf
 
 
+@contextlib.contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """Torch ops of the block loops on one intra-op thread (restored on exit). Each block
+    (``compare.WORKER_BLOCK`` elements) is a few dozen small elementwise ops and masked copies; with
+    two threads each op opens an OpenMP parallel region, which on a loaded machine costs more than
+    the op: judging a 2 M-element fp32 leaf took 11.8 s with 2 threads and 0.23 s with one (2-core
+    machine, load average 6–8), 11 M elements 75 s before this (a resnet18 training step judges
+    three such sets of leaves)."""
+    before = torch.get_num_threads()
+    if before > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if before > 1:
+            torch.set_num_threads(before)
+
+
 def _real_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.empty(0, dtype=dtype).real.dtype if dtype.is_complex else dtype
 
@@ -891,9 +910,10 @@ def _judge_msprobe(leaf: GoldenLeafResult, actual: torch.Tensor, expected: torch
     golden_dtype = _real_dtype(golden.dtype)
     target = _MsprobeSums(_real_dtype(actual.dtype), golden_dtype)
     reference = _MsprobeSums(_real_dtype(expected.dtype), golden_dtype)
-    for a, e, g in float64_blocks(actual, expected, golden):
-        target.add(a, g)
-        reference.add(e, g)
+    with _one_intra_op_thread():
+        for a, e, g in float64_blocks(actual, expected, golden):
+            target.add(a, g)
+            reference.add(e, g)
     leaf.target, leaf.reference = target.result(), reference.result()
     dtype = target.dtype  # the floor is chosen by the NPU (target) row's dtype
     leaf.ratios = {m: msprobe_ratio(getattr(leaf.target, m), getattr(leaf.reference, m), dtype) for m in METRICS}

@@ -471,7 +471,7 @@ class _Side:
         dtype = self.case.recipe.weights_dtype
         args, kwargs = _move(self.call.args, self.device, dtype), _move(self.call.kwargs, self.device, dtype)
         if self.call.kind == "train_step":
-            return root(**kwargs)
+            return root(*args, **kwargs)
         if isinstance(self.call.fn, torch.nn.Module):
             return root(*args, **kwargs)
         return getattr(root, self.call.fn.__name__)(*args, **kwargs)

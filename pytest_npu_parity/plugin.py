@@ -800,7 +800,8 @@ def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, p
     """Run and compare computations on the reference and the target device.
 
     ``parity.check(name, module_or_fn, *args, **kwargs)`` runs on both sides and compares every
-    output leaf; ``parity.train_step(name, module, inputs)`` compares one optimizer step;
+    output leaf; ``parity.train_step(name, module, inputs, labels=..., loss_fn=...)`` compares one
+    optimizer step (``loss_fn(output, labels)``);
     ``parity.compare(name, actual, expected)`` judges outputs you computed. See ``runner.ParityCase``.
     """
     from .audit import parse_audit_budget
@@ -1126,7 +1127,7 @@ def _summarize_baseline_problems(tr: Any, rows: list[dict], session: Any) -> Non
     covered = {check for suite in suites for check in suite.checks}
     for suite in suites:
         tr.write_line(f"  {'stale'.ljust(width)}  {len(suite.checks)} checks of suite {suite.suite!r}: "
-                      f"{_CAUSE_TEXT[suite.cause]} (see the top of the summary)")
+                      f"{_cause_text(suite.cause)} (see the top of the summary)")
     problems = [row for row in problems if (row["test_id"], row["check"], row["recipe"]) not in covered]
     for row in sorted(problems, key=lambda r: (r["baseline_error"], r["test_id"], r["check"])):
         where = f" ({_shown(row['baseline_file'])})" if row.get("baseline_file") else ""
@@ -1169,8 +1170,16 @@ def _summarize_localization(tr: Any, rows: list[dict], session: Any) -> None:
                       "differ in structure, shape or dtype")
 
 
-_CAUSE_TEXT = {"weights": "the model's weights changed", "input": "the inputs changed",
-               "weights+input": "the model's weights and the inputs changed"}
+_CAUSE_PARTS = {"weights": "the model's weights", "config": "the model's configuration", "input": "the inputs"}
+
+
+def _cause_text(cause: str) -> str:
+    """``"the model's weights and the inputs changed"`` for a ``runner.stale_cause`` such as ``weights+input``."""
+    parts = [_CAUSE_PARTS.get(c, c) for c in cause.split("+")]
+    joined = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return f"{joined} changed"
+
+
 STALE_KEY = pytest.StashKey["list"]()  # runner.StaleSuite of this session, computed once at the summary
 
 
@@ -1210,7 +1219,7 @@ class _StaleSuiteReport:
             tests = sorted({t for t, _, _ in suite.checks})
             tr.section(f"npu-parity: every baseline of suite {suite.suite!r} is stale", sep="=", bold=True)
             recorded = f" (recorded on {suite.provenance})" if suite.provenance else ""
-            tr.write_line(f"{_CAUSE_TEXT[suite.cause].capitalize()} since its baselines were recorded{recorded}: "
+            tr.write_line(f"{_cause_text(suite.cause).capitalize()} since its baselines were recorded{recorded}: "
                           f"{len(suite.checks)} checks of {len(tests)} tests are stale"
                           + (f"; {suite.fresh} other checks still matched" if suite.fresh else "") + ".")
             tr.write_line(f"Fix it once, on a trusted machine: {fix}")
@@ -1218,7 +1227,7 @@ class _StaleSuiteReport:
             if example:
                 tr.write_line(f"For example, {suite.checks[0][0]}: {example}")
             for test_id, check, recipe in suite.checks:
-                short.setdefault(test_id, f"check {check!r} ({recipe}): baseline stale: {_CAUSE_TEXT[suite.cause]} for "
+                short.setdefault(test_id, f"check {check!r} ({recipe}): baseline stale: {_cause_text(suite.cause)} for "
                                           f"the whole suite {suite.suite!r}; see 'every baseline of suite "
                                           f"{suite.suite!r} is stale' above the failures; fix: {fix}")
         failing = {(r["test_id"], r["check"], r["recipe"]) for r in config.stash[ROWS_KEY]

@@ -352,7 +352,8 @@ def fingerprint_tensors(obj: Any) -> str:
     Leaves may be tensors (any device; hashed as dtype, shape and the raw bytes of a contiguous
     CPU copy — so ``-0.0`` and ``0.0``, or two NaN payloads, differ), numpy arrays (as tensors),
     ``None``, ``bool``/``int``/``float`` (floats exactly, via ``float.hex``), ``str``, ``bytes``,
-    ``torch.dtype`` and ``torch.device``. Containers are mappings (keys sorted by their string
+    ``torch.dtype``, ``torch.device`` and Hugging Face configs (a ``GenerationConfig`` passed to
+    ``generate``: its ``structure.config_dict``, with the class name). Containers are mappings (keys sorted by their string
     form, so insertion order does not matter), tuples and lists; every leaf's path
     (``["x"][0]``) is part of the digest, so the same numbers in a different structure differ.
     The device a tensor lives on is not part of the digest.
@@ -406,12 +407,21 @@ def _feed(hasher: Any, obj: Any, path: str) -> None:
         _put(hasher, tag, b"seq", str(len(obj)).encode())
         for i, value in enumerate(obj):
             _feed(hasher, value, f"{path}[{i}]")
+    elif (config := _config_dict(obj)) is not None:  # a GenerationConfig passed to generate()
+        _put(hasher, tag, b"config", type(obj).__name__.encode())
+        _feed(hasher, config, path)
     else:
         where = repr(path) if path else "the top level"
         raise TypeError(
             f"cannot fingerprint a {type(obj).__name__} at {where}: use tensors, numbers, strings, "
-            "None, or tuples/lists/dicts of them"
+            "None, Hugging Face configs, or tuples/lists/dicts of them"
         )
+
+
+def _config_dict(obj: Any) -> dict | None:
+    from .structure import config_dict
+
+    return config_dict(obj)
 
 
 def _feed_tensor(hasher: Any, tag: bytes, tensor: torch.Tensor, path: str) -> None:

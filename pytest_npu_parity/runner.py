@@ -28,6 +28,7 @@ import contextlib
 import copy
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -188,18 +189,28 @@ class CheckRecord:
 _LOCALIZATION_COLUMNS = ("localization_s", "localization_reused", "localization_skipped", "localization_stopped")
 
 
-def stale_cause(recorded_meta: dict, hashes: dict[str, Any]) -> str:
+def stale_cause(recorded_meta: dict, hashes: dict[str, Any], structure_changed: bool = False) -> str:
     """What a stale baseline entry's recorded fingerprints say changed: ``weights`` (the module's
-    ``config_hash``), ``input`` (``input_hash``), ``weights+input``, or ``other`` (neither: a leaf,
-    shape or dtype).
+    ``config_hash``), ``config`` (its configuration or structure: ``structure_changed``, as
+    ``baselines.StaleBaselineError.structure_changed`` says), ``input`` (``input_hash``), joined by
+    ``+`` in that order (``config+input``: a submodule whose captured input changed with the model's
+    config), or ``other`` (none of them: a leaf, shape, dtype, recipe or seed).
 
     Args:
         recorded_meta: the stored check's metadata (``baselines.CheckBaseline.meta``).
         hashes: the current ``input_hash`` and ``config_hash`` (hex strings).
+        structure_changed: the recorded configuration or structure differs from the module's.
     """
-    changed = [label for label, key in (("weights", "config_hash"), ("input", "input_hash"))
-               if recorded_meta.get(key) != hashes.get(key)]
+    changed = ["weights"] if recorded_meta.get("config_hash") != hashes.get("config_hash") else []
+    if structure_changed:
+        changed.append("config")
+    if recorded_meta.get("input_hash") != hashes.get("input_hash"):
+        changed.append("input")
     return "+".join(changed) or "other"
+
+
+#: The causes ``stale_cause`` names, in the order it joins them.
+STALE_CAUSES = ("weights", "config", "input")
 
 
 @dataclass
@@ -210,7 +221,8 @@ class StaleSuite:
         suite: the baseline store's suite name (``baselines.SuiteStores.suite_of``).
         directory: the directory holding the suite's test files (what the fix records), relative
             like the test ids.
-        cause: what every stale check of a model shares: ``weights``, ``input`` or ``weights+input``.
+        cause: what every stale check of a model shares: ``weights``, ``config``, ``input`` or
+            several of them joined by ``+`` (``stale_cause``).
         checks: (test id, check, recipe) of every stale check of the suite (also of free functions
             whose input changed with the model).
         fresh: checks of the suite whose baseline still matched (free functions, another model).
@@ -264,7 +276,7 @@ def stale_suites(rows: list[dict[str, Any]]) -> list[StaleSuite]:
             continue
         # The cause the stale checks of a model share (a submodule's captured input changes with
         # the weights that computed it: "weights+input" there, "weights" for the whole model).
-        common = {"weights", "input"}
+        common = set(STALE_CAUSES)
         for r in stale_modules:
             common &= set(str(r.get("stale_cause") or "").split("+"))
         if not common:
@@ -273,7 +285,7 @@ def stale_suites(rows: list[dict[str, Any]]) -> list[StaleSuite]:
         directory = os.path.dirname(os.path.commonpath(files)) if len(files) == 1 else os.path.commonpath(files)
         provenance = next((str(r["reference_provenance"]).rpartition(" — ")[2] for r in stale
                            if r.get("reference_provenance")), None)
-        found.append(StaleSuite(suite, directory or ".", "+".join(c for c in ("weights", "input") if c in common),
+        found.append(StaleSuite(suite, directory or ".", "+".join(c for c in STALE_CAUSES if c in common),
                                 sorted((r["test_id"], r["check"], r["recipe"]) for r in stale),
                                 len(suite_rows) - len(stale), provenance))
     return found
@@ -697,8 +709,8 @@ class ParityCase:
         return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
                                        golden_policy, golden, budget)
 
-    def train_step(self, name: str, module: torch.nn.Module, inputs: dict[str, Any], *,
-                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    def train_step(self, name: str, module: torch.nn.Module, inputs: Any, *,
+                   labels: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
                    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
                    max_grad_norm: float | None = 1.0, seed: int | None = None, submodule: str | None = None,
                    group: str | None = None,
@@ -709,12 +721,24 @@ class ParityCase:
                    audit_budget: Any = None) -> CheckRecord:
         """One training step on each side from the same weights, compared leaf by leaf.
 
-        Each side deep-copies ``module``, puts it in training mode on its device, runs
-        ``module(**inputs)`` under the recipe (forward under autocast for bf16, backward outside it,
-        as Hugging Face Trainer does), ``loss_fn(output)`` (default: ``output.loss`` or
-        ``output[0]``), ``loss.backward()``, clips the global gradient norm to ``max_grad_norm``
-        (``torch.nn.utils.clip_grad_norm_``) and takes one ``optimizer`` step (default
-        ``default_optimizer``: AdamW as upstream Aurora trains).
+        Each side deep-copies ``module``, puts it in training mode on its device, runs the forward
+        under the recipe (forward and loss under autocast for bf16, backward outside it, as Hugging
+        Face Trainer does), computes the loss, ``loss.backward()``, clips the global gradient norm to
+        ``max_grad_norm`` (``torch.nn.utils.clip_grad_norm_``) and takes one ``optimizer`` step
+        (default ``default_optimizer``: AdamW as upstream Aurora trains).
+
+        Args:
+            inputs: what the forward is called with: a dict (``module(**inputs)``; a Hugging Face
+                batch with ``labels`` inside computes its own ``output.loss``), a tuple or list
+                (``module(*inputs)``) or one tensor (``module(inputs)``).
+            labels: targets of the loss, outside the forward's inputs (a tensor or any nested
+                structure of them; moved to each side's device like the inputs). With ``labels``,
+                the loss is ``loss_fn(output, labels)`` — the ``criterion(outputs, labels)`` of a
+                PyTorch training loop, so ``loss_fn=torch.nn.CrossEntropyLoss()`` works as it is.
+            loss_fn: ``loss_fn(output)`` without ``labels``, ``loss_fn(output, labels)`` with them;
+                default (without ``labels`` only): ``output.loss``, else ``output[0]`` of a tuple or
+                list, else the output itself, which must be a one-element tensor. A loss module with
+                tensors (``CrossEntropyLoss(weight=w)``) is copied to each side's device and dtype.
 
         Compared leaves: ``loss``; ``grad.<param>`` for every trainable parameter; ``param.<param>``
         after the step for every trainable parameter; ``buffer.<name>`` for every buffer (e.g.
@@ -722,7 +746,8 @@ class ParityCase:
         the backward, clipping and step go through a dynamic ``GradScaler``
         (:func:`scaled_backward_and_step`), ``grad.<param>`` are the unscaled gradients, and three
         leaves more are compared: ``amp.scale``, ``amp.skipped_steps`` and ``amp.grad_norm``.
-        ``vacuous_ok``, ``fault_weight``, ``policy`` and ``audit_budget`` are as in ``check``; the
+        ``labels`` are part of the input's fingerprint (a baseline recorded with other labels is
+        stale). ``vacuous_ok``, ``fault_weight``, ``policy`` and ``audit_budget`` are as in ``check``; the
         golden of a training step is the same step on a CPU copy of ``module`` in the golden dtype,
         without autocast. The audit (``--parity-audit``) covers the forward, the loss and the
         backward; the gradient clipping, the loss scaler and the optimizer step are the plugin's and
@@ -736,9 +761,13 @@ class ParityCase:
         the loop's business and ignored here.
 
         Raises:
+            ValueError: ``labels`` without a ``loss_fn``; no scalar loss in the output.
             ParityError, baselines.BaselineError, recipes.RecipeUnsupportedError: as ``check``.
         """
         __tracebackhide__ = True
+        if labels is not None and loss_fn is None:
+            raise ValueError(f"train_step {name!r}: labels= needs a loss_fn(output, labels), e.g. "
+                             "loss_fn=torch.nn.CrossEntropyLoss()")
         seed = self.session.seed if seed is None else seed
         tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance,
                                      dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
@@ -747,9 +776,11 @@ class ParityCase:
         self._check_name(name)
         start = time.perf_counter()
         optimizer = optimizer or default_optimizer
-        hashes = self._hashes(module, (), inputs)
+        positional, keywords = _forward_inputs(inputs)
+        hashes = self._hashes(module, positional, keywords, modes=False, labels=labels)
 
-        def step(m: torch.nn.Module, _recipe_context: bool = True, **batch: Any) -> dict[str, torch.Tensor]:
+        def step(m: torch.nn.Module, _recipe_context: bool = True, _positional: tuple = (), _labels: Any = None,
+                 **batch: Any) -> dict[str, torch.Tensor]:
             __tracebackhide__ = True
             m.train()
             if loop is not None:
@@ -759,8 +790,13 @@ class ParityCase:
                 opt = optimizer([p for _, p in params])
                 opt.zero_grad(set_to_none=True)
             with self.recipe.context(_device_of(m)) if _recipe_context else contextlib.nullcontext():
-                output = m(**batch)
-                loss = loss_fn(output) if loss_fn else _default_loss(output)
+                output = m(*_positional, **batch)
+                if loss_fn is None:
+                    loss = _default_loss(output)
+                elif labels is None:
+                    loss = loss_fn(output)
+                else:
+                    loss = _loss_on(loss_fn, m)(output, _labels)
             amp: dict[str, torch.Tensor] = {}
             if self.recipe.loss_scaling:
                 # only the backward inside is audited (the scaler's ops are not the model's)
@@ -781,10 +817,12 @@ class ParityCase:
             out.update({f"buffer.{n}": b.detach() for n, b in m.named_buffers()})
             return out
 
-        def run(device: torch.device, patched: bool, audited: bool = False, batch: dict | None = None):
+        def run(device: torch.device, patched: bool, audited: bool = False, args: tuple | None = None,
+                batch: dict | None = None):
             __tracebackhide__ = True
             m = copy.deepcopy(module).to(device)
-            return self._run(step, (m,), inputs if batch is None else batch, device, seed=seed, patched=patched,
+            return self._run(step, (m, True, positional if args is None else tuple(args), labels),
+                             keywords if batch is None else batch, device, seed=seed, patched=patched,
                              grad=True, audited=audited, recipe_context=False)
 
         def golden() -> dict:
@@ -794,15 +832,15 @@ class ParityCase:
             for dtype in golden_dtypes(self.recipe.name):  # fp64, else (bf16 work) fp32
                 m = copy.deepcopy(module).to(dtype)
                 try:
-                    return self.session.golden_runner.run(step, (m, False), inputs, recipe=self.recipe.name,
-                                                          seed=seed, grad=True, dtype=dtype)
+                    return self.session.golden_runner.run(step, (m, False, positional, labels), keywords,
+                                                          recipe=self.recipe.name, seed=seed, grad=True, dtype=dtype)
                 except GoldenUnavailableError as exc:
                     first = first or exc
             raise first
 
-        call = CheckCall("train_step", module, (), inputs, seed, True,
-                         lambda device, patched, _args, batch: run(device, patched, batch=batch)[0], vacuous_ok,
-                         fault_weight)
+        call = CheckCall("train_step", module, positional, keywords, seed, True,
+                         lambda device, patched, args, batch: run(device, patched, args=args, batch=batch)[0],
+                         vacuous_ok, fault_weight)
         return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
                                        golden_policy, golden, budget)
 
@@ -933,23 +971,32 @@ class ParityCase:
         if any(r.check == name for r in self.records):
             raise ValueError(f"check name {name!r} is used twice in {self.test_id}; names must be unique per test")
 
-    def _hashes(self, fn: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    def _hashes(self, fn: Any, args: tuple, kwargs: dict, *, modes: bool = True, labels: Any = None) -> dict[str, Any]:
         """Bitwise fingerprints of the input and the module, an order-sensitive input summary that
         tells a real change from last-bit differences of the same activations recomputed on another
-        machine, and the module's per-tensor digests that name the weights that changed (see
-        ``BaselineStore.check_fresh``). The last two are callables, computed only where needed:
-        when recording, or when a hash differs from the recorded one."""
+        machine, the module's per-tensor digests that name the weights that changed, and the
+        module's configuration and structure (``structure.module_structure``, with each submodule's
+        training mode unless ``modes`` is False) with its hash (see ``BaselineStore.check_fresh``).
+        The summary and digests are callables, computed only where needed: when recording, or when
+        a hash differs from the recorded one. ``labels`` (a training step's) join the input's
+        fingerprint and summary when given."""
         from .provenance import fingerprint_module, fingerprint_tensors, module_tensor_digests, summarize_tensors
+        from .structure import module_structure, structure_hash
 
         module = owner_module(fn)
+        structure: dict | None = None
         if module is not None:
             config = fingerprint_module(module)
             config_tensors: Callable[[], dict] = lambda: module_tensor_digests(module)  # noqa: E731
+            structure = module_structure(module, modes=modes)
         else:
             config = fingerprint_tensors(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}")
             config_tensors = dict
-        return {"input_hash": fingerprint_tensors((args, kwargs)), "config_hash": config,
-                "input_summary": lambda: summarize_tensors((args, kwargs)), "config_tensors": config_tensors}
+        given = (args, kwargs) if labels is None else (args, kwargs, labels)
+        return {"input_hash": fingerprint_tensors(given), "config_hash": config,
+                "input_summary": lambda: summarize_tensors(given), "config_tensors": config_tensors,
+                "structure_hash": structure_hash(structure) if structure is not None else None,
+                "structure": structure}
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device, *, seed: int,
              patched: bool, grad: bool, audited: bool = False, recipe_context: bool = True):
@@ -1098,7 +1145,7 @@ class ParityCase:
         the very function or module object (a closure or a module attribute that is not a tensor
         is not in the fingerprints), the input and the weights."""
         return (name, self.recipe.name, call.seed, call.grad, call.kind, id(call.fn),
-                hashes["input_hash"], hashes["config_hash"])
+                hashes["input_hash"], hashes["config_hash"], hashes.get("structure_hash"))
 
     def _reference(self, name: str, run: Callable, hashes: dict[str, str], call: "CheckCall"):
         """(expected leaves, reference kind, provenance line) for a check."""
@@ -1116,7 +1163,8 @@ class ParityCase:
                 except StaleBaselineError as exc:
                     # What changed, from the recorded fingerprints (for the suite-wide summary), and
                     # which recording it was.
-                    exc.stale_cause = stale_cause(baseline.checks[name].meta, hashes)
+                    exc.stale_cause = stale_cause(baseline.checks[name].meta, hashes,
+                                                  getattr(exc, "structure_changed", False))
                     exc.provenance = baseline.describe()
                     raise
                 expected: dict[str, torch.Tensor | None] = dict(entry.tensors)
@@ -1147,8 +1195,16 @@ class ParityCase:
     def _record_pending(self, name, leaves, hashes, seed, submodule, tol, start, group=None) -> CheckRecord:
         from .baselines import CheckBaseline
 
+        from .structure import pack_structure
+
         tensors = {p: t.contiguous() for p, t in leaves.items() if t is not None}
-        meta = dict({k: v() if callable(v) else v for k, v in hashes.items()}, seed=seed, submodule=submodule,
+        facts = {k: v() if callable(v) else v for k, v in hashes.items()}
+        if facts.get("structure") is None:  # a function: no structure to record
+            facts.pop("structure", None)
+            facts.pop("structure_hash", None)
+        else:
+            facts["structure"] = pack_structure(facts["structure"])
+        meta = dict(facts, seed=seed, submodule=submodule,
                     recipe=self.recipe.name,
                     shapes={p: list(t.shape) for p, t in tensors.items()},
                     dtypes={p: str(t.dtype).removeprefix("torch.") for p, t in tensors.items()})
@@ -1450,8 +1506,30 @@ def _default_loss(output: Any) -> torch.Tensor:
     if loss is None:
         loss = output[0] if isinstance(output, (tuple, list)) else output
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError("train_step: the output has no scalar loss; pass loss_fn=lambda out: ...")
+        raise ValueError("train_step: the output has no scalar loss; pass loss_fn=lambda out: ... , or "
+                         "labels=... with loss_fn=torch.nn.CrossEntropyLoss() (called as loss_fn(output, labels))")
     return loss
+
+
+def _forward_inputs(inputs: Any) -> tuple[tuple, Any]:
+    """``(positional, keyword)`` forward arguments of ``train_step``'s ``inputs``: a mapping is the
+    keywords (kept as given, so its fingerprint is what it was before positional inputs existed), a
+    tuple or list the positional arguments, anything else the one positional argument."""
+    if isinstance(inputs, Mapping):
+        return (), inputs
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def _loss_on(loss_fn: Callable[..., torch.Tensor], m: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """``loss_fn``, or for a loss module holding tensors (``CrossEntropyLoss(weight=w)``) a copy on
+    ``m``'s device with its floating tensors in the dtype of ``m``'s first floating parameter."""
+    if not isinstance(loss_fn, torch.nn.Module) or not any(True for _ in loss_fn.state_dict()):
+        return loss_fn
+    dtype = next((p.dtype for p in m.parameters() if p.is_floating_point()), None)
+    copied = copy.deepcopy(loss_fn).to(_device_of(m))
+    return copied.to(dtype) if dtype is not None else copied
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:

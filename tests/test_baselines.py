@@ -189,6 +189,70 @@ def test_changed_weights_are_stale_naming_the_tensors_and_never_close_enough(sto
     assert "weights changed (1 of 4 tensors differ, e.g. 'model.dec_layers.0.1.weight')" in str(info.value)
 
 
+def _with_structure(checks: dict[str, CheckBaseline], module: torch.nn.Module) -> dict[str, CheckBaseline]:
+    from pytest_npu_parity.structure import module_structure, pack_structure, structure_hash
+
+    record = module_structure(module)
+    for check in checks.values():
+        check.meta.update(structure_hash=structure_hash(record), structure=pack_structure(record))
+    return checks
+
+
+def _structure(module: torch.nn.Module) -> dict:
+    from pytest_npu_parity.structure import module_structure, structure_hash
+
+    record = module_structure(module)
+    return {"structure_hash": structure_hash(record), "structure": record}
+
+
+def test_a_changed_configuration_is_stale_naming_what_changed(store):
+    store.write(TEST_ID, _with_structure(make_checks(), torch.nn.LayerNorm(8, eps=1e-5)), PROV)
+    baseline = store.load(TEST_ID)
+    assert store.check_fresh(baseline, "model", input_hash="in-0", config_hash="cfg-0",
+                             **_structure(torch.nn.LayerNorm(8))).meta["bitwise_structure"] is True
+    with pytest.raises(StaleBaselineError) as info:
+        store.check_fresh(baseline, "dec_layer_0", input_hash="in-0", config_hash="cfg-0",
+                          **_structure(torch.nn.LayerNorm(8, eps=1e-3)))
+    text = str(info.value)
+    assert ("is stale for check 'dec_layer_0': structure changed (1 of 1 modules differ, e.g. 'model.dec_layers.0': "
+            "eps 1e-05 → 0.001). It was recorded on cuda (NVIDIA H200)") in text  # named as in the whole model
+    assert info.value.structure_changed is True
+    assert f"pytest --update-baselines '{TEST_ID}'" in text
+    # the weights' fingerprint is the same: weights are not blamed
+    assert "weights changed" not in text
+
+
+def test_a_structure_difference_in_fields_one_side_lacks_is_fresh(store):
+    store.write(TEST_ID, _with_structure(make_checks(), torch.nn.Linear(4, 2)), PROV)
+    now = _structure(torch.nn.Linear(4, 2))
+    now["structure"]["modules"][""][1]["added_by_a_newer_torch"] = 1
+    from pytest_npu_parity.structure import structure_hash
+
+    now["structure_hash"] = structure_hash(now["structure"])
+    entry = store.check_fresh(store.load(TEST_ID), "model", input_hash="in-0", config_hash="cfg-0", **now)
+    assert entry.meta["bitwise_structure"] is False
+
+
+def test_a_baseline_without_a_recorded_structure_makes_no_claim(store):
+    store.write(TEST_ID, make_checks(), PROV)  # recorded before the structure existed
+    entry = store.check_fresh(store.load(TEST_ID), "model", input_hash="in-0", config_hash="cfg-0",
+                              **_structure(torch.nn.LayerNorm(8, eps=1e-3)))
+    assert "bitwise_structure" not in entry.meta
+    # and a function (no structure now) against a recorded one makes none either
+    store.write(TEST_ID, _with_structure(make_checks(), torch.nn.LayerNorm(8)), PROV)
+    store.check_fresh(store.load(TEST_ID), "model", input_hash="in-0", config_hash="cfg-0",
+                      structure_hash=None, structure=None)
+
+
+def test_an_unreadable_recorded_structure_is_stale(store):
+    checks = _with_structure(make_checks(), torch.nn.LayerNorm(8))
+    checks["model"].meta["structure"] = "not a record"
+    store.write(TEST_ID, checks, PROV)
+    with pytest.raises(StaleBaselineError, match=r"structure changed \(the recorded structure cannot be compared"):
+        store.check_fresh(store.load(TEST_ID), "model", input_hash="in-0", config_hash="cfg-0",
+                          **_structure(torch.nn.LayerNorm(8, eps=1e-3)))
+
+
 def test_changed_shape_is_stale_naming_leaf_and_shapes(store):
     store.write(TEST_ID, make_checks(), PROV)
     baseline = store.load(TEST_ID)

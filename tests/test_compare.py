@@ -515,6 +515,93 @@ def test_model_output_with_none_field():
     assert ("hidden_states[0]", "not in expected output") in [(leaf.path, leaf.problem) for leaf in extra.failures]
 
 
+def _kv(seed: int, layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(1, 2, 3, 4, generator=g), torch.randn(1, 2, 3, 4, generator=g)) for _ in range(layers)]
+
+
+def _dynamic_cache(kv):
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+    cache = cache_utils.DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        cache.update(k.clone(), v.clone(), i)
+    return cache
+
+
+def test_a_dynamic_cache_in_a_model_output_flattens_into_named_layers():
+    outputs = pytest.importorskip("transformers.modeling_outputs")
+    kv = _kv(3)
+    logits = torch.randn(1, 3, 5, generator=torch.Generator().manual_seed(4))
+    expected = outputs.CausalLMOutputWithPast(logits=logits, past_key_values=_dynamic_cache(kv))
+    actual = outputs.CausalLMOutputWithPast(logits=logits.clone(), past_key_values=_dynamic_cache(kv))
+    result = compare(actual, expected, FP32, name="gpt2")
+    assert result.passed
+    assert [leaf.path for leaf in result.leaves] == [
+        "logits", "past_key_values.layers[0].keys", "past_key_values.layers[0].values",
+        "past_key_values.layers[1].keys", "past_key_values.layers[1].values"]
+    # a wrong value in one layer's cache is found and named
+    broken = [(k, v) for k, v in kv]
+    broken[1] = (kv[1][0], kv[1][1] * (1 + 1e-3))
+    bad = compare(outputs.CausalLMOutputWithPast(logits=logits, past_key_values=_dynamic_cache(broken)), expected, FP32)
+    assert [leaf.path for leaf in bad.failures] == ["past_key_values.layers[1].values"]
+    # a missing layer is a structural failure
+    short = compare(outputs.CausalLMOutputWithPast(logits=logits, past_key_values=_dynamic_cache(kv[:1])), expected, FP32)
+    assert ("past_key_values.layers[1].keys", "missing in actual output") in [(f.path, f.problem) for f in short.failures]
+
+
+def test_encoder_decoder_static_and_legacy_caches_flatten():
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+    kv = _kv(5, layers=1)
+    both = cache_utils.EncoderDecoderCache(_dynamic_cache(kv), _dynamic_cache(_kv(6, layers=1)))
+    assert [p for p, _ in flatten({"past_key_values": both})] == [
+        "past_key_values.self_attention_cache.layers[0].keys", "past_key_values.self_attention_cache.layers[0].values",
+        "past_key_values.cross_attention_cache.layers[0].keys", "past_key_values.cross_attention_cache.layers[0].values"]
+
+    class Cache:  # the layout of transformers < 4.56 (key_cache / value_cache lists), recognized by name
+        def __init__(self, kv):
+            self.key_cache = [k for k, _ in kv]
+            self.value_cache = [v for _, v in kv]
+
+    class DynamicCache(Cache):
+        pass
+
+    leaves = dict(flatten(DynamicCache(kv)))
+    assert list(leaves) == ["key_cache[0]", "value_cache[0]"] and leaves["key_cache[0]"] is kv[0][0]
+
+    class Layer:
+        def __init__(self):
+            self.keys, self.values, self.is_initialized = None, None, False
+
+    class EmptyCache(Cache):
+        def __init__(self):
+            self.layers = [Layer()]
+
+    assert dict(flatten(EmptyCache())) == {"layers[0].keys": None, "layers[0].values": None}
+
+    class OddCache(Cache):
+        def __init__(self):
+            pass
+
+    with pytest.raises(TypeError, match="cannot compare a OddCache: a cache without layers"):
+        list(flatten(OddCache()))
+
+
+def test_generate_outputs_flatten_sequences_scores_and_cache():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32,
+                                                                 n_positions=16)).eval()
+    ids = torch.randint(0, 32, (2, 4))
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
+                         pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    assert type(out).__name__ == "GenerateDecoderOnlyOutput"
+    leaves = dict(flatten(out))
+    assert list(leaves) == ["sequences", "scores[0]", "scores[1]", "past_key_values.layers[0].keys",
+                            "past_key_values.layers[0].values"]
+    assert leaves["sequences"].dtype == torch.int64 and leaves["past_key_values.layers[0].keys"].shape[-2] == 5
+    assert compare(out, out, name="generate").passed
+
+
 def test_default_policy_follows_each_expected_dtype():
     result = compare({"f32": torch.ones(2), "bf16": torch.ones(2, dtype=torch.bfloat16), "i": torch.ones(2, dtype=torch.int32)},
                      {"f32": torch.ones(2), "bf16": torch.ones(2, dtype=torch.bfloat16), "i": torch.ones(2, dtype=torch.int32)})

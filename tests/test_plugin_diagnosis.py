@@ -177,3 +177,22 @@ def test_one_stale_check_among_fresh_ones_is_not_suite_wide(pytester: pytest.Pyt
     out = result.stdout.str()
     assert "every baseline of suite" not in out and "StaleBaselineError: baseline" in out
     result.stdout.fnmatch_lines(["  stale  parity_suites/demo/test_diag.py::test_net[[]fp32-3] check 'net' *"])
+
+
+def test_a_configuration_changed_for_the_whole_suite_is_said_once(pytester: pytest.Pytester) -> None:
+    module = _project(pytester)
+    assert pytester.runpytest("--update-baselines", "parity_suites").ret == 0
+    # Linear computes the same in training mode, so this is no parity failure; the recorded
+    # structure says the model is another one (every module left eval mode)
+    edit_module(module, "return Net().eval()", "return Net().train()")
+    result = pytester.runpytest("--npu-parity", "parity_suites")
+    result.assert_outcomes(failed=5, passed=1)
+    result.stdout.fnmatch_lines([
+        "*= npu-parity: every baseline of suite 'demo' is stale =*",
+        "The model's configuration changed since its baselines were recorded (recorded on cpu *): 5 checks of 5 "
+        "tests are stale; 1 other checks still matched.",
+        "Fix it once, on a trusted machine: pytest --update-baselines parity_suites/demo",
+        "For example, *: baseline * is stale for check *: structure changed (* modules differ, e.g. *eval → train mode*",
+    ])
+    result.stdout.fnmatch_lines(["  stale  5 checks of suite 'demo': the model's configuration changed (see the top "
+                                 "of the summary)"])

@@ -635,3 +635,156 @@ def test_thread_count_mismatch_note():
     assert thread_count_mismatch({"device_type": "cpu", "threads": n}, CPU) is None
     assert thread_count_mismatch({"device_type": "cpu"}, CPU) is None  # older baselines record no count
     assert thread_count_mismatch({"device_type": "cuda", "threads": n + 1}, CPU) is None
+
+
+# your own model: train-step inputs and labels, keyword inputs, configuration staleness
+
+
+class Classifier(torch.nn.Module):
+    """``head(tanh(proj(x)))`` logits for 3 classes; ``forward(x)`` takes one positional tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = Proj()
+        self.head = torch.nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.proj(x)))
+
+
+LABELS = torch.arange(32) % 3
+
+
+def test_train_step_takes_positional_inputs_and_labels_for_loss_fn():
+    c = case("fp32")
+    record = c.train_step("step", Classifier(), X, labels=LABELS, loss_fn=torch.nn.CrossEntropyLoss())
+    assert record.status == "pass" and record.golden_policy.allclose_floor  # fp32 training default
+    assert "golden unavailable" not in record.extra.get("policy_note", "")
+    leaves = {leaf.path: leaf for leaf in record.result.leaves}
+    assert {"loss", "grad.proj.w", "grad.head.weight", "param.head.bias"} <= set(leaves)
+    # the loss is loss_fn(output, labels): the same number as a hand-written step
+    model = Classifier()
+    expected = torch.nn.functional.cross_entropy(model(X), LABELS)
+    assert c.session.records[-1].result.leaves[0].path == "loss"
+    tuple_record = case("fp32").train_step("step", Classifier(), (X,), labels=LABELS,
+                                           loss_fn=torch.nn.CrossEntropyLoss())
+    assert [leaf.path for leaf in tuple_record.result.leaves] == list(leaves)
+    dict_record = case("fp32").train_step("step", Classifier(), {"x": X}, labels=LABELS,
+                                          loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out, y))
+    assert dict_record.status == "pass"
+    session = ParitySession(CPU, reference="cpu")
+    run = ParityCase(session, "t", "fp32")
+    run.train_step("step", Classifier(), X, labels=LABELS, loss_fn=torch.nn.CrossEntropyLoss())
+    reference = session._reference_memo[next(iter(session._reference_memo))][1]
+    assert torch.equal(reference["loss"], expected.detach())
+
+
+def test_a_fault_fails_a_train_step_with_labels():
+    # under the golden floor a 1e-4 weight scale stays within fp32's atol here (gradients ~1e-3, AdamW
+    # updates ±lr); 1e-2 does not
+    with pytest.raises(ParityError, match="Parity check 'step' failed"):
+        case("fp32", target_patch(scale=1 + 1e-2)).train_step("step", Classifier(), X, labels=LABELS,
+                                                                loss_fn=torch.nn.CrossEntropyLoss())
+
+
+def test_a_weighted_loss_module_follows_each_side_and_the_golden():
+    weight = torch.tensor([1.0, 2.0, 0.5])
+    record = case("fp32", recipe_policies={"fp32": "golden"}).train_step(
+        "step", Classifier(), X, labels=LABELS, loss_fn=torch.nn.CrossEntropyLoss(weight=weight))
+    assert record.policy == "golden" and {leaf.golden_dtype for leaf in record.result.leaves} == {"float64"}
+    assert record.status == "pass"
+
+
+def test_labels_need_a_loss_fn():
+    with pytest.raises(ValueError, match=r"train_step 'step': labels= needs a loss_fn\(output, labels\)"):
+        case("fp32").train_step("step", Classifier(), X, labels=LABELS)
+    with pytest.raises(ValueError, match="no scalar loss.*labels=.*loss_fn=torch.nn.CrossEntropyLoss"):
+        case("fp32").train_step("step", Classifier(), X)
+
+
+def test_labels_are_part_of_the_inputs_fingerprint(tmp_path):
+    from pytest_npu_parity.baselines import StaleBaselineError, SuiteStores
+
+    test_id = "parity_suites/demo/test_m.py::t[fp32]"
+    store = SuiteStores(tmp_path)
+    recording = ParityCase(ParitySession(CPU, update_baselines=True, store=store), test_id, "fp32")
+    recording.train_step("step", Classifier(), X, labels=LABELS, loss_fn=torch.nn.CrossEntropyLoss())
+    assert recording.finish() == "created"
+    ParityCase(ParitySession(CPU, store=store), test_id, "fp32").train_step(
+        "step", Classifier(), X, labels=LABELS, loss_fn=torch.nn.CrossEntropyLoss())
+    with pytest.raises(StaleBaselineError, match="input hash changed") as info:
+        ParityCase(ParitySession(CPU, store=store), test_id, "fp32").train_step(
+            "step", Classifier(), X, labels=LABELS.flip(0), loss_fn=torch.nn.CrossEntropyLoss())
+    assert info.value.stale_cause == "input"
+
+
+def test_a_train_step_with_positional_inputs_is_self_checked_and_localized():
+    from pytest_npu_parity.localize import Localizer
+    from pytest_npu_parity.selfcheck import SelfCheck
+
+    record = case("fp32", check_hooks=[SelfCheck(weight_rtols=1000)]).train_step(
+        "step", Classifier(), X, labels=LABELS, loss_fn=torch.nn.CrossEntropyLoss())
+    assert record.extra["teeth"] is True
+    assert record.extra["selfcheck"]["input_sensitive"] is True  # the positional input was perturbed
+    with pytest.raises(ParityError) as info:
+        case("fp32", target_patch(scale=1 + 1e-3), failure_hooks=[Localizer(budget_s=60)],
+             recipe_policies={"fp32": "allclose"}).train_step(
+            "step", Classifier(), X, labels=LABELS, loss_fn=torch.nn.CrossEntropyLoss())
+    assert "First divergence: proj (Proj)" in str(info.value) and "could not run" not in str(info.value)
+
+
+class KeywordModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+        h = self.norm(self.embed(input_ids)) * attention_mask[..., None]
+        return {"last_hidden_state": h, "pooled": h.sum(1)}
+
+
+def test_a_forward_with_keyword_inputs_is_checked_and_its_config_change_is_stale(tmp_path):
+    from pytest_npu_parity.baselines import StaleBaselineError, SuiteStores
+
+    ids = torch.arange(12).reshape(2, 6) % 16
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    record = case("fp32").check("kw", KeywordModel(), input_ids=ids, attention_mask=mask)
+    assert [leaf.path for leaf in record.result.leaves] == ["last_hidden_state", "pooled"]
+
+    test_id = "parity_suites/demo/test_m.py::t[fp32]"
+    store = SuiteStores(tmp_path)
+    recording = ParityCase(ParitySession(CPU, update_baselines=True, store=store), test_id, "fp32")
+    recording.check("kw", KeywordModel().eval(), input_ids=ids, attention_mask=mask)
+    recording.finish()
+    changed = KeywordModel().eval()
+    changed.norm.eps = 1e-3
+    with pytest.raises(StaleBaselineError) as info:
+        ParityCase(ParitySession(CPU, store=store), test_id, "fp32").check(
+            "kw", changed, input_ids=ids, attention_mask=mask)
+    assert "structure changed (1 of 3 modules differ, e.g. 'norm': eps 1e-05 → 0.001)" in str(info.value)
+    assert info.value.stale_cause == "config"
+    changed.norm.eps = 1e-5
+    changed.train()  # the mode is part of a check's structure
+    with pytest.raises(StaleBaselineError, match="'<KeywordModel>': eval → train mode"):
+        ParityCase(ParitySession(CPU, store=store), test_id, "fp32").check(
+            "kw", changed, input_ids=ids, attention_mask=mask)
+
+
+def test_stale_cause_names_the_config_and_suites_share_it():
+    from pytest_npu_parity.runner import stale_cause, stale_suites
+
+    meta = {"config_hash": "w", "input_hash": "i"}
+    assert stale_cause(meta, {"config_hash": "w", "input_hash": "i"}, True) == "config"
+    assert stale_cause(meta, {"config_hash": "w", "input_hash": "j"}, True) == "config+input"
+    assert stale_cause(meta, {"config_hash": "v", "input_hash": "j"}, False) == "weights+input"
+
+    def row(test, cause):
+        return {"test_id": f"parity_suites/demo/test_m.py::{test}", "check": test, "recipe": "fp32",
+                "reference": "baseline", "weights": "ab12", "baseline_error": "stale", "stale_cause": cause}
+
+    (suite,) = stale_suites([row("model", "config"), row("layer", "config+input")])
+    assert suite.cause == "config"
