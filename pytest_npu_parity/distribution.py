@@ -264,8 +264,8 @@ class DistributionLeaf:
 
     @property
     def passed(self) -> bool:
-        """No problem, and the combined p-value above ``alpha``."""
-        return self.problem is None and not (self.pvalue <= self.policy.alpha)
+        """No problem, and the combined p-value above ``alpha`` (a NaN p-value fails)."""
+        return self.problem is None and self.pvalue > self.policy.alpha
 
     @property
     def err_ratio(self) -> float:
