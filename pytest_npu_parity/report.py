@@ -661,9 +661,12 @@ def check_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def tolerance_text(row: Mapping[str, Any]) -> str:
     """``rtol=1e-05 atol=1e-05 budget=0`` (plus ``[source: reason]`` for overrides) from a row; the
-    golden policy's description (``golden rmse<=2 …``) for a row judged by the golden policy."""
+    golden policy's description (``golden rmse<=2 …``) for a row judged by the golden policy, the
+    distribution policy's (``distribution alpha=0.001 permutations=1999``) for a distribution verdict."""
     if row.get("policy") == "golden" and not _isna(row.get("golden_policy")):
         return str(row["golden_policy"])
+    if row.get("policy") == "distribution" and not _isna(row.get("distribution_policy")):
+        return str(row["distribution_policy"])
     parts = [f"{k}={_num(row.get(k))}" for k in ("rtol", "atol", "budget") if not _isna(row.get(k))]
     source = row.get("tolerance_source")
     text = " ".join(parts) or "–"

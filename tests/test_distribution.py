@@ -269,6 +269,11 @@ def test_device_mode_judges_sampling_checks_as_distributions():
     assert row["policy"] == "distribution" and 1e-3 < row["dist_pvalue"] < 1.0 and row["dist_groups"] == 5
     assert row["distribution_policy"] == "distribution alpha=0.001 permutations=1999"
     assert "as distributions along axis 1" in record.extra["policy_note"]
+    from pytest_npu_parity import report
+
+    frame = report.to_frame(record.rows())
+    assert frame["dist_pvalue"].dtype == "float64" and frame["dist_groups"].iloc[0] == 5
+    assert report.tolerance_text(frame.iloc[0]) == "distribution alpha=0.001 permutations=1999"
     with pytest.raises(ParityError, match="failed as a distribution") as info:
         ParityCase(session, "t.py::fault", "fp32", patches=_noise_fault(1.5)).check("draws", module, X, sample_dim=1)
     assert "its device's own generator" in str(info.value)
