@@ -75,6 +75,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="append this run's results to the history file PATH (trends, new failures)")
     group.addoption("--parity-seed", default=None, type=int, metavar="N",
                     help="seed of the shared random stream of every check (default: ini parity_seed or 0)")
+    group.addoption("--parity-rng", default=None, choices=("shared", "device"),
+                    help="randomness of sampling checks (parity.check(..., sample_dim=...)): shared (one seeded "
+                         "CPU stream for both sides, samples compared one by one; the default) or device (each "
+                         "side draws from its own device's generator; the samples are judged as distributions: "
+                         "per-step mean and spread, quantiles and energy distance in one permutation test). "
+                         "Other checks always share the stream. Default: ini parity_rng or shared")
     group.addoption("--parity-worker-devices", default=None, metavar="INDICES",
                     help="pytest-xdist: comma-separated device indices, worker gwK runs on entry K mod n "
                          "(default: ini parity_worker_devices, else gwK runs on index K mod device count)")
@@ -112,6 +118,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("parity_dtypes", "default for --parity-dtypes", default="fp32,bf16")
     parser.addini("parity_baseline_dir", "default for --baseline-dir (relative to rootdir)", default="baselines")
     parser.addini("parity_seed", "default for --parity-seed", default="0")
+    parser.addini("parity_rng", "default for --parity-rng (shared or device)", default="shared")
     parser.addini("parity_lock_timeout", "seconds a record run waits for another record run on the same "
                   "baseline store to finish (default 1800)", default="1800")
     parser.addini("parity_worker_devices", "default for --parity-worker-devices", default="")
@@ -392,6 +399,9 @@ def _make_session(config: pytest.Config):
     per_check, per_recipe = _tolerance_overrides(config)
     recipe_policies, check_policies = _policy_overrides(config)
     seed = _seed(config)
+    rng = _opt(config, "parity_rng", "parity_rng")
+    if rng not in ("shared", "device"):
+        raise pytest.UsageError(f"ini parity_rng={rng!r}: use shared or device")
     from . import localize, selfcheck
     from .runner import target_audit
 
@@ -404,7 +414,7 @@ def _make_session(config: pytest.Config):
         failure_hooks=[localize.Localizer(_localize_budget(config), forced=config.getoption("parity_localize"),
                                           hint="pytest --npu-parity --parity-localize {test_id}")],
         check_hooks=[selfcheck.SelfCheck()] if config.getoption("parity_selfcheck") else [],
-        recipe_policies=recipe_policies, check_policies=check_policies,
+        recipe_policies=recipe_policies, check_policies=check_policies, rng=rng,
     )
 
 
@@ -617,6 +627,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         lines.append(f"npu-parity: audit {audit} · default audit budget {session.audit_budget.describe()}"
                      + (f" · a CPU target is audited as the logical device {DEFAULT_LOGICAL_TARGET}"
                         if session.target.type == "cpu" else ""))
+    if session.rng == "device":
+        lines.append("npu-parity: random streams: sampling checks draw from each side's own device generator and "
+                     f"are judged as distributions ({session.distribution_policy.describe()}); other checks share "
+                     "one seeded CPU stream")
     lines.append("npu-parity: verdicts " + " · ".join(verdict(recipe) for recipe in _recipe_names(config)) + (" (per-check choices in parity_policies)" if session.check_policies else ""))
     if session.target.type != "npu" and not status.available and (status.torch_npu_version or _npu.quarantined()):
         lines.append(f"npu-parity: torch_npu is installed but the NPU is not used: {status.reason}")
@@ -1087,13 +1101,17 @@ def _summarize_policies(tr: Any, rows: list[dict]) -> None:
     """When any check was judged by the golden policy: how many checks each verdict policy judged,
     then every check that asked for the golden and fell back to allclose (and why)."""
     judged = [row for row in _per_check(rows).values() if row.get("verdict") not in ("recorded", "error")]
-    notes = [row for row in judged if row.get("policy_note")]
-    if not any(row.get("policy") == "golden" for row in judged) and not notes:
+    notes = [row for row in judged if row.get("policy_note") and row.get("policy") != "distribution"]
+    distribution = [row for row in judged if row.get("policy") == "distribution"]
+    if not any(row.get("policy") == "golden" for row in judged) and not notes and not distribution:
         return
     counts = Counter(row.get("golden_policy") or "allclose" for row in judged if row.get("policy") == "golden")
-    n_allclose = sum(1 for row in judged if row.get("policy") != "golden")
+    counts.update(row.get("distribution_policy") or "distribution" for row in distribution)
+    n_allclose = sum(1 for row in judged if row.get("policy") not in ("golden", "distribution"))
     tr.write_line("verdicts: " + ", ".join([f"{n} by {text}" for text, n in sorted(counts.items())]
-                                           + [f"{n_allclose} by allclose"] * bool(n_allclose)))
+                                           + [f"{n_allclose} by allclose"] * bool(n_allclose))
+                  + (" (distribution: sampling checks whose sides drew their own noise, --parity-rng device)"
+                     if distribution else ""))
     for row in sorted(notes, key=lambda r: (r["test_id"], r["check"], r["recipe"])):
         tr.write_line(f"  {row['test_id']} check {row['check']!r} ({row['recipe']}): {row['policy_note']}")
 

@@ -74,7 +74,7 @@ COLUMNS: dict[str, str] = {
     "budget": "allowed fraction of mismatched elements",
     "tolerance_source": "where the tolerance came from: default, ini, marker or check",
     "tolerance_reason": "why a non-default tolerance is justified (empty for defaults)",
-    "policy": "verdict policy the check was judged by: allclose (rtol/atol/budget) or golden",
+    "policy": "verdict policy the check was judged by: allclose (rtol/atol/budget), golden or distribution",
     "golden_policy": "the golden policy's ratio limits (+ [source: reason] when not the default); empty for allclose",
     "policy_note": "why a check that asked for the golden verdict was judged by allclose (no golden run possible)",
     "golden_dtype": "dtype of the golden run (float64 for fp32 work, float32 for bf16)",
@@ -88,6 +88,26 @@ COLUMNS: dict[str, str] = {
     "msprobe_five_thousandths": "msprobe's Five Thousandths Err Ratio: share with msprobe relative error < 0.005",
     "msprobe_note": "msprobe's marker for cells without a number (unsupported, N/A, Nan) and why",
     "golden_msprobe_verdict": "golden msprobe policy: msprobe's own benchmark verdict (pass/error), without our NaN/Inf rule",
+    "distribution_policy": "distribution verdict of a sampling check whose sides drew their own noise (alpha, permutations); empty otherwise",
+    "dist_sample_dim": "distribution verdict: the sample axis of the leaf",
+    "dist_groups": "distribution verdict: groups (conditioning inputs) compared, each with its own distribution",
+    "dist_samples": "distribution verdict: target samples per group",
+    "dist_expected_samples": "distribution verdict: reference samples per group",
+    "dist_features": "distribution verdict: features (steps) per sample",
+    "dist_pvalue": "distribution verdict: combined permutation p-value (maxT over the four statistics); <= dist_alpha fails",
+    "dist_alpha": "distribution verdict: the false-failure rate the check allows",
+    "dist_permutations": "distribution verdict: permutations of the test",
+    "dist_mean_shift": "distribution verdict: largest |difference of per-step means| in pooled standard deviations",
+    "dist_quantile_shift": "distribution verdict: largest |difference of per-step quantiles| in pooled standard deviations",
+    "dist_spread_ratio": "distribution verdict: geometric mean over steps of std(target) / std(reference)",
+    "dist_mean": "distribution statistic: mean squared difference of standardized per-step means",
+    "dist_mean_pvalue": "its marginal permutation p-value",
+    "dist_spread": "distribution statistic: |mean log ratio of per-step standard deviations|",
+    "dist_spread_pvalue": "its marginal permutation p-value",
+    "dist_quantiles": "distribution statistic: mean squared difference of the two empirical CDFs at the pooled quantiles",
+    "dist_quantiles_pvalue": "its marginal permutation p-value",
+    "dist_energy": "distribution statistic: energy distance of the standardized samples (Szekely & Rizzo), mean over groups",
+    "dist_energy_pvalue": "its marginal permutation p-value",
     "problem": "structural failure (missing leaf, shape or dtype mismatch, exception); metrics NaN then",
     "verdict": "pass, fail (out of tolerance or structural problem), error (the check did not run) or recorded",
     "audit_mixed_device": "ops on the target that mixed devices (per check: repeated on each of its leaf rows)",
@@ -121,6 +141,7 @@ META_COLUMNS: dict[str, str] = {
     "target": "device under test of the run",
     "target_name": "human-readable target name",
     "reference": "cpu (live) or baseline",
+    "rng": "random streams of sampling checks: shared (one CPU stream) or device (each side its own; distribution verdicts)",
     "recipes": "recipes of the run (JSON list)",
     "precision_flags": "precision flags in force (JSON object: TF32/HF32 switches, matmul precision)",
     "patch_set": "names of the adaptation patches applied (JSON list)",
@@ -137,9 +158,13 @@ FAILING = ("fail", "error")
 HISTORY_KEY = ("test_id", "check", "leaf", "recipe")
 
 _FLOAT = {"max_abs", "max_rel", "rel_l2", "cosine", "err_ratio", "mismatched_frac", "rtol", "atol", "budget", "duration_s",
+          "dist_pvalue", "dist_alpha", "dist_mean_shift", "dist_quantile_shift", "dist_spread_ratio", "dist_mean",
+          "dist_mean_pvalue", "dist_spread", "dist_spread_pvalue", "dist_quantiles", "dist_quantiles_pvalue",
+          "dist_energy", "dist_energy_pvalue",
           "golden_worst_margin", "msprobe_cosine", "msprobe_euc_dist", "msprobe_max_abs_err", "msprobe_max_rel_err",
           "msprobe_one_thousandth", "msprobe_five_thousandths"}
-_INT = {"numel", "mismatched", "nonfinite_mismatched", "audit_mixed_device", "audit_h2d", "audit_d2h",
+_INT = {"numel", "mismatched", "nonfinite_mismatched", "dist_sample_dim", "dist_groups", "dist_samples",
+        "dist_expected_samples", "dist_features", "dist_permutations", "audit_mixed_device", "audit_h2d", "audit_d2h",
         "audit_host_sync", "audit_cpu_fallback", "audit_fp64"}
 _JSON_META = {"recipes", "precision_flags", "patch_set", "pytest_args"}
 AUDIT_COLUMNS = tuple(c for c in COLUMNS if c.startswith("audit_") and c.removeprefix("audit_") in
@@ -642,9 +667,12 @@ def check_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def tolerance_text(row: Mapping[str, Any]) -> str:
     """``rtol=1e-05 atol=1e-05 budget=0`` (plus ``[source: reason]`` for overrides) from a row; the
-    golden policy's description (``golden rmse<=2 …``) for a row judged by the golden policy."""
+    golden policy's description (``golden rmse<=2 …``) for a row judged by the golden policy, the
+    distribution policy's (``distribution alpha=0.001 permutations=1999``) for a distribution verdict."""
     if row.get("policy") == "golden" and not _isna(row.get("golden_policy")):
         return str(row["golden_policy"])
+    if row.get("policy") == "distribution" and not _isna(row.get("distribution_policy")):
+        return str(row["distribution_policy"])
     parts = [f"{k}={_num(row.get(k))}" for k in ("rtol", "atol", "budget") if not _isna(row.get(k))]
     source = row.get("tolerance_source")
     text = " ".join(parts) or "–"

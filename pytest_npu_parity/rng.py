@@ -15,7 +15,12 @@ Inside ``same_randomness(seed)``:
   fused kernel's device RNG. With ``dropout_p == 0`` the kernel that was installed when the block
   started runs (torch's own, or a patch set's fused replacement entered before the block).
 
-So both sides see the same numbers in the same order. A draw for a device tensor is the plugin's
+So both sides see the same numbers in the same order. That is the ``shared`` mode (``RNG_MODES``,
+``--parity-rng shared``, the default). In ``device`` mode (:func:`own_randomness`) nothing is
+replaced: each side draws from its own device's generators, seeded — the target's with
+:func:`target_seed` ``(seed)``, an independent stream even on a CPU target, as two devices' streams
+are — so the target's own random kernels run; its samples then match the reference's only in
+distribution (``distribution``), and only checks that declare a sample axis run so. A draw for a device tensor is the plugin's
 work, not the model's: under a device-propagation audit (``audit.not_audited``) its host ops and
 its copy to the device are not recorded (a draw the model asks for on the host, ``torch.rand(n)``
 without ``device=``, still is). The replacements are installed on entry;
@@ -31,6 +36,7 @@ before the block starts.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import operator
 import random
@@ -297,3 +303,57 @@ def same_randomness(seed: int = 0) -> Iterator[None]:
         torch.random.set_rng_state(torch_state)
         for module, states in devices:
             module.set_rng_state_all(states)
+
+
+#: How the two sides of a sampling check draw randomness: ``shared`` (one seeded CPU stream,
+#: :func:`same_randomness`; samples compared one by one) or ``device`` (each side its own device's
+#: generators, :func:`own_randomness`; samples compared as distributions).
+RNG_MODES = ("shared", "device")
+
+
+def target_seed(seed: int) -> int:
+    """The target side's seed in ``device`` mode: the first 63 bits of SHA-256 of ``"target:<seed>"``.
+
+    Independent of the reference's stream (another seed of the same generator gives a statistically
+    independent stream), reproducible, and never another session's ``seed`` by a simple offset.
+
+    Raises:
+        TypeError: when ``seed`` is not an integer.
+    """
+    seed = _as_int(seed, "seed")
+    return int.from_bytes(hashlib.sha256(f"target:{seed}".encode()).digest()[:8], "little") >> 1
+
+
+@contextlib.contextmanager
+def own_randomness(seed: int = 0) -> Iterator[None]:
+    """Seed Python ``random``, NumPy and torch (CPU and every device) with ``seed`` and let every draw
+    come from its device's own generator; on exit restore the states as ``same_randomness`` does.
+
+    Raises:
+        TypeError: when ``seed`` is not an integer.
+    """
+    seed = _as_int(seed, "seed")
+    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    devices = [(module, module.get_rng_state_all()) for module in _initialized_device_modules()]
+    try:
+        seed_everything(seed)
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.random.set_rng_state(torch_state)
+        for module, states in devices:
+            module.set_rng_state_all(states)
+
+
+def randomness(mode: str, seed: int = 0) -> contextlib.AbstractContextManager:
+    """``same_randomness(seed)`` for ``mode="shared"``, ``own_randomness(seed)`` for ``"device"``.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`RNG_MODES`.
+    """
+    if mode == "shared":
+        return same_randomness(seed)
+    if mode == "device":
+        return own_randomness(seed)
+    raise ValueError(f"random stream mode {mode!r}: use one of {', '.join(RNG_MODES)}")

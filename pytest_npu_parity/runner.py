@@ -9,7 +9,10 @@ reference comes from, the recipes, tolerance overrides and the baseline store, a
     target and compares every output leaf. The reference side is the upstream computation on the CPU
     (or, with ``--update-baselines``, on the recording device), or a stored baseline. The target side
     runs on the target device under the recipe and the suite's patch set. Both sides draw their
-    randomness from the same seeded CPU stream (``rng.same_randomness``).
+    randomness from the same seeded CPU stream (``rng.same_randomness``). A sampling check
+    (``sample_dim=`` given) under ``rng="device"`` (``--parity-rng device``), or against a baseline
+    recorded that way, lets each side draw from its own device's generator and judges the two
+    sample sets as distributions (``distribution.compare_distributions``).
 ``case.train_step(name, module, inputs)``
     one optimizer step on each side from the same weights; compares the loss, every trainable
     parameter's gradient, every parameter after the step and every buffer.
@@ -42,7 +45,7 @@ from .modules import owner_module  # noqa: F401  (also runner.owner_module, as b
 from .policy import Tolerance, default_for_recipe, parse_tolerance_spec
 from .recipes import RECIPES, Recipe, strict_fp32_flags
 from .audit import not_audited
-from .rng import same_randomness
+from .rng import RNG_MODES, randomness, target_seed
 
 PatchFactory = Callable[[torch.device], ContextManager[Any]]
 
@@ -106,6 +109,8 @@ class CheckRecord:
     ``weights+input`` (``other`` when neither hash differs). Localization (``localize.Localizer``)
     adds ``extra`` keys ``localization_s``, ``localization_reused``, ``localization_skipped`` and
     ``localization_stopped``; these and ``stale_cause`` also go into the check's rows.
+    ``distribution_policy`` is the ``distribution.DistributionPolicy`` of a sampling check judged
+    as distributions (``result`` is then a ``distribution.DistributionResult``), else None.
     ``golden_policy`` is the ``golden.GoldenPolicy`` the check was judged by, or None for the
     allclose tolerance; a check that asked for the golden but could not get one (``GoldenRunner``
     raised ``GoldenUnavailableError``) is judged by allclose and says why in ``extra["policy_note"]``.
@@ -129,10 +134,14 @@ class CheckRecord:
     extra: dict = field(default_factory=dict)
     golden_policy: Any = None
     weights: str | None = None
+    distribution_policy: Any = None
 
     @property
     def policy(self) -> str:
-        """The verdict policy the check was judged by: ``allclose`` or ``golden``."""
+        """The verdict policy the check was judged by: ``allclose``, ``golden`` or ``distribution``
+        (a sampling check whose sides drew from their own streams, ``distribution.DistributionPolicy``)."""
+        if self.distribution_policy is not None:
+            return "distribution"
         return "allclose" if self.golden_policy is None else "golden"
 
     def rows(self) -> list[dict[str, Any]]:
@@ -144,6 +153,8 @@ class CheckRecord:
             "reference": self.reference, "reference_provenance": self.reference_provenance,
             "duration_s": self.duration_s, "policy": self.policy,
             "golden_policy": self.golden_policy.describe() if self.golden_policy is not None else None,
+            "distribution_policy": (self.distribution_policy.describe()
+                                    if self.distribution_policy is not None else None),
             "policy_note": self.extra.get("policy_note"),
             "weights": self.weights[:16] if self.weights else None,
         }
@@ -308,6 +319,7 @@ class CheckCall:
             ``parity`` marker), or None.
         fault_weight: the parameter of the check's module (a ``named_parameters`` name) that
             ``--parity-selfcheck`` perturbs, or None for ``selfcheck.sensitive_parameter``'s choice.
+        sample_dim: the axis of i.i.d. samples of a sampling check, or None.
     """
 
     kind: str
@@ -319,6 +331,7 @@ class CheckCall:
     rerun: Callable[..., dict]
     vacuous_ok: str | None = None
     fault_weight: str | None = None
+    sample_dim: int | None = None
 
     @property
     def module(self) -> torch.nn.Module | None:
@@ -414,6 +427,12 @@ class ParitySession:
             (``ParityCase(audit_mode=...)``); nothing is audited without an ``audit_factory``.
         audit_budget: the budget of a check that declares none (an ``audit.AuditBudget`` or a spec
             for ``audit.parse_audit_budget``; default ``audit.DEFAULT_AUDIT_BUDGET``).
+        rng: how sampling checks (``check(..., sample_dim=...)``) draw randomness (``rng.RNG_MODES``):
+            ``shared`` (default: one seeded CPU stream for both sides, samples compared one by one) or
+            ``device`` (each side its own device's generators, the target's seeded with
+            ``rng.target_seed``; judged as distributions). Other checks always use the shared stream.
+        distribution_policy: the ``distribution.DistributionPolicy`` of distribution verdicts
+            (default: ``DistributionPolicy()``, alpha 1e-3, 1999 permutations).
     """
 
     def __init__(self, target: torch.device, *, reference: str = "auto", update_baselines: bool = False,
@@ -423,12 +442,18 @@ class ParitySession:
                  failure_hooks: list[Callable[..., str | None]] | None = None,
                  check_hooks: list[Callable[..., str | None]] | None = None,
                  recipe_policies: dict[str, Any] | None = None, check_policies: dict[str, str] | None = None,
-                 golden_runner: Any = None, audit_mode: str | None = None, audit_budget: Any = None):
+                 golden_runner: Any = None, audit_mode: str | None = None, audit_budget: Any = None,
+                 rng: str = "shared", distribution_policy: Any = None):
         from .audit import parse_audit_budget
+        from .distribution import DistributionPolicy
         from .golden import GoldenRunner, parse_policy_spec
 
         if reference not in ("auto", "cpu", "baseline"):
             raise ValueError(f"--parity-reference={reference!r}: use auto, cpu or baseline")
+        if rng not in RNG_MODES:
+            raise ValueError(f"--parity-rng={rng!r}: use {' or '.join(RNG_MODES)}")
+        self.rng = rng
+        self.distribution_policy = distribution_policy or DistributionPolicy()
         if (reference == "baseline" or update_baselines) and store is None:
             raise ValueError("a baseline store is needed for --parity-reference=baseline and --update-baselines")
         self.target = target
@@ -518,6 +543,7 @@ class ParitySession:
             "target": str(self.target),
             "target_name": self.target_name,
             "reference": "recording" if self.update_baselines else self.reference,
+            "rng": self.rng,
             "recipes": list(recipes),
             "precision_flags": flags,
             "patch_set": sorted(self.patches_applied),
@@ -646,7 +672,7 @@ class ParityCase:
               group: str | None = None, seed: int | None = None, grad: bool = False, rtol: float | None = None,
               atol: float | None = None, budget: float | None = None, reason: str | None = None,
               vacuous_ok: str | None = None, fault_weight: str | None = None, policy: str | None = None,
-              audit_budget: Any = None, **kwargs: Any) -> CheckRecord:
+              audit_budget: Any = None, sample_dim: int | None = None, **kwargs: Any) -> CheckRecord:
         """Run ``fn(*args, **kwargs)`` on the reference and the target and compare every output leaf.
 
         Args:
@@ -672,6 +698,12 @@ class ParityCase:
             audit_budget: what this check's audited target run may do (``audit.parse_audit_budget``:
                 ``{"h2d": 2}``, ``"h2d=2 # reason"``), over the test's budget; used when the session
                 audits (``--parity-audit``): events beyond it fail the check (or warn).
+            sample_dim: for a sampling computation (``generate(num_samples=S)``), the axis of its
+                i.i.d. samples in every floating output leaf. With the shared random stream (the
+                default) the samples are compared one by one as any output; where the sides draw
+                from their own streams (session ``rng="device"``, or a baseline recorded so) the
+                two sample sets are judged as distributions by ``distribution.compare_distributions``
+                under ``session.distribution_policy``, and ``rtol``/``atol``/``policy`` do not apply.
 
         Returns:
             The ``CheckRecord`` (also kept for the summary and report).
@@ -695,17 +727,30 @@ class ParityCase:
         start = time.perf_counter()
         hashes = self._hashes(fn, args, kwargs)
 
+        own = sample_dim is not None and self.session.rng == "device"
+        if sample_dim is not None and (not isinstance(sample_dim, int) or isinstance(sample_dim, bool)):
+            raise TypeError(f"parity check {name!r}: sample_dim must be an int (the sample axis), got {sample_dim!r}")
+
+        def stream(patched: bool) -> tuple[str, int]:
+            # device mode: each side its own generators; the target's stream independent of the
+            # reference's (patched runs are the target's; a recording is the reference)
+            if not own:
+                return "shared", seed
+            return "device", target_seed(seed) if patched else seed
+
         def run(device: torch.device, patched: bool, audited: bool = False):
             __tracebackhide__ = True
-            return self._run(fn, args, kwargs, device, seed=seed, patched=patched, grad=grad, audited=audited)
+            return self._run(fn, args, kwargs, device, seed=seed, patched=patched, grad=grad, audited=audited,
+                             stream=stream(patched))
 
         def rerun(device: torch.device, patched: bool, call_args: tuple, call_kwargs: dict) -> dict:
-            return self._run(fn, call_args, call_kwargs, device, seed=seed, patched=patched, grad=grad)[0]
+            return self._run(fn, call_args, call_kwargs, device, seed=seed, patched=patched, grad=grad,
+                             stream=stream(patched))[0]
 
         def golden() -> dict:
             return self.session.golden_runner.run(fn, args, kwargs, recipe=self.recipe.name, seed=seed, grad=grad)
 
-        call = CheckCall("check", fn, args, kwargs, seed, grad, rerun, vacuous_ok, fault_weight)
+        call = CheckCall("check", fn, args, kwargs, seed, grad, rerun, vacuous_ok, fault_weight, sample_dim)
         return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
                                        golden_policy, golden, budget)
 
@@ -854,15 +899,20 @@ class ParityCase:
         with the golden from ``golden_run``, when given; the audit by ``audit_budget``)."""
         __tracebackhide__ = True
         weights = hashes["config_hash"] if call.module is not None else None
+        own_stream = call.sample_dim is not None and self.session.rng == "device"
         if self.session.update_baselines:
             leaves, _ = run(self.target, patched=False)
-            return self._record_pending(name, leaves, hashes, call.seed, submodule, tol, start, group)
+            return self._record_pending(name, leaves, hashes, call.seed, submodule, tol, start, group,
+                                        rng="device" if own_stream else "shared")
         try:
-            expected, reference, provenance = self._reference(name, run, hashes, call)
+            expected, reference, provenance, reference_rng = self._reference(name, run, hashes, call)
         except BaselineError as exc:
             self._baseline_error(name, exc, tol, submodule, group, start, weights)
             raise
         actual, audit = run(self.target, patched=True, audited=self._audit_mode() != "off")
+        if call.sample_dim is not None and (own_stream or reference_rng == "device"):
+            return self._judge_distribution(name, actual, expected, tol, reference, provenance, submodule, start,
+                                            audit, call, group, weights, own_stream, reference_rng)
         golden, note = None, None
         if golden_policy is not None and golden_run is not None:
             from .golden import GoldenUnavailableError
@@ -958,7 +1008,7 @@ class ParityCase:
 
             flags = precision_flags()
         provenance = collect_provenance(self.target, recipe=self.recipe.name, seed=self.session.seed,
-                                        precision_flags=flags)
+                                        precision_flags=flags, extra={"rng": self.session.rng})
         status = self.session.store.write(self.test_id, self._pending, provenance)
         self.session.baseline_writes[self.test_id] = status
         self.session.baselines_used.add(self.session.store.path_for(self.test_id))
@@ -999,7 +1049,8 @@ class ParityCase:
                 "structure": structure}
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device, *, seed: int,
-             patched: bool, grad: bool, audited: bool = False, recipe_context: bool = True):
+             patched: bool, grad: bool, audited: bool = False, recipe_context: bool = True,
+             stream: tuple[str, int] | None = None):
         """``(leaves on the CPU, audit dict or None)`` of one run of ``fn`` on ``device``.
 
         ``audited``: record a device-propagation audit (``session.audit_factory(device)``). A real
@@ -1007,6 +1058,7 @@ class ParityCase:
         extra run whose output is dropped: the numbers come from a plain run, because the logical
         audit's function mode turns off PyTorch's transformer fast path (about 2.4e-7 apart on
         Aurora). Modules among ``args`` are deep-copied for the extra run (a train step mutates them).
+        ``stream``: ``(rng mode, seed)`` of the run's randomness (default ``("shared", seed)``).
 
         Raises:
             recipes.RecipeUnsupportedError: the run raised a ``RuntimeError`` under a recipe other
@@ -1016,21 +1068,21 @@ class ParityCase:
         __tracebackhide__ = True
         try:
             return self._run_once(fn, args, kwargs, device, seed=seed, patched=patched, grad=grad, audited=audited,
-                                  recipe_context=recipe_context)
+                                  recipe_context=recipe_context, stream=stream)
         except RuntimeError as exc:
             from .recipes import RecipeUnsupportedError
 
             if self.recipe.name == "fp32" or isinstance(exc, RecipeUnsupportedError):
                 raise
             error = self._recipe_error(exc, fn, args, kwargs, device, seed=seed, patched=patched, grad=grad,
-                                       recipe_context=recipe_context)
+                                       recipe_context=recipe_context, stream=stream)
             if error is None:
                 raise
             raise error from exc
 
     def _recipe_error(self, exc: BaseException, fn: Callable[..., Any], args: tuple, kwargs: dict,
                       device: torch.device, *, seed: int, patched: bool, grad: bool,
-                      recipe_context: bool) -> Exception | None:
+                      recipe_context: bool, stream: tuple[str, int] | None = None) -> Exception | None:
         """A ``recipes.RecipeUnsupportedError`` for ``exc``, raised by a run under this case's recipe,
         when the same run passes under fp32; None when it fails under fp32 too (not the recipe's doing).
 
@@ -1048,7 +1100,7 @@ class ParityCase:
         try:
             self.recipe = RECIPES["fp32"]
             self._call(fn, fresh(), kwargs, device, seed=seed, patched=patched, grad=grad,
-                       recipe_context=recipe_context)
+                       recipe_context=recipe_context, stream=stream)
         except Exception:  # noqa: BLE001 - fails under fp32 too: the recipe is not the cause
             return None
         finally:
@@ -1056,31 +1108,33 @@ class ParityCase:
         recorder = _RaisingOp()
         try:
             self._call(fn, fresh(), kwargs, device, seed=seed, patched=patched, grad=grad,
-                       recipe_context=recipe_context, audit=recorder)
+                       recipe_context=recipe_context, audit=recorder, stream=stream)
         except Exception:  # noqa: BLE001 - expected: it raises again
             pass
         module, where, call = _error_site(exc)
         return RecipeUnsupportedError(recipe.name, device, exc, op=recorder.op or call, module=module, where=where)
 
     def _run_once(self, fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device, *, seed: int,
-                  patched: bool, grad: bool, audited: bool = False, recipe_context: bool = True):
+                  patched: bool, grad: bool, audited: bool = False, recipe_context: bool = True,
+                  stream: tuple[str, int] | None = None):
         """``_run`` without the recipe diagnosis."""
         __tracebackhide__ = True
         audit = self.session.audit_factory(device) if audited else None
         if audit is not None and getattr(audit, "logical", False):
             leaves, _ = self._run(fn, args, kwargs, device, seed=seed, patched=patched, grad=grad,
-                                  recipe_context=recipe_context)
+                                  recipe_context=recipe_context, stream=stream)
             fresh = tuple(copy.deepcopy(a) if isinstance(a, torch.nn.Module) else a for a in args)
             self._call(fn, fresh, kwargs, device, seed=seed, patched=patched, grad=grad,
-                       recipe_context=recipe_context, audit=audit)
+                       recipe_context=recipe_context, audit=audit, stream=stream)
             return leaves, audit.to_dict()
         output, entered = self._call(fn, args, kwargs, device, seed=seed, patched=patched, grad=grad,
-                                     recipe_context=recipe_context, audit=audit)
+                                     recipe_context=recipe_context, audit=audit, stream=stream)
         leaves = _to_cpu_leaves(output)
         return leaves, (entered.to_dict() if entered is not None and hasattr(entered, "to_dict") else None)
 
     def _call(self, fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device, *, seed: int,
-              patched: bool, grad: bool, recipe_context: bool, audit: Any = None) -> tuple[Any, Any]:
+              patched: bool, grad: bool, recipe_context: bool, audit: Any = None,
+              stream: tuple[str, int] | None = None) -> tuple[Any, Any]:
         """Run ``fn`` once on ``device`` under the recipe, shared randomness and (if given) ``audit``;
         an audit with ``to_target`` (``audit.DeviceAudit``) places the module and inputs first.
         Returns ``(output, the entered audit or None)``."""
@@ -1103,7 +1157,8 @@ class ParityCase:
                 call = fn
             args_d, kwargs_d = _move(args, device, weights_dtype), _move(kwargs, device, weights_dtype)
             stack.enter_context(self.recipe.context(device) if recipe_context else strict_fp32_flags())
-            stack.enter_context(same_randomness(seed))
+            mode, stream_seed = stream or ("shared", seed)
+            stack.enter_context(randomness(mode, stream_seed))
             stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
             if audit is not None:
                 if hasattr(audit, "to_target"):
@@ -1148,7 +1203,9 @@ class ParityCase:
                 hashes["input_hash"], hashes["config_hash"], hashes.get("structure_hash"))
 
     def _reference(self, name: str, run: Callable, hashes: dict[str, str], call: "CheckCall"):
-        """(expected leaves, reference kind, provenance line) for a check."""
+        """(expected leaves, reference kind, provenance line, the reference's random stream mode) for a
+        check: a baseline's stream is its entry's recorded ``rng`` (``shared`` for baselines that
+        predate it), a live CPU run's the session's for a sampling check."""
         __tracebackhide__ = True
         mode = self.session.reference
         if mode in ("auto", "baseline"):
@@ -1169,12 +1226,14 @@ class ParityCase:
                     raise
                 expected: dict[str, torch.Tensor | None] = dict(entry.tensors)
                 expected.update({p: None for p in entry.none_leaves})
-                return expected, "baseline", baseline.describe()  # "<file> — <device, date, versions>"
-        key = self._memo_key(name, hashes, call)
+                # "<file> — <device, date, versions>"
+                return expected, "baseline", baseline.describe(), str(entry.meta.get("rng") or "shared")
+        live_rng = self.session.rng if call.sample_dim is not None else "shared"
+        key = self._memo_key(name, hashes, call) + (live_rng,)
         memo = self.session._reference_memo
         if key not in memo:  # the function/module is kept with the result: its id stays unique
             memo[key] = (call.fn, run(torch.device("cpu"), patched=False)[0])
-        return memo[key][1], "cpu", None
+        return memo[key][1], "cpu", None, live_rng
 
     def _baseline_error(self, name: str, exc: BaselineError, tol: Tolerance, submodule: str | None,
                         group: str | None, start: float, weights: str | None = None) -> CheckRecord:
@@ -1192,7 +1251,8 @@ class ParityCase:
         self._keep(record)
         return record
 
-    def _record_pending(self, name, leaves, hashes, seed, submodule, tol, start, group=None) -> CheckRecord:
+    def _record_pending(self, name, leaves, hashes, seed, submodule, tol, start, group=None,
+                        rng: str = "shared") -> CheckRecord:
         from .baselines import CheckBaseline
 
         from .structure import pack_structure
@@ -1205,7 +1265,7 @@ class ParityCase:
         else:
             facts["structure"] = pack_structure(facts["structure"])
         meta = dict(facts, seed=seed, submodule=submodule,
-                    recipe=self.recipe.name,
+                    recipe=self.recipe.name, rng=rng,
                     shapes={p: list(t.shape) for p, t in tensors.items()},
                     dtypes={p: str(t.dtype).removeprefix("torch.") for p, t in tensors.items()})
         self._pending[name] = CheckBaseline(name=name, tensors=tensors,
@@ -1340,6 +1400,47 @@ class ParityCase:
         else:
             warnings.warn(f"{self.test_id} ({self.recipe.name}): {text}", ParityAuditWarning, stacklevel=2)
         return None
+
+    def _judge_distribution(self, name, actual, expected, tol, reference, provenance, submodule, start, audit,
+                            call: CheckCall, group, weights, own_stream: bool, reference_rng: str) -> CheckRecord:
+        """Judge a sampling check whose sides drew from their own streams: every floating leaf as two
+        sample sets along ``call.sample_dim`` (``distribution.compare_distributions``). No golden,
+        no self-check perturbation and no first-divergence localization: they compare elements."""
+        from .distribution import compare_distributions
+        from .selfcheck import vacuity_problem
+
+        policy = self.session.distribution_policy
+        result = compare_distributions(actual, expected, call.sample_dim, policy, name=name)
+        record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
+                             reference, tol, status="pass" if result.passed else "fail", submodule=submodule,
+                             group=group, result=result, reference_provenance=provenance, audit=audit,
+                             duration_s=time.perf_counter() - start, weights=weights, distribution_policy=policy)
+        target_stream = ("its device's own generator (--parity-rng device)" if own_stream
+                         else "the shared CPU stream")
+        reference_stream = ("its device's own generator" if reference_rng == "device" else "the shared CPU stream")
+        reference_stream = (f"a live CPU run from {reference_stream}" if reference == "cpu"
+                            else f"a baseline recorded from {reference_stream}")
+        streams = f"target samples from {target_stream}; reference: {reference_stream}"
+        record.extra["policy_note"] = f"samples compared as distributions along axis {call.sample_dim} ({streams})"
+        self._keep(record)
+        problems = []
+        vacuous = vacuity_problem(expected)
+        vacuous_ok = call.vacuous_ok or self.vacuous_ok
+        if vacuous:
+            record.extra["vacuous"] = vacuous
+            if vacuous_ok:
+                record.extra["vacuous_ok"] = vacuous_ok
+            else:
+                problems.append(f"Parity check {name!r} is vacuous: {vacuous}, so no fault on the target could "
+                                "make it fail.")
+        if result.passed and not problems:
+            return record
+        record.status = "fail"
+        ref_text = "a live CPU run" if reference == "cpu" else f"baseline {provenance}"
+        context = f"recipe {self.recipe.name}, target {self.target} ({self.session.target_name}) vs {ref_text}"
+        message = "\n\n".join([result.format(context), f"({streams}.)"] + problems)
+        record.message = message
+        raise ParityError(message, result)
 
     def _keep(self, record: CheckRecord) -> None:
         self.records.append(record)

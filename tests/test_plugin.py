@@ -66,7 +66,7 @@ def test_help_lists_every_option(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--help")
     for option in ("--npu-parity", "--parity-device", "--parity-reference", "--parity-dtypes",
                    "--update-baselines", "--baseline-dir", "--parity-report", "--parity-history",
-                   "--parity-seed", "--parity-audit"):
+                   "--parity-seed", "--parity-audit", "--parity-rng"):
         result.stdout.fnmatch_lines([f"*{option}*"])
 
 
@@ -480,3 +480,64 @@ def test_summary_names_a_patch_override_and_no_aurora_version(pytester: pytest.P
     summary = (pytester.path / "rep" / "summary.md").read_text()
     assert "Patch set: `test_summary_names_a_patch_override_and_no_aurora_version.parity_patches.corrupt`." in summary
     assert "aurora_model" not in summary and " torch threads" in summary
+
+
+SAMPLER_TEST = """
+import pytest
+import torch
+
+SCALE = 1.0
+
+
+class Sampler(torch.nn.Module):
+    def forward(self, x, num_samples=48):
+        noise = torch.randn(x.shape[0], num_samples, x.shape[1], device=x.device)
+        return torch.tanh(x.unsqueeze(1) + SCALE * noise)
+
+
+@pytest.fixture
+def parity_patches():
+    import contextlib
+
+    @contextlib.contextmanager
+    def patches(device):
+        global SCALE
+        SCALE = float(__import__("os").environ.get("SAMPLER_FAULT", "1.0"))
+        try:
+            yield
+        finally:
+            SCALE = 1.0
+    return patches
+
+
+def test_draws(parity):
+    x = torch.linspace(-1, 1, 24).reshape(4, 6)
+    parity.check("draws", Sampler(), x, sample_dim=1)
+"""
+
+
+def test_parity_rng_device_judges_sampling_checks_as_distributions(pytester: pytest.Pytester, monkeypatch) -> None:
+    pytester.makepyfile(SAMPLER_TEST)
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32", "--parity-rng", "device")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([
+        "npu-parity: random streams: sampling checks draw from each side's own device generator *distribution "
+        "alpha=0.001 permutations=1999*",
+        "verdicts: 1 by distribution alpha=0.001 permutations=1999 (distribution: sampling checks *)",
+    ])
+    monkeypatch.setenv("SAMPLER_FAULT", "1.5")
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32", "--parity-rng", "device")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*Parity check 'draws' failed as a distribution*", "*most significant: spread*"])
+    # the default shared stream: the same test compares the draws one by one
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*Mismatched elements*"])
+
+
+def test_bad_ini_parity_rng_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nparity_rng = cpu\n")
+    pytester.makepyfile(SAMPLER_TEST)
+    result = pytester.runpytest("--npu-parity")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*ini parity_rng='cpu': use shared or device*"])

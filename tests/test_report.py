@@ -98,7 +98,10 @@ def test_columns_are_the_documented_contract():
                 "nonfinite_mismatched rtol atol budget tolerance_source tolerance_reason policy golden_policy policy_note "
                 "golden_dtype golden_worst_metric golden_worst_margin msprobe_cosine msprobe_euc_dist msprobe_max_abs_err "
                 "msprobe_max_rel_err msprobe_one_thousandth msprobe_five_thousandths msprobe_note golden_msprobe_verdict "
-                "problem verdict "
+                "distribution_policy dist_sample_dim dist_groups dist_samples dist_expected_samples dist_features "
+                "dist_pvalue dist_alpha dist_permutations dist_mean_shift dist_quantile_shift dist_spread_ratio "
+                "dist_mean dist_mean_pvalue dist_spread dist_spread_pvalue dist_quantiles dist_quantiles_pvalue "
+                "dist_energy dist_energy_pvalue problem verdict "
                 "audit_mixed_device audit_h2d audit_d2h audit_host_sync audit_cpu_fallback audit_fp64 audit_budget audit_problem "
                 "audit_verdict duration_s").split()
     assert list(report.COLUMNS) == expected

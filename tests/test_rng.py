@@ -427,3 +427,43 @@ def test_draws_for_a_device_tensor_are_not_the_models_events_under_an_audit():
         with same_randomness(0):
             plain = Model(host_noise).train()(torch.ones(4, 8))
         assert torch.equal(out, plain)
+
+
+# --------------------------------------------------------------------------------------------
+# device mode: each side its own generators
+
+
+def test_own_randomness_seeds_without_replacing_and_restores():
+    before = {(owner, name): getattr(owner, name) for owner, name in REPLACED}
+    state, py_state, np_state = torch.random.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    with rng.own_randomness(7):
+        assert all(getattr(owner, name) is fn for (owner, name), fn in before.items())  # nothing replaced
+        first = torch.randn(4), random.random(), np.random.rand()
+    with rng.own_randomness(7):
+        second = torch.randn(4), random.random(), np.random.rand()
+    assert torch.equal(first[0], second[0]) and first[1:] == second[1:]
+    torch.manual_seed(7)
+    assert torch.equal(torch.randn(4), first[0])  # torch's own CPU generator, seeded
+    torch.random.set_rng_state(state)
+    with rng.own_randomness(7):
+        pass
+    assert torch.equal(torch.random.get_rng_state(), state) and random.getstate() == py_state
+    assert (np.random.get_state()[1] == np_state).all()
+
+
+def test_target_seed_is_reproducible_in_range_and_independent():
+    seeds = [rng.target_seed(s) for s in range(100)]
+    assert seeds == [rng.target_seed(s) for s in range(100)]
+    assert all(0 <= s < 2**63 for s in seeds) and len(set(seeds)) == 100
+    assert not set(seeds) & set(range(101))
+    with pytest.raises(TypeError):
+        rng.target_seed(1.5)
+
+
+def test_randomness_picks_the_mode():
+    with rng.randomness("shared", 3):
+        assert torch.randn is not _ORIGINALS[(torch, "randn")]
+    with rng.randomness("device", 3):
+        assert torch.randn is _ORIGINALS[(torch, "randn")]
+    with pytest.raises(ValueError, match="use one of shared, device"):
+        rng.randomness("cpu", 0)

@@ -37,6 +37,10 @@ upstream line the patch set does not change, see ``aurora/patches.py``):
   (``_detect_is_causal_mask``, a ``bool`` of a device tensor): 1 host sync per encoder call (the
   retriever's encoder and decoder).
 * ``LOSS_SELECTION`` — ``loss[loss < eps]`` (boolean-mask selection) in the training losses.
+* ``REAL_IMAGE_UPLOAD`` — the real-image path (``vision_ids=``, ``generate(vision_inputs=...)``):
+  ``ViTImageProcessor(..., return_tensors="pt")`` builds ``pixel_values`` on the host (NumPy/PIL) and
+  the patch set's ``real_image_device`` copies them to the ViT's device: 1 host→device copy. Without
+  the patch set upstream hands the host tensor to the ViT: a mixed-device ``aten::convolution``.
 * ``SCALAR_SETITEM`` — ``t[i] = 0`` with a Python scalar: in logical mode PyTorch builds the
   scalar on the host and copies it (``aten::copy_``), on a real device it builds it on the device;
   so 1 host→device copy in logical mode only (``frequency_list[0] = 0``, ``valid_mask[i, sep_pos] = 0``).
@@ -106,6 +110,7 @@ TEXT_SAMPLE = Cost(host_sync=3)
 BERT_MASK_CHECK = Cost(host_sync=1)
 CAUSAL_MASK_CHECK = Cost(host_sync=1)
 LOSS_SELECTION = Cost(host_sync=1)
+REAL_IMAGE_UPLOAD = Cost(h2d=1)
 # Upstream without the patch set (what the patch set removes):
 HOST_CAUSAL_MASK = Cost(cpu_fallback=3, h2d=1)  # causal_attention_mask(n).to(x.device): ones, mul, triu, copy
 HOST_DECAY_WEIGHTS = Cost(cpu_fallback=2, h2d=1)  # 0.5 ** torch.arange(n), then .to(x_enc.device)
@@ -136,9 +141,11 @@ def sampler_cost(steps: int) -> Cost:
     return SAMPLER_SETUP + steps * SAMPLER_STEP
 
 
-def model_cost(model: torch.nn.Module, text: bool, batch: int, logical: bool) -> Cost:
-    """Encoders, decoder layers and retriever of one ``AuroraForPrediction`` forward (no flow head)."""
-    cost = vision_cost(logical) + model.config.num_dec_layers * SINUSOIDAL_TABLE + retriever_cost()
+def model_cost(model: torch.nn.Module, text: bool, batch: int, logical: bool, real_images: bool = False) -> Cost:
+    """Encoders, decoder layers and retriever of one ``AuroraForPrediction`` forward (no flow head);
+    ``real_images``: the vision encoder sees real images (``vision_ids``) instead of the pseudo-image."""
+    vision = REAL_IMAGE_UPLOAD if real_images else vision_cost(logical)
+    cost = vision + model.config.num_dec_layers * SINUSOIDAL_TABLE + retriever_cost()
     return cost + text_cost(batch, logical) if text else cost
 
 
@@ -419,6 +426,31 @@ def test_vision_encoder(audit_target, tiny, ex):
         vision_cost(audit_target.logical))
 
 
+@given(batch=aurora_st.batch_sizes(3), crop=st.integers(16, 427))
+def test_vision_encoder_real_images(audit_target, tiny, batch, crop):
+    """Real photographs of any size (the processor resizes them to 224×224): the patch set's one
+    host→device copy of ``pixel_values`` and nothing else."""
+    out, audit = audited(audit_target, tiny.model.VisionEncoder, inputs.real_images(batch, crop), type="real")
+    assert_propagation(audit_target, audit, "VisionEncoder (real images)", (batch, crop), {
+        "features": (out, (batch, tiny.config.num_distill, tiny.config.hidden_size), F32)}, REAL_IMAGE_UPLOAD)
+
+
+@settings(max_examples=aurora_st.examples_for(0.5))
+@given(batch=aurora_st.batch_sizes(3), crop=st.integers(16, 427))
+def test_without_the_patch_set_real_images_reach_the_vit_on_the_host(audit_target, logical_only, tiny, batch, crop):
+    """Upstream as shipped: ``process_real_image`` returns the processor's host tensor and the ViT's
+    patch convolution mixes it with the device weights (one mixed-device op), so the declared cost
+    of the patched run fails; the patched run above passes it."""
+    out, audit = audited(audit_target, tiny.model.VisionEncoder, inputs.real_images(batch, crop), type="real",
+                         patched=False)
+    mixed = audit.record.of_kind("mixed_device")
+    assert [(e.op, e.count) for e in mixed] == [("aten::convolution", 1)], audit.record.format()
+    assert "modeling_vit.py" in mixed[0].source and set(mixed[0].devices) == {str(audit_target.device), "cpu"}
+    with pytest.raises(AssertionError, match=r"mixed_device 1 \(declared 0\)"):
+        assert_propagation(audit_target, audit, "VisionEncoder (real images, no patch set)", (batch, crop), {
+            "features": (out, (batch, tiny.config.num_distill, tiny.config.hidden_size), F32)}, REAL_IMAGE_UPLOAD)
+
+
 @given(ex=aurora_st.aurora_shapes(text=True))
 def test_text_encoder(audit_target, tiny, ex):
     tokens = bert_inputs(text_tokens(ex, series(ex)))
@@ -503,6 +535,22 @@ def test_generate(audit_target, tiny, ex):
                          inference_token_len=ex.inference_token_len, num_samples=ex.num_samples, **kwargs)
     cost = model_cost(tiny, ex.text, ex.batch, audit_target.logical) + sampler_cost(tiny.config.num_sampling_steps)
     assert_propagation(audit_target, audit, "AuroraForPrediction.generate", ex,
+                       {"forecast": (out, (ex.batch, ex.num_samples, ex.horizon), F32)}, cost)
+
+
+@settings(max_examples=aurora_st.examples_for(0.5))
+@given(ex=aurora_st.aurora_shapes(), crop=st.integers(16, 427))
+def test_generate_real_images(audit_target, tiny, ex, crop):
+    """``generate(vision_inputs=<photographs>)``: the vision branch costs the one image upload instead
+    of the period search."""
+    batch = series(ex)
+    kwargs = text_tokens(ex, batch) if ex.text else {}
+    out, audit = audited(audit_target, tiny.generate, inputs=batch.context, vision_inputs=inputs.real_images(ex.batch, crop),
+                         max_output_length=ex.horizon, inference_token_len=ex.inference_token_len,
+                         num_samples=ex.num_samples, **kwargs)
+    cost = (model_cost(tiny, ex.text, ex.batch, audit_target.logical, real_images=True)
+            + sampler_cost(tiny.config.num_sampling_steps))
+    assert_propagation(audit_target, audit, "AuroraForPrediction.generate (real images)", (ex, crop),
                        {"forecast": (out, (ex.batch, ex.num_samples, ex.horizon), F32)}, cost)
 
 

@@ -8,4 +8,4 @@ from pytest_npu_parity.aurora.checks import SUBMODULE_CHECKS
 def test_submodule(parity, aurora, check):
     fn, args, kwargs = check.build(aurora)
     parity.check(check.name, fn, *args, submodule=check.submodule or None, group=check.group,
-                 fault_weight=check.fault_weight, **kwargs)
+                 fault_weight=check.fault_weight, sample_dim=check.sample_dim, **kwargs)

@@ -35,6 +35,12 @@ DEC_LAYERS = 9
 DECODER_FAULT = "model.dec_layers.4.ffn_layer.ffn.0.weight"
 #: The weight the training-step check's faults scale (in the tiny model).
 TRAIN_STEP_FAULT = "model.dec_layers.0.ffn_layer.ffn.0.weight"
+#: Samples per series of the sampling checks (``num_samples``): enough for a distribution-level
+#: comparison (``distribution``; ``--parity-rng device``), small enough for a cheap check.
+NUM_SAMPLES = 32
+#: The sample axis of ``FlowLoss.sample`` (``[rows, num_samples, patch]``) and ``generate``
+#: (``[batch, num_samples, horizon]``).
+SAMPLE_DIM = 1
 
 
 @dataclass(repr=False)
@@ -86,6 +92,9 @@ class AuroraCheck:
             and self-checks scale; ``None`` means ``sensitive_weight``'s choice. Set where the generic
             choice sits in a position the output is invariant to by design (e.g. attention's query
             projection only changes the softmax temperature).
+        sample_dim: the axis of i.i.d. samples of a sampling check (``num_samples`` > 1), or None.
+            Passed to ``parity.check(sample_dim=...)``: sample by sample under the shared random
+            stream, as distributions where the sides draw from their own streams.
     """
 
     name: str
@@ -94,6 +103,7 @@ class AuroraCheck:
     build: Callable[[AuroraContext], tuple[Callable[..., Any], tuple, dict]]
     train: bool = False
     fault_weight: str | None = None
+    sample_dim: int | None = None
 
     def __str__(self) -> str:
         return self.name
@@ -133,23 +143,38 @@ def build_context(model: torch.nn.Module, batch: Any) -> AuroraContext:
         extras["prototypes"] = model.retriever(*r_args, **r_kwargs)  # [B, 2, 48]
         extras.update(_flow_loss_inputs(model, batch, x_dec, extras["prototypes"]))
         extras["dec_layer_layernorm"] = _layernorm_decoder_layer(model)
+    extras["real_images"] = aurora_inputs.real_images(batch.batch_size)
     return AuroraContext(model=model, batch=batch, captured=captured, extras=extras)
 
 
 def _flow_loss_inputs(model, batch, x_dec, prototypes) -> dict[str, torch.Tensor]:
-    """Inputs of ``FlowLoss.forward`` exactly as ``AuroraForPrediction.forward`` builds them in training."""
+    """Inputs of ``FlowLoss.forward`` exactly as ``AuroraForPrediction.forward`` builds them in training,
+    and the padded variant: labels of ``ODD_HORIZON`` (80 weeks) zero-padded to two 48-step tokens
+    (``F.pad`` as upstream does) with a padding mask that is 0 on the 16 padded steps of the second
+    token (``flow_target_padded``, ``flow_mask``: ``[rows, 48]``, the per-step mask ``FlowLoss.forward``
+    averages the loss under; upstream's own train path builds a ``[1, 96]`` mask that cannot broadcast
+    against ``[rows, 48]``, see ``inputs.AuroraBatch.forward_kwargs``)."""
     cfg = model.config
     context = batch.context
     means = context.mean(1, keepdim=True)
     stdev = context.std(dim=1, keepdim=True, unbiased=False) + 1e-5
-    labels = (batch.labels[HORIZON] - means) / stdev
-    shift = labels.unfold(-1, cfg.token_len, cfg.token_len)
-    bsz, n_tokens, _ = shift.shape
     mul = cfg.diffusion_batch_mul
+
+    def tokens(labels: torch.Tensor) -> torch.Tensor:
+        shift = labels.unfold(-1, cfg.token_len, cfg.token_len)
+        return shift.reshape(-1, cfg.token_len).repeat(mul, 1)
+
+    labels = (batch.labels[HORIZON] - means) / stdev
+    bsz, n_tokens = labels.shape[0], labels.shape[1] // cfg.token_len
+    padded = (batch.labels[ODD_HORIZON] - means) / stdev
+    pad = n_tokens * cfg.token_len - padded.shape[1]
+    valid = torch.nn.functional.pad(torch.ones_like(padded), (0, pad))
     return {
-        "flow_target": shift.reshape(bsz * n_tokens, -1).repeat(mul, 1),
+        "flow_target": tokens(labels),
         "flow_z": x_dec.reshape(bsz * n_tokens, -1).repeat(mul, 1),
         "flow_prototype": prototypes.reshape(bsz * n_tokens, -1).repeat(mul, 1),
+        "flow_target_padded": tokens(torch.nn.functional.pad(padded, (0, pad))),
+        "flow_mask": tokens(valid),
     }
 
 
@@ -253,6 +278,15 @@ def _maybe_train(module: torch.nn.Module, train: bool) -> torch.nn.Module:
     return fresh_copy(module).train()
 
 
+def _flow_sample(ctx: AuroraContext, num_samples: int, prototype: bool = True):
+    """``FlowLoss.sample`` on the decoder output (and the retriever's prototypes) of the eval forward."""
+    x_dec, prototypes = ctx.extras["x_dec"], ctx.extras["prototypes"]
+    kwargs: dict[str, Any] = {"num_samples": num_samples, "inference_token_len": 48}
+    if prototype:
+        kwargs["prototype"] = prototypes.reshape(-1, prototypes.shape[-1])
+    return ctx.model.flow_match.sample, (x_dec.reshape(-1, x_dec.shape[-1]),), kwargs
+
+
 def _catalogue() -> list[AuroraCheck]:
     checks: list[AuroraCheck] = []
     add = checks.append
@@ -311,6 +345,10 @@ def _catalogue() -> list[AuroraCheck]:
 
     # modalities, retriever, flow head ----------------------------------------------------------
     add(AuroraCheck("vision_encoder", "VisionEncoder", "model.VisionEncoder", _module("model.VisionEncoder")))
+    # The real-image path (vision_ids=): ViTImageProcessor (resize, rescale, normalize) on real
+    # photographs, then the ViT; the patch set moves the processor's host tensor to the device.
+    add(AuroraCheck("vision_encoder_real_image", "VisionEncoder", "model.VisionEncoder", lambda ctx: (
+        ctx.submodule("model.VisionEncoder"), (ctx.extras["real_images"],), {"type": "real"})))
     add(AuroraCheck("text_encoder", "TextEncoder", "model.TextEncoder", _module("model.TextEncoder")))
     add(AuroraCheck("modality_connector", "ModalityConnector", "model.ModalityConnector",
                     _module("model.ModalityConnector")))
@@ -331,11 +369,23 @@ def _catalogue() -> list[AuroraCheck]:
         Intermediates(_maybe_train(ctx.model.flow_match, True), ["net"]),
         (ctx.extras["flow_target"], ctx.extras["flow_z"]), {"prototype": ctx.extras["flow_prototype"]}),
         train=True, fault_weight="module.net.final_layer.linear.weight"))
-    add(AuroraCheck("flow_loss_sample", "FlowLoss", "flow_match", lambda ctx: (
-        ctx.model.flow_match.sample,
-        (ctx.extras["x_dec"].reshape(-1, ctx.extras["x_dec"].shape[-1]),),
-        {"prototype": ctx.extras["prototypes"].reshape(-1, ctx.extras["prototypes"].shape[-1]),
-         "num_samples": 1, "inference_token_len": 48})))
+    # The same with a padding mask (horizon 80 padded to two tokens) and without prototypes: the
+    # mask changes only the loss, which the velocity does not show, so the loss is the leaf a broken
+    # mask must move.
+    add(AuroraCheck("flow_loss_train_masked", "FlowLoss", "flow_match", lambda ctx: (
+        Intermediates(_maybe_train(ctx.model.flow_match, True), ["net"]),
+        (ctx.extras["flow_target_padded"], ctx.extras["flow_z"]),
+        {"prototype": ctx.extras["flow_prototype"], "mask": ctx.extras["flow_mask"]}),
+        train=True, fault_weight="module.net.final_layer.linear.weight"))
+    add(AuroraCheck("flow_loss_train_no_prototype", "FlowLoss", "flow_match", lambda ctx: (
+        Intermediates(_maybe_train(ctx.model.flow_match, True), ["net"]),
+        (ctx.extras["flow_target"], ctx.extras["flow_z"]), {}),
+        train=True, fault_weight="module.net.final_layer.linear.weight"))
+    add(AuroraCheck("flow_loss_sample", "FlowLoss", "flow_match", lambda ctx: _flow_sample(ctx, 1)))
+    add(AuroraCheck("flow_loss_sample_no_prototype", "FlowLoss", "flow_match",
+                    lambda ctx: _flow_sample(ctx, 1, prototype=False)))
+    add(AuroraCheck("flow_loss_sample_multi", "FlowLoss", "flow_match",
+                    lambda ctx: _flow_sample(ctx, NUM_SAMPLES), sample_dim=SAMPLE_DIM))
 
     # whole model -------------------------------------------------------------------------------
     # Whole-model checks: the generic largest weight is the retriever head, whose effect reaches
@@ -359,6 +409,17 @@ def _catalogue() -> list[AuroraCheck]:
     add(AuroraCheck("generate_no_text_odd_horizon", "AuroraForPrediction.generate", "", lambda ctx: (
         ctx.model.generate, (), {"inputs": ctx.batch.context, "max_output_length": ODD_HORIZON,
                                  "inference_token_len": 48}), fault_weight=DECODER_FAULT))
+    # Real photographs instead of the series' pseudo-image (generate(vision_inputs=...) -> vision_ids).
+    add(AuroraCheck("generate_real_image", "AuroraForPrediction.generate", "", lambda ctx: (
+        ctx.model.generate, (), {"inputs": ctx.batch.context, **ctx.batch.text_kwargs(),
+                                 "vision_inputs": ctx.extras["real_images"], "max_output_length": HORIZON,
+                                 "inference_token_len": 48}), fault_weight=DECODER_FAULT))
+    # NUM_SAMPLES forecasts per series: compared sample by sample under the shared stream, as
+    # distributions (per series and step) where each side draws its own noise.
+    add(AuroraCheck("generate_samples", "AuroraForPrediction.generate", "", lambda ctx: (
+        ctx.model.generate, (), {"inputs": ctx.batch.context, "max_output_length": HORIZON,
+                                 "inference_token_len": 48, "num_samples": NUM_SAMPLES}),
+        fault_weight=DECODER_FAULT, sample_dim=SAMPLE_DIM))
     return checks
 
 
@@ -405,3 +466,46 @@ def dropped_causal_mask() -> Iterator[None]:
         yield
     finally:
         modeling.causal_attention_mask, retriever.causal_attention_mask = saved
+
+
+@contextlib.contextmanager
+def ignored_padding_mask() -> Iterator[None]:
+    """``FlowLoss.forward`` averages over padded steps too (its ``mask`` replaced by ones), a port bug
+    that drops the padding mask: the loss then counts the zero-padded labels."""
+    import aurora.flow_loss as flow
+
+    original = flow.FlowLoss.forward
+
+    def forward(self, target, z, prototype=None, mask=None, eps=1e2):
+        return original(self, target, z, prototype=prototype,
+                        mask=None if mask is None else torch.ones_like(mask), eps=eps)
+
+    flow.FlowLoss.forward = forward
+    try:
+        yield
+    finally:
+        flow.FlowLoss.forward = original
+
+
+@contextlib.contextmanager
+def scaled_sampler_noise(factor: float) -> Iterator[None]:
+    """The flow sampler's noise scaled by ``factor`` (a wrong noise scale, e.g. ``1.05``): every
+    ``torch.randn`` called from ``aurora.flow_loss`` (``FlowLoss.sample``'s starting noise) returns
+    ``factor`` times its draw; other callers are unaffected."""
+    import aurora.flow_loss as flow
+
+    real_torch = flow.torch
+
+    class _Torch:
+        def __getattr__(self, name):
+            return getattr(real_torch, name)
+
+        @staticmethod
+        def randn(*args, **kwargs):
+            return real_torch.randn(*args, **kwargs) * factor
+
+    flow.torch = _Torch()
+    try:
+        yield
+    finally:
+        flow.torch = real_torch

@@ -24,6 +24,12 @@ Text: one English sentence per window naming the station, unit and the window's 
 mean level, tokenised with the BERT tokenizer shipped in aurora-model exactly as upstream's
 ``TSGenerationMixin._tokenize`` does (padding to max_length 125, truncation).
 
+Images (the real-image vision path, ``vision_ids=`` / ``generate(vision_inputs=...)``): the two
+photographs scikit-learn ships with its datasets (``sklearn.datasets.load_sample_image``:
+``china.jpg`` and ``flower.jpg``, 427×640 RGB, CC BY 2.0, see that package's
+``datasets/images/README.txt``), decoded by Pillow, cut into square windows; see
+:func:`real_images`.
+
 Submodule inputs (:func:`embedded_tokens`, :func:`vision_features`, :func:`text_features`,
 :func:`capture_submodule_inputs`, :func:`decoder_layer_inputs`) come from running the model's own
 layers on these windows, so attention/encoder/decoder checks see realistic activations.
@@ -51,11 +57,14 @@ __all__ = [
     "tokenize",
     "revin_normalize",
     "pseudo_image",
+    "real_images",
+    "IMAGE_FILES",
     "embedded_tokens",
     "vision_features",
     "text_features",
     "capture_submodule_inputs",
     "decoder_layer_inputs",
+    "flow_head_inputs",
 ]
 
 CONTEXT = 528
@@ -64,6 +73,8 @@ BATCH = 4
 TEXT_MAX_LENGTH = 125  # upstream TSGenerationMixin.generate(max_text_token_length=125), TextEncoder.max_length
 TOKEN_LEN = 48  # Aurora's patch length (config.json token_len)
 DATASET = "statsmodels.datasets.co2 (Mauna Loa weekly atmospheric CO2, ppm)"
+#: The photographs of :func:`real_images` (``sklearn.datasets.load_sample_image`` names).
+IMAGE_FILES = ("china.jpg", "flower.jpg")
 
 
 @functools.lru_cache(maxsize=1)
@@ -344,6 +355,51 @@ def pseudo_image(series: torch.Tensor, token_len: int = TOKEN_LEN) -> torch.Tens
         return processor.process_pseudo_image(series)
 
 
+@functools.lru_cache(maxsize=None)
+def _photo(name: str) -> np.ndarray:
+    from sklearn.datasets import load_sample_image
+
+    image = load_sample_image(name)
+    image.setflags(write=False)
+    return image
+
+
+def real_images(batch: int = BATCH, crop: int = 320) -> list[np.ndarray]:
+    """``batch`` real RGB photographs for ``VisionEncoder(..., type="real")``, as users pass them.
+
+    Image ``i`` is a ``crop``×``crop`` window of photograph ``IMAGE_FILES[i % 2]`` (427×640); the
+    k-th window taken from one photograph starts at column ``linspace(0, 640 - crop, n)[k]``
+    (rounded down; n = windows taken from it) and at row ``(427 - crop) // 2``, so the windows of a
+    batch differ. A crop other than 224 makes the ViT image processor resize (bilinear, to 224×224).
+    Upstream feeds these to ``ViTImageProcessor(images=..., return_tensors="pt")``, which accepts
+    NumPy arrays and PIL images, so they stay host arrays (the parity runner moves tensors only).
+
+    Args:
+        batch: number of images (≥ 1).
+        crop: side of each square window in pixels (1 to 427).
+    Returns:
+        A list of ``batch`` new C-contiguous ``uint8`` arrays ``[crop, crop, 3]`` (copies: the cached
+        photographs stay unchanged).
+    Raises:
+        ValueError: ``batch`` < 1 or ``crop`` outside 1..427.
+        ImportError: scikit-learn is not installed (``pip install 'pytest-npu-parity[aurora]'``).
+    """
+    if batch < 1:
+        raise ValueError(f"real_images: batch must be >= 1, got {batch}")
+    photos = [_photo(name) for name in IMAGE_FILES]
+    height = min(p.shape[0] for p in photos)
+    if not 1 <= crop <= height:
+        raise ValueError(f"real_images: crop must be 1..{height} pixels (the photographs are {height} high), got {crop}")
+    images = []
+    for i in range(batch):
+        photo = photos[i % len(photos)]
+        uses = len(range(i % len(photos), batch, len(photos)))
+        starts = np.floor(np.linspace(0, photo.shape[1] - crop, uses)).astype(int)
+        left, top = int(starts[i // len(photos)]), (photo.shape[0] - crop) // 2
+        images.append(np.array(photo[top:top + crop, left:left + crop], order="C"))  # a copy
+    return images
+
+
 def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -452,3 +508,21 @@ def decoder_layer_inputs(model: torch.nn.Module, batch: AuroraBatch, index: int 
     hidden_states = args[0] if args else kwargs["hidden_states"]
     cross_states = args[1] if len(args) > 1 else kwargs["cross_states"]
     return hidden_states, cross_states
+
+
+def flow_head_inputs(model: torch.nn.Module, batch: AuroraBatch, *,
+                     horizon: int = HORIZONS[0]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``FlowLoss.sample`` receives in an eval forward: ``(z, prototypes)``.
+
+    ``z`` is the last decoder layer's output, ``[B * ceil(horizon/48), hidden]``; ``prototypes`` the
+    retriever's, ``[B * ceil(horizon/48), 48]`` (rows: series-major, then tokens, as upstream's
+    ``rearrange(x_dec, 'b n d -> (b n) d')``). Computed on the model's device, no grad.
+    """
+    last = f"model.dec_layers.{model.config.num_dec_layers - 1}"
+    captured = capture_submodule_inputs(model, batch, [last, "retriever"], horizon=horizon)
+    with torch.no_grad():
+        args, kwargs = captured[last]
+        x_dec = model.get_submodule(last)(*args, **kwargs)[0]
+        args, kwargs = captured["retriever"]
+        prototypes = model.retriever(*args, **kwargs)
+    return x_dec.reshape(-1, x_dec.shape[-1]), prototypes.reshape(-1, prototypes.shape[-1])

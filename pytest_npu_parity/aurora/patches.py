@@ -39,6 +39,17 @@ patch name                  what it changes
                             "mse_cpu not implemented for BFloat16", probed once):
                             ``F.mse_loss`` of bf16 CPU tensors (upstream's ``point_loss``,
                             an ``nn.MSELoss``) runs in fp32 and returns bf16.
+``real_image_device``       ``VisionEncoder.forward`` moves the image tensor its processor returns to
+                            the ViT's device. The real-image path (``vision_ids=``,
+                            ``generate(vision_inputs=...)``) runs ``ViTImageProcessor(...,
+                            return_tensors="pt")``, a NumPy/PIL pipeline whose ``pixel_values``
+                            are a host tensor; upstream hands them to the ViT as they are, so on a
+                            device the patch conv mixes a CPU input with device weights ("Tensor on
+                            device cpu is not on the expected device", measured on the ``meta``
+                            device; a mixed-device ``aten::convolution`` in the audit). The
+                            pseudo-image path's tensor is on the device already: ``.to`` returns it
+                            unchanged. The ViT casts ``pixel_values`` to its weights' dtype itself
+                            (transformers ``ViTModel.forward``), so only the device is changed.
 ``fft_cpu_fallback``        only where the target lacks FFT (probed once per device type with a
                             tiny rfft, or forced with ``fft_fallback=True``): ``rfft``/``irfft``
                             compute on the CPU and move the result back to the input's device
@@ -148,6 +159,8 @@ PATCH_DESCRIPTIONS: dict[str, str] = {
     "freq_masking_dtype": "_freq_masking casts irfft output back to the series' dtype (bf16 train)",
     "mse_bf16_upcast": "F.mse_loss of bf16 CPU tensors computed in fp32 where this torch has no bf16 "
                        "CPU kernel (torch 2.5.1)",
+    "real_image_device": "VisionEncoder.forward moves the ViT image processor's pixel_values (a host tensor) "
+                         "to the ViT's device (real-image path: vision_ids, generate(vision_inputs=...))",
     "fft_cpu_fallback": "torch.fft.rfft/irfft computed on the CPU for devices without FFT "
                         "(guide §5.3)",
 }
@@ -521,6 +534,12 @@ _FREQ_MASKING_EDIT = (
     "x_ifft = torch.fft.irfft(temp, dim=-1).to(x.dtype)",
     1,
 )
+# The image tensor goes where the ViT's patch convolution (its first op) has its weights.
+_REAL_IMAGE_EDIT = (
+    "x = self.processor(x, type=type)",
+    "x = self.processor(x, type=type).to(self.model.embeddings.patch_embeddings.projection.weight.device)",
+    1,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -789,6 +808,11 @@ def _apply(patch_set: PatchSet) -> None:
     if cpu_lacks_bf16_mse():
         patch_set._replace(torch.nn.functional, "mse_loss", mse_loss)
         patch_set._mark("mse_bf16_upcast")
+
+    # real images: the ViT image processor returns host tensors ------------------------------
+    vision_forward = _edited(connector.VisionEncoder.forward, [_REAL_IMAGE_EDIT])
+    patch_set._replace(connector.VisionEncoder, "forward", vision_forward)
+    patch_set._mark("real_image_device")
 
     def note_fallback(device_type: str) -> None:
         if "fft_cpu_fallback" not in patch_set.applied:

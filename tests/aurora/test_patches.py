@@ -40,6 +40,7 @@ UPSTREAM = {
     (flow_mod.SimpleMLPAdaLN, "forward"): flow_mod.SimpleMLPAdaLN.__dict__["forward"],
     (flow_mod.TimestepEmbedder, "forward"): flow_mod.TimestepEmbedder.__dict__["forward"],
     (connector_mod.TextEncoder, "extract_bert_features"): connector_mod.TextEncoder.__dict__["extract_bert_features"],
+    (connector_mod.VisionEncoder, "forward"): connector_mod.VisionEncoder.__dict__["forward"],
     (torch.fft, "rfft"): torch.fft.rfft,
     (torch.fft, "irfft"): torch.fft.irfft,
 }
@@ -293,9 +294,10 @@ def test_apply_and_revert_restore_exact_upstream_objects():
             assert current is not original, f"{attr} of {owner} was not patched"
         assert modeling.resample is resample and flow_mod.resample is resample and util.resample is resample
         assert retriever_mod.causal_attention_mask is causal_attention_mask
-        assert patch_set.applied == ["resample", "causal_attention_mask", "decay_weights", "sinusoidal_dtype",
-                                     "flow_input_dtype", "text_features_dtype", "fft_bf16_upcast",
-                                     "freq_masking_dtype"] + (["mse_bf16_upcast"] if patches.cpu_lacks_bf16_mse() else [])
+        assert patch_set.applied == (["resample", "causal_attention_mask", "decay_weights", "sinusoidal_dtype",
+                                      "flow_input_dtype", "text_features_dtype", "fft_bf16_upcast",
+                                      "freq_masking_dtype"] + (["mse_bf16_upcast"] if patches.cpu_lacks_bf16_mse() else [])
+                                     + ["real_image_device"])
         assert set(patch_set.describe()) == set(patch_set.applied)
     finally:
         patch_set.revert()
@@ -507,3 +509,35 @@ def test_bf16_weights_run_only_with_the_patch_set(tiny, batch):
     # close to the fp32 forecast (bf16 weights: a few per cent of the ≈ 10 ppm spread)
     reference = _eval(tiny, batch)
     assert (out.float() - reference).abs().max() < 0.05 * (reference.max() - reference.min())
+
+
+# ---- real images: the ViT image processor's host tensor ----------------------------------------
+
+def test_real_image_path_bitwise_equal_to_upstream_and_pseudo_path_untouched(tiny, batch):
+    from pytest_npu_parity.aurora.inputs import real_images, revin_normalize
+
+    encoder = tiny.model.VisionEncoder
+    images = real_images(2, crop=200)
+    series = revin_normalize(batch.context)
+    with torch.no_grad():
+        reference = encoder(images, type="real"), encoder(series, type="pseudo")
+        with patched():
+            assert "real_image_device" in patches.active_patch_set().applied
+            out = encoder(images, type="real"), encoder(series, type="pseudo")
+    assert torch.equal(out[0], reference[0]) and torch.equal(out[1], reference[1])
+    assert out[0].shape == (2, tiny.config.num_distill, tiny.config.hidden_size)
+
+
+def test_real_image_pixels_reach_the_vit_on_its_device(tiny):
+    # The meta device stands in for an accelerator (as for the decoder mask above): upstream hands
+    # the processor's CPU pixel_values to a ViT on the device; the patched forward moves them.
+    from pytest_npu_parity.aurora.inputs import real_images
+
+    encoder = copy.deepcopy(tiny.model.VisionEncoder).to("meta")
+    images = real_images(2, crop=100)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="device"):
+            encoder(images, type="real")
+        with patched("meta", fft_fallback=False):
+            out = encoder(images, type="real")
+    assert out.device.type == "meta" and out.shape == (2, tiny.config.num_distill, tiny.config.hidden_size)
