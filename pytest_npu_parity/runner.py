@@ -384,6 +384,10 @@ class ParitySession:
         check_policies: per check name (exact or ``fnmatch`` pattern): a policy spec string as above.
         golden_runner: computes golden outputs (``golden.GoldenRunner``; default: a new one). A suite
             may set its ``root`` (share one golden copy of a model) and ``shims``.
+        train_store: how training steps are recorded in baselines: ``"full"`` (default),
+            ``"summary"`` or ``"summary min_numel=N samples=K"`` (``compact.parse_train_store``) or a
+            ``compact.TrainStore``: large gradients and parameters kept as a deterministic sample
+            plus summary statistics (module ``compact``).
     """
 
     def __init__(self, target: torch.device, *, reference: str = "auto", update_baselines: bool = False,
@@ -393,7 +397,8 @@ class ParitySession:
                  failure_hooks: list[Callable[..., str | None]] | None = None,
                  check_hooks: list[Callable[..., str | None]] | None = None,
                  recipe_policies: dict[str, Any] | None = None, check_policies: dict[str, str] | None = None,
-                 golden_runner: Any = None):
+                 golden_runner: Any = None, train_store: Any = None):
+        from .compact import parse_train_store
         from .golden import GoldenRunner, parse_policy_spec
 
         if reference not in ("auto", "cpu", "baseline"):
@@ -417,6 +422,7 @@ class ParitySession:
         self.check_policies = dict(check_policies or {})
         self.patterns_used: set[str] = set()  # check_tolerances/check_policies patterns that matched a check
         self.golden_runner = golden_runner if golden_runner is not None else GoldenRunner()
+        self.train_store = parse_train_store(train_store, source="ini")
         self._golden_memo: dict[tuple, Any] = {}
         self.records: list[CheckRecord] = []
         self.baseline_writes: dict[str, str] = {}  # test_id -> created/changed/unchanged/not written
@@ -567,11 +573,16 @@ class ParityCase:
             a check's own ``vacuous_ok`` takes precedence.
         marker_policy: verdict policy spec from ``@pytest.mark.parity(policy=...)`` (``"golden"``,
             ``"golden rmse=3 # reason"``, ``"allclose"``), or None.
+        marker_train_store: train store from ``@pytest.mark.parity(train_store=...)`` (``"summary"``
+            …), or None for the session's.
     """
 
     def __init__(self, session: ParitySession, test_id: str, recipe: str = "fp32", *,
                  marker_tolerance: Tolerance | None = None, patches: PatchFactory | None = None,
-                 vacuous_ok: str | None = None, marker_policy: str | None = None):
+                 vacuous_ok: str | None = None, marker_policy: str | None = None,
+                 marker_train_store: str | None = None):
+        from .compact import parse_train_store
+
         if recipe not in RECIPES:
             raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
         self.session = session
@@ -582,6 +593,8 @@ class ParityCase:
         self.vacuous_ok = vacuous_ok
         self.marker_policy = marker_policy
         self.session.verdict_policy(recipe, "", marker_policy)  # a bad marker spec fails before any run
+        self.marker_train_store = (parse_train_store(marker_train_store, source="marker")
+                                   if marker_train_store is not None else None)
         self.records: list[CheckRecord] = []
         self._pending: dict[str, Any] = {}
         self._baseline: Any = None
@@ -658,7 +671,8 @@ class ParityCase:
                    group: str | None = None,
                    rtol: float | None = None, atol: float | None = None, budget: float | None = None,
                    reason: str | None = None, vacuous_ok: str | None = None,
-                   fault_weight: str | None = None, policy: str | None = None) -> CheckRecord:
+                   fault_weight: str | None = None, policy: str | None = None,
+                   store: str | None = None) -> CheckRecord:
         """One training step on each side from the same weights, compared leaf by leaf.
 
         Each side deep-copies ``module``, puts it in training mode on its device, runs
@@ -673,15 +687,22 @@ class ParityCase:
         BatchNorm running mean/var and num_batches_tracked).
         ``vacuous_ok``, ``fault_weight`` and ``policy`` are as in ``check``; the golden of a
         training step is the same step on a CPU copy of ``module`` in the golden dtype, without
-        autocast.
+        autocast. ``store``: how a recording keeps the leaves (``"full"``, ``"summary"``, see
+        ``compact``; default: the marker's ``train_store=``, else the session's); a comparison with
+        a baseline follows what the baseline recorded.
 
         Raises:
             ParityError, baselines.BaselineError: as ``check``.
+            ValueError: a bad ``store`` spec.
         """
         seed = self.session.seed if seed is None else seed
         tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance,
                                      dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
         golden_policy = self._verdict_policy(name, policy, training=True)
+        from .compact import parse_train_store
+
+        train_store = (parse_train_store(store, source="check") if store is not None
+                       else self.marker_train_store or self.session.train_store)
         self._check_name(name)
         start = time.perf_counter()
         optimizer = optimizer or default_optimizer
@@ -728,24 +749,35 @@ class ParityCase:
                          lambda device, patched, _args, batch: run(device, patched, batch=batch)[0], vacuous_ok,
                          fault_weight)
         return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
-                                       golden_policy, golden)
+                                       golden_policy, golden, train_store=train_store)
 
     def _record_or_compare(self, name: str, run: Callable, hashes: dict[str, Any], call: "CheckCall",
                            tol: Tolerance, submodule: str | None, group: str | None, start: float,
-                           golden_policy: Any = None, golden_run: Callable[[], dict] | None = None) -> CheckRecord:
-        """The tail shared by ``check`` and ``train_step``: record the reference run in record mode;
-        else get the reference (baseline or live CPU), run the target under the patch set, judge
-        (under ``golden_policy`` with the golden from ``golden_run``, when given)."""
+                           golden_policy: Any = None, golden_run: Callable[[], dict] | None = None,
+                           train_store: Any = None) -> CheckRecord:
+        """The tail shared by ``check`` and ``train_step``: record the reference run in record mode
+        (a train step's leaves kept as ``train_store`` says, ``compact``); else get the reference
+        (baseline or live CPU), run the target under the patch set, reduce the target's (and the
+        golden's) leaves the way the baseline recorded them, judge (under ``golden_policy`` with the
+        golden from ``golden_run``, when given)."""
+        from .compact import apply_recorded, compact_leaves
+
         weights = hashes["config_hash"] if call.module is not None else None
         if self.session.update_baselines:
             leaves, _ = run(self.target, patched=False)
-            return self._record_pending(name, leaves, hashes, call.seed, submodule, tol, start, group)
+            extra_meta = None
+            if train_store is not None and train_store.mode != "full":
+                leaves, compact = compact_leaves(leaves, train_store)
+                extra_meta = {"train_store": train_store.describe(), "compact": compact}
+            return self._record_pending(name, leaves, hashes, call.seed, submodule, tol, start, group,
+                                        extra_meta=extra_meta)
         try:
-            expected, reference, provenance = self._reference(name, run, hashes, call)
+            expected, reference, provenance, compact = self._reference(name, run, hashes, call)
         except BaselineError as exc:
             self._baseline_error(name, exc, tol, submodule, group, start, weights)
             raise
         actual, audit = run(self.target, patched=True, audited=self.session.audit_factory is not None)
+        actual = apply_recorded(actual, compact)
         golden, note = None, None
         if golden_policy is not None and golden_run is not None:
             from .golden import GoldenUnavailableError
@@ -754,6 +786,12 @@ class ParityCase:
                 golden = self.session.golden(self._memo_key(name, hashes, call), call.fn, golden_run)
             except GoldenUnavailableError as exc:
                 note = f"golden unavailable, judged by allclose: {exc}"
+            golden = apply_recorded(golden, compact)
+        if compact:
+            note = ((note + "; ") if note else "") + (
+                f"{len(compact)} large leaves compared as the baseline recorded them (train store summary): "
+                f"{next(iter(compact.values()))['samples']} sampled elements and [sum, L2 norm, max |x|, "
+                "position-weighted sum] each (leaves <name>@sample, <name>@stats)")
         if call.kind == "train_step":
             dropped = rounding_level_params(expected)
             if dropped:
@@ -958,7 +996,8 @@ class ParityCase:
                 hashes["input_hash"], hashes["config_hash"])
 
     def _reference(self, name: str, run: Callable, hashes: dict[str, str], call: "CheckCall"):
-        """(expected leaves, reference kind, provenance line) for a check."""
+        """(expected leaves, reference kind, provenance line, the baseline's ``compact`` record or
+        None) for a check."""
         mode = self.session.reference
         if mode in ("auto", "baseline"):
             baseline = self._load_baseline()
@@ -977,12 +1016,14 @@ class ParityCase:
                     raise
                 expected: dict[str, torch.Tensor | None] = dict(entry.tensors)
                 expected.update({p: None for p in entry.none_leaves})
-                return expected, "baseline", baseline.describe()  # "<file> — <device, date, versions>"
+                compact = entry.meta.get("compact") if isinstance(entry.meta.get("compact"), dict) else None
+                # "<file> — <device, date, versions>"
+                return expected, "baseline", baseline.describe(), compact
         key = self._memo_key(name, hashes, call)
         memo = self.session._reference_memo
         if key not in memo:  # the function/module is kept with the result: its id stays unique
             memo[key] = (call.fn, run(torch.device("cpu"), patched=False)[0])
-        return memo[key][1], "cpu", None
+        return memo[key][1], "cpu", None, None
 
     def _baseline_error(self, name: str, exc: BaselineError, tol: Tolerance, submodule: str | None,
                         group: str | None, start: float, weights: str | None = None) -> CheckRecord:
@@ -1000,7 +1041,8 @@ class ParityCase:
         self._keep(record)
         return record
 
-    def _record_pending(self, name, leaves, hashes, seed, submodule, tol, start, group=None) -> CheckRecord:
+    def _record_pending(self, name, leaves, hashes, seed, submodule, tol, start, group=None,
+                        extra_meta: dict | None = None) -> CheckRecord:
         from .baselines import CheckBaseline
 
         tensors = {p: t.contiguous() for p, t in leaves.items() if t is not None}
@@ -1008,6 +1050,8 @@ class ParityCase:
                     recipe=self.recipe.name,
                     shapes={p: list(t.shape) for p, t in tensors.items()},
                     dtypes={p: str(t.dtype).removeprefix("torch.") for p, t in tensors.items()})
+        if extra_meta:
+            meta.update(extra_meta)
         self._pending[name] = CheckBaseline(name=name, tensors=tensors,
                                             none_leaves=[p for p, t in leaves.items() if t is None], meta=meta)
         record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
@@ -1111,20 +1155,30 @@ def rounding_level_params(leaves: dict[str, Any]) -> set[str]:
     gradient of 6.4e-2, the next smallest gradient at 2.0e-5).
 
     Args:
-        leaves: a training step's leaves (``grad.<p>``, ``param.<p>`` …), as ``train_step`` records.
+        leaves: a training step's leaves (``grad.<p>``, ``param.<p>`` …), as ``train_step`` records
+            them, or as a compact baseline keeps them (``grad.<p>@stats`` holds ``max |g|``).
     Returns:
-        The ``param.<p>`` names to leave out (their ``grad.<p>`` stays compared).
+        The ``param.<p>`` names to leave out (their ``grad.<p>`` stays compared); for a compacted
+        parameter its ``param.<p>@sample`` and ``param.<p>@stats``.
     """
-    grads = {k[len("grad."):]: v for k, v in leaves.items()
-             if k.startswith("grad.") and isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()}
-    if not grads:
+    from .compact import SAMPLE_SUFFIX, STATS_SUFFIX, base_leaf
+
+    largest: dict[str, float] = {}
+    for k, v in leaves.items():
+        if not (k.startswith("grad.") and isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()):
+            continue
+        if k.endswith(SAMPLE_SUFFIX):
+            continue  # a compacted gradient (``compact``): its @stats leaf holds the exact max |g|
+        largest[base_leaf(k)[len("grad."):]] = float(v[2]) if k.endswith(STATS_SUFFIX) else float(
+            v.detach().abs().max())
+    if not largest:
         return set()
-    largest = {p: float(g.detach().abs().max()) for p, g in grads.items()}
     top = max(largest.values())
     if not top > 0:
         return set()
     limit = ROUNDING_LEVEL_EPS * torch.finfo(torch.float32).eps * top
-    return {f"param.{p}" for p, m in largest.items() if m <= limit and f"param.{p}" in leaves}
+    rounding = {p for p, m in largest.items() if m <= limit}
+    return {k for k in leaves if k.startswith("param.") and base_leaf(k)[len("param."):] in rounding}
 
 
 def _without(leaves: Any, names: set[str]) -> Any:
