@@ -205,3 +205,24 @@ def test_the_marker_and_argument_choose_the_store_and_a_comparison_follows_the_r
     assert any(leaf.path == "param.fc.weight@sample" for leaf in record.result.leaves)
     with pytest.raises(ValueError, match="train store 'smry'"):
         ParityCase(compare, "tests/t.py::test_x[fp32]", marker_train_store="smry")
+
+
+def test_re_runs_of_a_compact_comparison_are_reduced_like_the_baseline(tmp_path):
+    """What --parity-selfcheck and other check hooks re-run is compared with the compact leaves."""
+    from pytest_npu_parity.selfcheck import SelfCheck
+
+    torch.manual_seed(0)
+    model = ConvNet()
+    store = BaselineStore(tmp_path, "t")
+    _record(store, model, "summary min_numel=1000 samples=64")
+    seen = {}
+
+    def hook(case, record, call, actual, expected):
+        seen["rerun"] = set(call.rerun(torch.device("cpu"), True, call.args, call.kwargs))
+        seen["actual"], seen["expected"] = set(actual), set(expected)
+    session = ParitySession(torch.device("cpu"), reference="baseline", store=store, check_hooks=[hook, SelfCheck()])
+    record = ParityCase(session, "tests/t.py::test_step[fp32]").train_step("step", model, _inputs(),
+                                                                        policy="allclose")
+    assert seen["rerun"] >= seen["actual"] == seen["expected"] and "grad.fc.weight@sample" in seen["rerun"]
+    assert "grad.fc.weight" not in seen["rerun"]
+    assert record.extra["teeth"] and record.extra["selfcheck"]["weight"]["caught"]
