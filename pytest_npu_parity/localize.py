@@ -38,7 +38,18 @@ Train steps: the forward of ``module(**inputs)`` in training mode is localized a
 masking and noise replay exactly: the shared random stream is restored per call). Gradients are not
 hooked (no ``register_full_backward_hook``): the step already compares every parameter's gradient,
 so those leaves are ordered by backward order — the reverse of the forward completion order of the
-modules owning them — and the first gradient out of tolerance is named.
+modules owning them — and the first gradient out of tolerance is named. Buffers out of tolerance
+(``buffer.<name>``) are listed with the module that owns each; when every submodule call's output
+and the loss agree, the first divergence is the first gradient out of tolerance (the backward
+pass), else the first buffer — named by its owner, e.g. the BatchNorm whose momentum differs, not
+the model around it —, else the first parameter after the step (the optimizer step).
+
+Outputs that are not plain strided tensors are made comparable (``comparable``): a nested tensor
+(``nn.TransformerEncoder``'s fast path in eval with a ``src_key_padding_mask`` passes them between
+its layers; they have no ``shape``) is compared as ``torch.nested.to_padded_tensor(t, 0.0)``, a
+sparse one densified, and one that cannot be converted is left out; the table's notes say which.
+A submodule call that raises when re-run alone on the reference's inputs keeps its total error
+and a note; the descent goes on.
 
 Within a budget (``Localizer``, the session's failure hook in the plugin): a red run often fails
 everywhere at once, and every failing check of one model would otherwise re-run both sides level by
@@ -161,6 +172,16 @@ class Localization:
             scope of this one (nothing was run for them), or None.
         stopped: ``"budget"`` when the descent stopped between levels because the time budget was
             spent (``first`` is then the deepest divergence found so far), else None.
+        buffers: train steps: the rows of the buffers out of tolerance (``buffer.<name>`` leaves), each
+            naming the module that owns the buffer (JSON-able dicts, in module order).
+        first_buffer: the first such buffer leaf, or None; ``buffer_owner``: its module as
+            ``"<path> (<type>)"`` (a BatchNorm whose running statistics differ, not the model
+            around it).
+        first_param: train steps: the first ``param.<name>`` leaf (after the optimizer step) out of
+            tolerance while every gradient is within it (the optimizer step differs), or None.
+        loss_agrees: train steps: the ``loss`` leaf is within tolerance (then a difference no
+            submodule call explains lies in the backward pass, a buffer update or the optimizer
+            step, not in the module's own forward code).
     """
 
     check: str
@@ -177,16 +198,35 @@ class Localization:
     local_runs: int = 0
     reused_from: str | None = None
     stopped: str | None = None
+    buffers: list[dict[str, Any]] = field(default_factory=list)
+    first_buffer: str | None = None
+    buffer_owner: str | None = None
+    first_param: str | None = None
+    loss_agrees: bool = False
 
     def to_rows(self) -> list[dict[str, Any]]:
         """The table as JSON-able dicts (``record.extra["localization"]``): activation rows, then
         gradient rows; each row also names the reference side."""
         rows = [dict(site.to_row(), reference=self.reference) for site in self.sites]
         rows += [dict(row, reference=self.reference) for row in self.gradients]
+        rows += [dict(row, reference=self.reference) for row in self.buffers]
         return rows
 
     def summary(self) -> str:
         """One line naming the first divergence and its local vs inherited error."""
+        if self.first is None and self.loss_agrees:
+            # Every submodule call's output and the loss agree: say which state of the step differs
+            # (a train step also compares gradients, parameters after the step and buffers).
+            if self.first_gradient is not None:
+                return (f"First divergence: gradient {self.first_gradient} (the first out of tolerance in backward "
+                        "order); every submodule call's output agrees, so the backward pass differs")
+            if self.first_buffer is not None:
+                return (f"First divergence: {self.first_buffer} of {self.buffer_owner} — every submodule call's "
+                        "output and every gradient agrees, so that module updates its buffer differently during "
+                        "the forward (for a BatchNorm: its momentum or running statistics)")
+            if self.first_param is not None:
+                return (f"First divergence: the optimizer step — {self.first_param} after the step differs while "
+                        "every gradient and submodule call's output agrees")
         if self.first is None:
             return (f"First divergence: none of the submodule calls diverges locally; the difference starts in "
                     f"{self.own_code} itself (outside its submodules)")
@@ -219,6 +259,10 @@ class Localization:
             lines.append("Gradients in backward order (reverse forward completion of their modules; no backward "
                          "hooks): first out of tolerance: " + (self.first_gradient or "none"))
             lines += _gradient_table(self.gradients)
+        if self.buffers:
+            lines.append("")
+            lines.append("Buffers out of tolerance, with the module that owns each:")
+            lines += _buffer_table(self.buffers)
         return "\n".join(lines)
 
 
@@ -241,6 +285,15 @@ def _site_table(sites: list[Site]) -> list[str]:
                      f"{total.cosine:.7f}" if total and not math.isnan(total.cosine) else "-",
                      _fmt(site.local.err_ratio) if site.local else "-",
                      _fmt(site.inherited.err_ratio) if site.inherited else "-", verdict))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _buffer_table(buffers: list[dict[str, Any]]) -> list[str]:
+    header = ("buffer", "module", "max_abs", "rel_l2", "err/tol", "verdict")
+    rows = [header] + [(b["leaf"], f"{b['submodule']} ({b['module_type']})", _fmt(b["max_abs"]), _fmt(b["rel_l2"]),
+                        _fmt(b["err_ratio"]), b["verdict"] + (" <- first" if b.get("first_divergence") else ""))
+                       for b in buffers]
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
     return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
@@ -309,21 +362,54 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-def output_leaves(output: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+def comparable(t: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
+    """A detached CPU strided copy of ``t`` to compare, and what was done to get it.
+
+    A nested tensor (PyTorch's transformer fast path turns a padded batch with a
+    ``src_key_padding_mask`` into one between ``nn.TransformerEncoder``'s layers; it has no
+    ``shape``) becomes ``torch.nested.to_padded_tensor(t, 0.0)``: both sides pad the same
+    sequence lengths with zeros, so the padding compares equal and the real elements are compared.
+    A sparse or other non-strided tensor becomes ``to_dense()``.
+
+    Returns:
+        ``(tensor, None)`` for a plain tensor; ``(tensor, "padded")`` / ``(tensor, "dense")`` after
+        a conversion; ``(None, reason)`` when it cannot be made comparable (the leaf is skipped).
+    """
+    t = t.detach()
+    try:
+        if getattr(t, "is_nested", False):
+            return torch.nested.to_padded_tensor(t, 0.0).to("cpu", copy=True), "padded"
+        if t.layout != torch.strided:
+            return t.to_dense().to("cpu", copy=True), "dense"
+        return t.to("cpu", copy=True), None
+    except Exception as exc:  # noqa: BLE001 - an exotic tensor must not stop the localization
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+
+
+def output_leaves(output: Any, prefix: str = "", notes: dict[str, set[str]] | None = None,
+                  where: str = "") -> dict[str, torch.Tensor]:
     """``{path: detached CPU copy}`` of every tensor in a module's output.
 
     Tuples, lists and mappings (also Hugging Face ``ModelOutput``) are walked (``[i]`` and ``.key``
     paths, as ``compare.flatten`` names them); anything else (None, numbers, strings) is skipped.
+    Nested and sparse tensors are converted by ``comparable`` (padded with zeros, densified); a
+    tensor that cannot be converted is left out. With ``notes``, ``where`` (the module path) is
+    added to ``notes["padded"]``/``notes["dense"]`` for a conversion and to
+    ``notes["skipped: <reason>"]`` for a leaf left out.
     """
     leaves: dict[str, torch.Tensor] = {}
     if isinstance(output, torch.Tensor):
-        leaves[prefix] = output.detach().to("cpu", copy=True)
+        tensor, how = comparable(output)
+        if how is not None and notes is not None:
+            notes.setdefault(how if tensor is not None else f"skipped: {how}", set()).add(where or "<output>")
+        if tensor is not None:
+            leaves[prefix] = tensor
     elif isinstance(output, (tuple, list)):
         for i, value in enumerate(output):
-            leaves.update(output_leaves(value, f"{prefix}[{i}]"))
+            leaves.update(output_leaves(value, f"{prefix}[{i}]", notes, where))
     elif isinstance(output, Mapping):
         for key, value in output.items():
-            leaves.update(output_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+            leaves.update(output_leaves(value, f"{prefix}.{key}" if prefix else str(key), notes, where))
     return leaves
 
 
@@ -357,7 +443,8 @@ class _Recorder:
     ``depth`` levels (1: directly inside it), in completion order."""
 
     def __init__(self, root: torch.nn.Module, scope: tuple[str, int] | None, device_type: str,
-                 depth: int = RECORD_DEPTH):
+                 depth: int = RECORD_DEPTH, notes: dict[str, set[str]] | None = None):
+        self.notes: dict[str, set[str]] = notes if notes is not None else {}  # see output_leaves
         self.names: dict[torch.nn.Module, str] = {}
         for name, module in root.named_modules():
             self.names.setdefault(module, name)
@@ -400,7 +487,7 @@ class _Recorder:
         self.done += 1
         self.last_done[call.name] = self.done
         if depth:
-            call.output = output_leaves(output)
+            call.output = output_leaves(output, notes=self.notes, where=call.name)
             self.calls.append(call)
 
     def view(self, parent: tuple[str, int] | None) -> _View:
@@ -424,6 +511,7 @@ class _Side:
 
     def __init__(self, case: Any, call: Any, device: torch.device, patched: bool):
         self.case, self.call, self.device, self.patched = case, call, device, patched
+        self.notes: dict[str, set[str]] = {}  # outputs converted or left out (output_leaves)
         self._root: torch.nn.Module | None = None
         if call.kind == "train_step":  # as ParityCase.train_step: a fresh copy, made before patching
             self._root = copy.deepcopy(call.module).to(device).train()
@@ -480,19 +568,19 @@ class _Side:
         """One pass with hooks: the check's call (``scope`` None) or the ``scope`` call alone, run
         again from this side's recorded inputs. Returns the recorder and the pass's output leaves."""
         with self.running(scope.rng if scope else None, scope.state if scope else None) as root:
-            with _Recorder(root, scope_key, self.device.type) as recorder:
+            with _Recorder(root, scope_key, self.device.type, notes=self.notes) as recorder:
                 if scope is None:
                     output = self.run_root(root)
                 else:
                     args, kwargs = _to_device(scope.inputs, self.device)
                     output = root.get_submodule(scope.name)(*args, **kwargs)
-        return recorder, output_leaves(output)
+        return recorder, output_leaves(output, notes=self.notes, where=scope.name if scope else "")
 
     def run_call(self, name: str, inputs: tuple[tuple, dict], rng: tuple, state: tuple) -> dict[str, torch.Tensor]:
         """Submodule ``name`` of this side on ``inputs`` (moved here), in a call's context."""
         with self.running(rng, state) as root:
             args, kwargs = _to_device(inputs, self.device)
-            return output_leaves(root.get_submodule(name)(*args, **kwargs))
+            return output_leaves(root.get_submodule(name)(*args, **kwargs), notes=self.notes, where=name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -510,8 +598,17 @@ def _worst(result: CompareResult) -> LeafResult | None:
 def _same(a: Any, b: Any) -> bool:
     """Bitwise-equal nested inputs (tensors by ``torch.equal``, other objects by ``==``)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and a.dtype == b.dtype and torch.equal(a, b))
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype != b.dtype:
+            return False
+        if getattr(a, "is_nested", False) or getattr(b, "is_nested", False):  # no .shape: compare components
+            if not (getattr(a, "is_nested", False) and getattr(b, "is_nested", False)):
+                return False
+            try:
+                parts_a, parts_b = a.unbind(), b.unbind()
+            except Exception:  # noqa: BLE001 - cannot tell: treat as different (a local re-run follows)
+                return False
+            return len(parts_a) == len(parts_b) and all(_same(x, y) for x, y in zip(parts_a, parts_b))
+        return a.shape == b.shape and torch.equal(a, b)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, Mapping) and isinstance(b, Mapping):
@@ -660,7 +757,7 @@ class LocalizationCache:
             return (module, fingerprint_module(module), fingerprint_tensors(inputs), fingerprint_tensors(rng),
                     tuple(state), case.recipe.name, str(case.target), _patch_key(case.patches),
                     (tol.rtol, tol.atol, tol.budget), limits)
-        except (AttributeError, TypeError, ValueError):  # no such submodule, an input that cannot be hashed
+        except Exception:  # noqa: BLE001 - no such submodule, an input that cannot be hashed (a nested tensor)
             return None
 
     def get(self, key: tuple | None) -> _Answer | None:
@@ -797,7 +894,62 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
     _conclude(loc, levels, root_name, context_rows)
     if call.kind == "train_step" and first_pass is not None:
         _gradients(loc, result, first_pass.last_done, context_rows)
+    if call.kind == "train_step":
+        _state(loc, result, call.module)
+    _conversion_notes(loc, ref.notes, tgt.notes, prefix=prefix)
     return loc
+
+
+def _conversion_notes(loc: Localization, *notes: dict[str, set[str]], prefix: str = "") -> None:
+    """Say which submodule outputs were compared after a conversion or left out (``output_leaves``)."""
+    merged: dict[str, set[str]] = {}
+    for side in notes:
+        for how, where in side.items():
+            merged.setdefault(how, set()).update(where)
+    texts = {"padded": "nested-tensor outputs (PyTorch's transformer fast path with a padding mask) compared as "
+                       "padded tensors (torch.nested.to_padded_tensor, padding 0)",
+             "dense": "sparse outputs compared as dense tensors"}
+    for how in sorted(merged):
+        names = sorted(_join(prefix, w) if w != "<output>" else w for w in merged[how])
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        text = texts.get(how) or f"outputs not compared ({how.removeprefix('skipped: ')})"
+        loc.notes.append(f"{text}: {shown}")
+
+
+def _owner(root: torch.nn.Module | None, name: str) -> tuple[str, str]:
+    """(module path, type name) of the module owning state ``name`` (``"layer1.0.bn1.running_mean"``)."""
+    path = name.rpartition(".")[0]
+    try:
+        module = root.get_submodule(path) if root is not None else None
+    except AttributeError:
+        module = None
+    return path or f"<{type(root).__name__}>", type(module).__name__ if module is not None else "?"
+
+
+def _state(loc: Localization, result: CompareResult, root: torch.nn.Module | None) -> None:
+    """A train step's buffers and parameters after the step: name the module owning each failing
+    ``buffer.<name>`` leaf (the BatchNorm whose running statistics differ, not the wrapper around it)
+    and, when every gradient agrees, the first failing ``param.<name>`` leaf (the optimizer step).
+    At most ``1 + CONTEXT_ROWS`` buffer rows are kept when a submodule call diverges (later buffers
+    then only follow it); a note counts the rest."""
+    loc.loss_agrees = all(leaf.passed for leaf in result.leaves if leaf.path == "loss")
+    failing = [leaf for leaf in result.leaves if leaf.path.startswith("buffer.") and not leaf.passed]
+    keep = len(failing) if loc.first is None else 1 + CONTEXT_ROWS
+    if len(failing) > keep:
+        loc.notes.append(f"{len(failing)} buffers are out of tolerance; the table shows the first {keep}")
+    for leaf in failing[:keep]:
+        name = leaf.path[len("buffer."):]
+        owner, kind = _owner(root, name)
+        first = loc.first_buffer is None
+        if first:
+            loc.first_buffer, loc.buffer_owner = leaf.path, f"{owner} ({kind})"
+        loc.buffers.append({"kind": "buffer", "leaf": leaf.path, "submodule": owner, "module_type": kind,
+                            "max_abs": _num(leaf.max_abs), "rel_l2": _num(leaf.rel_l2), "cosine": _num(leaf.cosine),
+                            "err_ratio": _num(leaf.err_ratio), "verdict": "fail", "first_divergence": first})
+    grads_pass = all(leaf.passed for leaf in result.leaves if leaf.path.startswith("grad."))
+    if grads_pass:
+        loc.first_param = next((leaf.path for leaf in result.leaves
+                                if leaf.path.startswith("param.") and not leaf.passed), None)
 
 
 def _judge_level(level: _Level, ref: _Side, tgt: _Side, tol: Tolerance, prefix: str, context_rows: int,
@@ -825,8 +977,14 @@ def _judge_level(level: _Level, ref: _Side, tgt: _Side, tol: Tolerance, prefix: 
         if _same(r.inputs, t.inputs):
             local_out = t.output  # same inputs: the target's own output is its local output
         elif runs < max_local_runs:
-            local_out = tgt.run_call(r.name, r.inputs, r.rng, t.state)
             runs += 1
+            try:
+                local_out = tgt.run_call(r.name, r.inputs, r.rng, t.state)
+            except Exception as exc:  # noqa: BLE001 - a call that cannot run alone: its row shows the total only
+                loc.notes.append(f"{path} could not be re-run alone on the reference's inputs "
+                                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                                 "its row shows the total error only")
+                continue
         else:
             loc.notes.append(f"stopped re-running calls locally after {max_local_runs} in one level")
             continue

@@ -37,7 +37,7 @@ PROFILE_KEY = pytest.StashKey[str]()  # the hypothesis profile in force before t
 _SKIP_REASON = "parity suites run only with --npu-parity (or --update-baselines)"
 
 #: Keyword arguments of ``@pytest.mark.parity``.
-MARKER_KEYS = ("rtol", "atol", "budget", "reason", "recipes", "vacuous_ok", "policy", "audit", "audit_budget")
+MARKER_KEYS = ("rtol", "atol", "budget", "reason", "recipes", "vacuous_ok", "policy", "audit", "audit_budget", "train_store")
 #: Largest seed (``--parity-seed``, ini ``parity_seed``): torch generators take 64-bit seeds, numpy
 #: and the shared random stream signed 64-bit ones.
 MAX_SEED = 2**63 - 1
@@ -139,6 +139,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   help="a DeepSpeed JSON config (relative to rootdir) to lint by the Ascend guide's rules at start-up "
                        "(bf16 on, fp16 off, no communication_backend, no aio): a summary in the header, each "
                        "finding a PytestConfigWarning; a missing or non-JSON file is a usage error")
+    parser.addini("parity_train_store", default="full",
+                  help="how training-step baselines keep gradients and parameters: 'full' (default) or 'summary "
+                       "[min_numel=65536] [samples=4096]' (leaves with at least min_numel elements stored as that "
+                       "many sampled elements plus sum, L2 norm, max |x| and a position-weighted sum)")
     parser.addini("parity_policies", type="linelist", default=[],
                   help="per-check verdict policy, one per line: '<check name or glob>: golden [rmse=3 …] # reason' "
                        "or '<check name or glob>: allclose'")
@@ -295,12 +299,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "parity(rtol=None, atol=None, budget=None, reason=None, recipes=None, vacuous_ok=None, policy=None, "
-        "audit=None, audit_budget=None): "
+        "audit=None, audit_budget=None, train_store=None): "
         "tolerance override for every check of the test (shown in the report with its reason), the recipes it "
         "runs under, why its checks may be vacuous (constant reference output, no teeth under "
         "--parity-selfcheck), their verdict policy ('allclose' or 'golden [rmse=… # reason]'), the test's "
         "device-propagation audit mode ('fail', 'warn', 'off') and what its target runs may do "
-        "(audit_budget={'h2d': 2} or 'h2d=2 host_sync=any # reason')",
+        "(audit_budget={'h2d': 2} or 'h2d=2 host_sync=any # reason') and how its training steps are recorded "
+        "('full' or 'summary [min_numel=N samples=K]')",
     )
     config.stash[CASES_KEY] = []
     config.stash[ROWS_KEY] = []
@@ -412,9 +417,9 @@ def _make_session(config: pytest.Config):
         # audited as a logical device. The session mode says whether the other tests are audited.
         audit_factory=target_audit, audit_mode=_audit_mode(config),
         failure_hooks=[localize.Localizer(_localize_budget(config), forced=config.getoption("parity_localize"),
-                                          hint="pytest --npu-parity --parity-localize {test_id}")],
+                                          hint=localize_command(config))],
         check_hooks=[selfcheck.SelfCheck()] if config.getoption("parity_selfcheck") else [],
-        recipe_policies=recipe_policies, check_policies=check_policies, rng=rng,
+        recipe_policies=recipe_policies, check_policies=check_policies, rng=rng, train_store=_train_store(config),
     )
 
 
@@ -441,6 +446,17 @@ def _launch(config: pytest.Config, target: Any) -> None:
         launch(target)
     except (LaunchOrderError, RuntimeError, ValueError, ImportError) as exc:  # ImportError: transfer_to_npu
         raise pytest.UsageError(f"--parity-device={target}: {exc}") from None
+
+
+def _train_store(config: pytest.Config):
+    """ini ``parity_train_store`` as a ``compact.TrainStore``; a usage error naming the key otherwise."""
+    from .compact import parse_train_store
+
+    value = config.getini("parity_train_store")
+    try:
+        return parse_train_store(value, source="ini")
+    except ValueError as exc:
+        raise pytest.UsageError(f"ini parity_train_store={value!r}: {exc}") from None
 
 
 def _seed(config: pytest.Config) -> int:
@@ -473,7 +489,50 @@ def _baseline_root(config: pytest.Config) -> tuple[Path, str]:
 def _make_store(config: pytest.Config):
     from .baselines import SuiteStores
 
-    return SuiteStores(_baseline_root(config)[0])
+    return SuiteStores(_baseline_root(config)[0], update_command=rerun_command(config, "--update-baselines"))
+
+
+#: Options a record command depends on (which file, which recipes, which seed, which ini and
+#: rootdir), as (dest, flag); ``rerun_command`` repeats those given on the command line or in
+#: PYTEST_ADDOPTS/addopts. The target device is not one of them: a baseline is recorded on the
+#: trusted machine's device, whatever the failing run's target was.
+RECORD_OPTIONS = (("inifilename", "-c"), ("rootdir", "--rootdir"), ("baseline_dir", "--baseline-dir"),
+                  ("parity_dtypes", "--parity-dtypes"), ("parity_seed", "--parity-seed"))
+#: Options a localizing re-run depends on besides those: the same target, reference and verdict.
+LOCALIZE_OPTIONS = RECORD_OPTIONS + (("parity_device", "--parity-device"), ("parity_reference", "--parity-reference"),
+                                     ("parity_policy", "--parity-policy"))
+
+
+def rerun_command(config: pytest.Config, mode: str, options: tuple = RECORD_OPTIONS) -> str:
+    """The command, without test ids, that re-runs this session's parity tests in ``mode``
+    (``--update-baselines``, or ``--npu-parity --parity-localize``), repeating every option of
+    ``options`` this run was given (``--baseline-dir=DIR``, ``--parity-dtypes=…``, ``-c FILE`` …):
+    without them the hint would look for another store or run other recipes. Test ids are relative
+    to the rootdir, so when pytest was started elsewhere the command starts with ``cd <rootdir> &&``
+    and path values are made absolute.
+    """
+    import shlex
+
+    invocation = Path(config.invocation_params.dir)
+    elsewhere = invocation.resolve() != Path(config.rootpath).resolve()
+    words = ["pytest", *mode.split()]
+    for dest, flag in options:
+        value = getattr(config.option, dest, None)
+        if value is None or value == "":
+            continue
+        if dest in ("inifilename", "rootdir", "baseline_dir") and elsewhere:
+            value = str((invocation / Path(str(value)).expanduser()).resolve())
+        words.append(f"{flag}={value}" if flag.startswith("--") else flag)
+        if not flag.startswith("--"):
+            words.append(str(value))
+    command = " ".join(shlex.quote(w) for w in words)
+    return f"cd {shlex.quote(str(config.rootpath))} && {command}" if elsewhere else command
+
+
+def localize_command(config: pytest.Config) -> str:
+    """``rerun_command`` for localizing one failing check (``{test_id}`` stands for its test id)."""
+    return rerun_command(config, "--npu-parity --parity-localize", LOCALIZE_OPTIONS).replace(
+        "{", "{{").replace("}", "}}") + " {test_id}"
 
 
 def _creatable(path: Path, kind: str) -> str | None:
@@ -539,18 +598,37 @@ def _validate_paths(config: pytest.Config) -> None:
 def _refuse_rootdir_move(config: pytest.Config, name: str) -> None:
     """Usage error when ``name DIR`` (separate value) was given, ``DIR`` exists and pytest, which
     reads it as a test path before this plugin's options are known, chose another rootdir or ini
-    file than without it."""
-    args = list(config.invocation_params.args)
-    values = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == name]
+    file than without it.
+
+    Why this cannot be repaired here: ``Config.parse`` (``_pytest/config/__init__.py``, pytest 7.4
+    to 9.x) calls ``determine_setup(args=ns.file_or_dir, …)`` on the command line and
+    ``PYTEST_ADDOPTS`` *before* it loads the ``pytest11`` entry points that register this plugin's
+    options, so ``--parity-report DIR`` is an unknown option followed by a free argument, and
+    ``findpaths.get_dirs_from_args`` takes every existing free argument as a test path for the
+    rootdir and ini-file search. Rootdir, ini file, ``addopts`` and the node ids are fixed by the
+    time any plugin hook runs; a run on the moved rootdir would look for baselines, ini keys and
+    test ids elsewhere. Ini ``addopts`` are read after that search and cannot move it.
+    """
+    import shlex
+
+    sources = [(list(config.invocation_params.args), "")]
+    env = os.environ.get("PYTEST_ADDOPTS", "")
+    if env.strip():
+        try:
+            sources.append((shlex.split(env), " (in PYTEST_ADDOPTS)"))
+        except ValueError:
+            pass  # pytest itself reports an unparsable PYTEST_ADDOPTS
     invocation = Path(config.invocation_params.dir)
-    for value in values:
-        if not (invocation / value).exists():
-            continue
-        moved = _setup_without(config, value)
-        if moved:
-            raise pytest.UsageError(
-                f"{name} {value}: pytest took the separate value for a test path while choosing its rootdir "
-                f"and ini file ({moved}); write {name}={value} with '='")
+    for args, where in sources:
+        values = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == name]
+        for value in values:
+            if not (invocation / value).exists():
+                continue
+            moved = _setup_without(config, value)
+            if moved:
+                raise pytest.UsageError(
+                    f"{name} {value}{where}: pytest took the separate value for a test path while choosing its "
+                    f"rootdir and ini file ({moved}); write {name}={value} with '='")
 
 
 def _setup_without(config: pytest.Config, value: str) -> str | None:
@@ -707,7 +785,7 @@ def _marker_problems(marker: Any) -> list[str]:
         value = marker.kwargs.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0):
             problems.append(f"{key}={value!r} must be a number >= 0")
-    for key in ("reason", "vacuous_ok", "policy"):
+    for key in ("reason", "vacuous_ok", "policy", "train_store"):
         value = marker.kwargs.get(key)
         if value is not None and (not isinstance(value, str) or not value.strip()):
             problems.append(f"{key}={value!r} must be a non-empty string")
@@ -734,6 +812,14 @@ def _marker_problems(marker: Any) -> list[str]:
             parse_policy_spec(policy, source="marker", recipe="fp32")
         except (ValueError, TypeError) as exc:
             problems.append(f"policy={policy!r}: {exc}")
+    store = marker.kwargs.get("train_store")
+    if isinstance(store, str) and store.strip():
+        from .compact import parse_train_store
+
+        try:
+            parse_train_store(store, source="marker")
+        except ValueError as exc:
+            problems.append(f"train_store={store!r}: {exc}")
     return problems
 
 
@@ -833,8 +919,9 @@ def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, p
                           marker_tolerance=_marker_tolerance(request.node, parity_recipe), patches=parity_patches,
                           vacuous_ok=marker.kwargs.get("vacuous_ok") if marker else None,
                           marker_policy=marker.kwargs.get("policy") if marker else None,
-                          audit_budget=budget, audit_mode=marker.kwargs.get("audit") if marker else None)
-    except (ValueError, TypeError) as exc:  # a bad policy= in the marker
+                          audit_budget=budget, audit_mode=marker.kwargs.get("audit") if marker else None,
+                          marker_train_store=marker.kwargs.get("train_store") if marker else None)
+    except (ValueError, TypeError) as exc:  # a bad policy= or train_store= in the marker
         raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.parity: {exc}") from None
     request.config.stash[CASES_KEY].append(case)
     yield case
@@ -1158,11 +1245,18 @@ def _summarize_baseline_problems(tr: Any, rows: list[dict], session: Any) -> Non
                       + " ".join(shlex.quote(test_id) for test_id in redo))
 
 
+def _localize_hint(session: Any, test_id: str) -> str:
+    """The command that localizes ``test_id`` (the session's ``Localizer.hint``, with its options)."""
+    import shlex
+
+    hook = next((h for h in session.failure_hooks if getattr(h, "hint", None)), None)
+    template = hook.hint if hook is not None else "pytest --npu-parity --parity-localize {test_id}"
+    return template.format(test_id=shlex.quote(test_id))
+
+
 def _summarize_localization(tr: Any, rows: list[dict], session: Any) -> None:
     """How many failing checks were localized (in how many seconds, how many answered by another
     check's descent), and how many were not, why, and the command that localizes one."""
-    import shlex
-
     first = list(_per_check(rows).values())
     localized = [r for r in first if r.get("localization")]
     skipped = [r for r in first if r.get("localization_skipped") == "budget"]
@@ -1181,8 +1275,8 @@ def _summarize_localization(tr: Any, rows: list[dict], session: Any) -> None:
         budget = f"{hook.budget_s:g} s" if hook is not None and hook.budget_s is not None else "spent"
         example = sorted(skipped, key=lambda r: r["test_id"])[0]["test_id"]
         tr.write_line(f"localization skipped for {len(skipped)} check{'s' * (len(skipped) != 1)}: budget ({budget}, "
-                      f"--parity-localize-budget); run `pytest --npu-parity --parity-localize "
-                      f"{shlex.quote(example)}` (or -k NAME --parity-localize) to see one")
+                      f"--parity-localize-budget); run `{_localize_hint(session, example)}` (or -k NAME "
+                      "--parity-localize) to see one")
     if structure:
         tr.write_line(f"localization not run for {len(structure)} check{'s' * (len(structure) != 1)}: their outputs "
                       "differ in structure, shape or dtype")

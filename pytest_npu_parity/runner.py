@@ -433,6 +433,10 @@ class ParitySession:
             ``rng.target_seed``; judged as distributions). Other checks always use the shared stream.
         distribution_policy: the ``distribution.DistributionPolicy`` of distribution verdicts
             (default: ``DistributionPolicy()``, alpha 1e-3, 1999 permutations).
+        train_store: how training steps are recorded in baselines: ``"full"`` (default),
+            ``"summary"`` or ``"summary min_numel=N samples=K"`` (``compact.parse_train_store``) or a
+            ``compact.TrainStore``: large gradients and parameters kept as a deterministic sample
+            plus summary statistics (module ``compact``).
     """
 
     def __init__(self, target: torch.device, *, reference: str = "auto", update_baselines: bool = False,
@@ -443,9 +447,10 @@ class ParitySession:
                  check_hooks: list[Callable[..., str | None]] | None = None,
                  recipe_policies: dict[str, Any] | None = None, check_policies: dict[str, str] | None = None,
                  golden_runner: Any = None, audit_mode: str | None = None, audit_budget: Any = None,
-                 rng: str = "shared", distribution_policy: Any = None):
+                 rng: str = "shared", distribution_policy: Any = None, train_store: Any = None):
         from .audit import parse_audit_budget
         from .distribution import DistributionPolicy
+        from .compact import parse_train_store
         from .golden import GoldenRunner, parse_policy_spec
 
         if reference not in ("auto", "cpu", "baseline"):
@@ -479,6 +484,7 @@ class ParitySession:
         self.check_policies = dict(check_policies or {})
         self.patterns_used: set[str] = set()  # check_tolerances/check_policies patterns that matched a check
         self.golden_runner = golden_runner if golden_runner is not None else GoldenRunner()
+        self.train_store = parse_train_store(train_store, source="ini")
         self._golden_memo: dict[tuple, Any] = {}
         self.records: list[CheckRecord] = []
         self.baseline_writes: dict[str, str] = {}  # test_id -> created/changed/unchanged/not written
@@ -635,12 +641,16 @@ class ParityCase:
         audit_budget: the audit budget of every check of the test (an ``audit.AuditBudget`` or a
             spec over the session's, see ``audit.parse_audit_budget``), or None for the session's.
         audit_mode: ``off`` (no audit for this test), ``warn`` or ``fail``; None: the session's.
+        marker_train_store: train store from ``@pytest.mark.parity(train_store=...)`` (``"summary"``
+            …), or None for the session's.
     """
 
     def __init__(self, session: ParitySession, test_id: str, recipe: str = "fp32", *,
                  marker_tolerance: Tolerance | None = None, patches: PatchFactory | None = None,
                  vacuous_ok: str | None = None, marker_policy: str | None = None, audit_budget: Any = None,
-                 audit_mode: str | None = None):
+                 audit_mode: str | None = None, marker_train_store: str | None = None):
+        from .compact import parse_train_store
+
         if recipe not in RECIPES:
             raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
         self.session = session
@@ -657,6 +667,8 @@ class ParityCase:
             raise ValueError(f"audit={audit_mode!r}: use off, warn or fail")
         self.audit_mode = audit_mode
         self.audit_budget = parse_audit_budget(audit_budget, source="marker", base=session.audit_budget)
+        self.marker_train_store = (parse_train_store(marker_train_store, source="marker")
+                                   if marker_train_store is not None else None)
         self.records: list[CheckRecord] = []
         self._pending: dict[str, Any] = {}
         self._baseline: Any = None
@@ -763,7 +775,7 @@ class ParityCase:
                    reason: str | None = None, vacuous_ok: str | None = None,
                    fault_weight: str | None = None, policy: str | None = None,
                    loop: Callable[[torch.nn.Module, dict, Recipe | None], dict] | None = None,
-                   audit_budget: Any = None) -> CheckRecord:
+                   audit_budget: Any = None, store: str | None = None) -> CheckRecord:
         """One training step on each side from the same weights, compared leaf by leaf.
 
         Each side deep-copies ``module``, puts it in training mode on its device, runs the forward
@@ -796,7 +808,9 @@ class ParityCase:
         golden of a training step is the same step on a CPU copy of ``module`` in the golden dtype,
         without autocast. The audit (``--parity-audit``) covers the forward, the loss and the
         backward; the gradient clipping, the loss scaler and the optimizer step are the plugin's and
-        not audited.
+        not audited. ``store``: how a recording keeps the leaves (``"full"``, ``"summary"``, see
+        ``compact``; default: the marker's ``train_store=``, else the session's); a comparison with
+        a baseline follows what the baseline recorded.
 
         ``loop``: a whole training loop instead of the single step (``hf_trainer.TrainerLoop``: N steps
         through Hugging Face Trainer): ``loop(module, inputs, recipe)`` trains each side's fresh copy of
@@ -806,7 +820,7 @@ class ParityCase:
         the loop's business and ignored here.
 
         Raises:
-            ValueError: ``labels`` without a ``loss_fn``; no scalar loss in the output.
+            ValueError: ``labels`` without a ``loss_fn``; no scalar loss in the output; a bad ``store`` spec.
             ParityError, baselines.BaselineError, recipes.RecipeUnsupportedError: as ``check``.
         """
         __tracebackhide__ = True
@@ -818,6 +832,10 @@ class ParityCase:
                                      dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
         golden_policy = self._verdict_policy(name, policy, training=True)
         budget = self._audit_budget(name, audit_budget)
+        from .compact import parse_train_store
+
+        train_store = (parse_train_store(store, source="check") if store is not None
+                       else self.marker_train_store or self.session.train_store)
         self._check_name(name)
         start = time.perf_counter()
         optimizer = optimizer or default_optimizer
@@ -887,25 +905,33 @@ class ParityCase:
                          lambda device, patched, args, batch: run(device, patched, args=args, batch=batch)[0],
                          vacuous_ok, fault_weight)
         return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
-                                       golden_policy, golden, budget)
+                                       golden_policy, golden, budget, train_store=train_store)
 
     def _record_or_compare(self, name: str, run: Callable, hashes: dict[str, Any], call: "CheckCall",
                            tol: Tolerance, submodule: str | None, group: str | None, start: float,
                            golden_policy: Any = None, golden_run: Callable[[], dict] | None = None,
-                           audit_budget: Any = None) -> CheckRecord:
+                           audit_budget: Any = None, train_store: Any = None) -> CheckRecord:
         """The tail shared by ``check`` and ``train_step``: record the reference run in record mode;
         else get the reference (baseline or live CPU), run the target under the patch set (audited
         when the session audits and the test does not turn it off), judge (under ``golden_policy``
-        with the golden from ``golden_run``, when given; the audit by ``audit_budget``)."""
+        with the golden from ``golden_run``, when given; the audit by ``audit_budget``). A train step's
+        leaves are recorded as ``train_store`` says (``compact``); the target's (and the golden's)
+        leaves are reduced the way the baseline recorded them."""
         __tracebackhide__ = True
+        from .compact import apply_recorded, compact_leaves
+
         weights = hashes["config_hash"] if call.module is not None else None
         own_stream = call.sample_dim is not None and self.session.rng == "device"
         if self.session.update_baselines:
             leaves, _ = run(self.target, patched=False)
+            extra_meta = None
+            if train_store is not None and train_store.mode != "full":
+                leaves, compact = compact_leaves(leaves, train_store)
+                extra_meta = {"train_store": train_store.describe(), "compact": compact}
             return self._record_pending(name, leaves, hashes, call.seed, submodule, tol, start, group,
-                                        rng="device" if own_stream else "shared")
+                                        rng="device" if own_stream else "shared", extra_meta=extra_meta)
         try:
-            expected, reference, provenance, reference_rng = self._reference(name, run, hashes, call)
+            expected, reference, provenance, reference_rng, compact = self._reference(name, run, hashes, call)
         except BaselineError as exc:
             self._baseline_error(name, exc, tol, submodule, group, start, weights)
             raise
@@ -913,6 +939,10 @@ class ParityCase:
         if call.sample_dim is not None and (own_stream or reference_rng == "device"):
             return self._judge_distribution(name, actual, expected, tol, reference, provenance, submodule, start,
                                             audit, call, group, weights, own_stream, reference_rng)
+        actual = apply_recorded(actual, compact)
+        if compact:  # re-runs (--parity-selfcheck) are compared with the same compact leaves
+            rerun = call.rerun
+            call.rerun = lambda *args: apply_recorded(rerun(*args), compact)
         golden, note = None, None
         if golden_policy is not None and golden_run is not None:
             from .golden import GoldenUnavailableError
@@ -921,6 +951,12 @@ class ParityCase:
                 golden = self.session.golden(self._memo_key(name, hashes, call), call.fn, golden_run)
             except GoldenUnavailableError as exc:
                 note = f"golden unavailable, judged by allclose: {exc}"
+            golden = apply_recorded(golden, compact)
+        if compact:
+            note = ((note + "; ") if note else "") + (
+                f"{len(compact)} large leaves compared as the baseline recorded them (train store summary): "
+                f"{next(iter(compact.values()))['samples']} sampled elements and [sum, L2 norm, max |x|, "
+                "position-weighted sum] each (leaves <name>@sample, <name>@stats)")
         if call.kind == "train_step":
             dropped = rounding_level_params(expected)
             if dropped:
@@ -1203,9 +1239,10 @@ class ParityCase:
                 hashes["input_hash"], hashes["config_hash"], hashes.get("structure_hash"))
 
     def _reference(self, name: str, run: Callable, hashes: dict[str, str], call: "CheckCall"):
-        """(expected leaves, reference kind, provenance line, the reference's random stream mode) for a
-        check: a baseline's stream is its entry's recorded ``rng`` (``shared`` for baselines that
-        predate it), a live CPU run's the session's for a sampling check."""
+        """(expected leaves, reference kind, provenance line, the reference's random stream mode, the
+        baseline's ``compact`` record or None) for a check: a baseline's stream is its entry's recorded
+        ``rng`` (``shared`` for baselines that predate it), a live CPU run's the session's for a
+        sampling check."""
         __tracebackhide__ = True
         mode = self.session.reference
         if mode in ("auto", "baseline"):
@@ -1226,14 +1263,15 @@ class ParityCase:
                     raise
                 expected: dict[str, torch.Tensor | None] = dict(entry.tensors)
                 expected.update({p: None for p in entry.none_leaves})
+                compact = entry.meta.get("compact") if isinstance(entry.meta.get("compact"), dict) else None
                 # "<file> — <device, date, versions>"
-                return expected, "baseline", baseline.describe(), str(entry.meta.get("rng") or "shared")
+                return expected, "baseline", baseline.describe(), str(entry.meta.get("rng") or "shared"), compact
         live_rng = self.session.rng if call.sample_dim is not None else "shared"
         key = self._memo_key(name, hashes, call) + (live_rng,)
         memo = self.session._reference_memo
         if key not in memo:  # the function/module is kept with the result: its id stays unique
             memo[key] = (call.fn, run(torch.device("cpu"), patched=False)[0])
-        return memo[key][1], "cpu", None, live_rng
+        return memo[key][1], "cpu", None, live_rng, None
 
     def _baseline_error(self, name: str, exc: BaselineError, tol: Tolerance, submodule: str | None,
                         group: str | None, start: float, weights: str | None = None) -> CheckRecord:
@@ -1252,7 +1290,7 @@ class ParityCase:
         return record
 
     def _record_pending(self, name, leaves, hashes, seed, submodule, tol, start, group=None,
-                        rng: str = "shared") -> CheckRecord:
+                        rng: str = "shared", extra_meta: dict | None = None) -> CheckRecord:
         from .baselines import CheckBaseline
 
         from .structure import pack_structure
@@ -1268,6 +1306,8 @@ class ParityCase:
                     recipe=self.recipe.name, rng=rng,
                     shapes={p: list(t.shape) for p, t in tensors.items()},
                     dtypes={p: str(t.dtype).removeprefix("torch.") for p, t in tensors.items()})
+        if extra_meta:
+            meta.update(extra_meta)
         self._pending[name] = CheckBaseline(name=name, tensors=tensors,
                                             none_leaves=[p for p, t in leaves.items() if t is None], meta=meta)
         record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
@@ -1464,20 +1504,30 @@ def rounding_level_params(leaves: dict[str, Any]) -> set[str]:
     gradient of 6.4e-2, the next smallest gradient at 2.0e-5).
 
     Args:
-        leaves: a training step's leaves (``grad.<p>``, ``param.<p>`` …), as ``train_step`` records.
+        leaves: a training step's leaves (``grad.<p>``, ``param.<p>`` …), as ``train_step`` records
+            them, or as a compact baseline keeps them (``grad.<p>@stats`` holds ``max |g|``).
     Returns:
-        The ``param.<p>`` names to leave out (their ``grad.<p>`` stays compared).
+        The ``param.<p>`` names to leave out (their ``grad.<p>`` stays compared); for a compacted
+        parameter its ``param.<p>@sample`` and ``param.<p>@stats``.
     """
-    grads = {k[len("grad."):]: v for k, v in leaves.items()
-             if k.startswith("grad.") and isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()}
-    if not grads:
+    from .compact import SAMPLE_SUFFIX, STATS_SUFFIX, base_leaf
+
+    largest: dict[str, float] = {}
+    for k, v in leaves.items():
+        if not (k.startswith("grad.") and isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()):
+            continue
+        if k.endswith(SAMPLE_SUFFIX):
+            continue  # a compacted gradient (``compact``): its @stats leaf holds the exact max |g|
+        largest[base_leaf(k)[len("grad."):]] = float(v[2]) if k.endswith(STATS_SUFFIX) else float(
+            v.detach().abs().max())
+    if not largest:
         return set()
-    largest = {p: float(g.detach().abs().max()) for p, g in grads.items()}
     top = max(largest.values())
     if not top > 0:
         return set()
     limit = ROUNDING_LEVEL_EPS * torch.finfo(torch.float32).eps * top
-    return {f"param.{p}" for p, m in largest.items() if m <= limit and f"param.{p}" in leaves}
+    rounding = {p for p, m in largest.items() if m <= limit}
+    return {k for k in leaves if k.startswith("param.") and base_leaf(k)[len("param."):] in rounding}
 
 
 def _without(leaves: Any, names: set[str]) -> Any:

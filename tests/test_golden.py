@@ -423,3 +423,21 @@ def test_golden_does_not_import_the_runner():
     code = ("import sys, pytest_npu_parity.golden; "
             "sys.exit(1 if 'pytest_npu_parity.runner' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_the_all_finite_block_path_gives_bitwise_the_masked_paths_metrics():
+    from pytest_npu_parity.golden import _SideSums
+
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(10000, generator=gen, dtype=torch.float64)
+    g[::97] *= 1e-8  # some small golden values
+    x = g + 1e-7 * torch.randn(10000, generator=gen, dtype=torch.float64)
+    for threshold in (1e-6, 0.0, 10.0):  # some small, none small, all small
+        fast, masked = _SideSums(), _SideSums()
+        small = g.abs() < threshold
+        fast.add(x, g, torch.ones_like(small), small, 1e-9)  # every position finite: the fast path
+        # the same block and one NaN position: the masked path over the same finite elements
+        x2, g2 = torch.cat([x, torch.tensor([math.nan], dtype=torch.float64)]), torch.cat([g, torch.ones(1).double()])
+        mask2 = torch.isfinite(x2)
+        masked.add(x2, g2, mask2, mask2 & (g2.abs() < threshold), 1e-9)
+        assert fast.result() == masked.result() and fast.n == masked.n == 10000

@@ -448,3 +448,159 @@ def test_localizer_refuses_a_bad_budget():
     for bad in (-1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="localization budget"):
             Localizer(budget_s=bad)
+
+
+# --------------------------------------------------------------------------------------------
+# models of one's own: nested tensors, buffers, the backward pass and the optimizer step
+
+
+def _padded_encoder() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """nn.TransformerEncoder in eval with a padding mask: under no_grad its fast path hands nested
+    tensors (no ``shape``) from layer to layer."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.1, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(3, 6, 16, generator=torch.Generator().manual_seed(2))
+    mask = torch.zeros(3, 6, dtype=torch.bool)
+    mask[1, 4:] = True
+    mask[2, 2:] = True
+    return encoder, x, mask
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_tensors_of_the_transformer_fast_path_are_localized_padded():
+    encoder, x, mask = _padded_encoder()
+    seen = []
+    handle = encoder.layers[0].register_forward_hook(lambda _m, _a, out: seen.append(out.is_nested))
+    with torch.no_grad():
+        encoder(x, src_key_padding_mask=mask)
+    handle.remove()
+    assert seen == [True]  # the fast path is taken: the layers exchange nested tensors
+    case = ParityCase(_session(), "t::nested", patches=_scaled(encoder, "layers.1.linear2.weight"))
+    message, extra = _fail(case, "encoder", encoder, x, src_key_padding_mask=mask)
+    assert "could not run" not in message
+    assert "First divergence: layers.1.linear2 (Linear)" in message
+    assert "compared as padded tensors (torch.nested.to_padded_tensor, padding 0): layers.0" in message
+    rows = {r["submodule"]: r for r in extra["localization"]}
+    assert rows["layers.0"]["verdict"] == "ok" and rows["layers.1"]["verdict"] == "local"
+
+
+def test_output_leaves_pads_nested_and_densifies_sparse_tensors():
+    nested = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(1, 3)])
+    notes: dict = {}
+    leaves = output_leaves((nested, torch.eye(3).to_sparse()), notes=notes, where="m")
+    assert leaves["[0]"].shape == (2, 2, 3) and leaves["[0]"][1, 1].abs().sum() == 0  # padding is 0
+    assert leaves["[1]"].layout == torch.strided and torch.equal(leaves["[1]"], torch.eye(3))
+    assert notes == {"padded": {"m"}, "dense": {"m"}}
+
+
+class BatchNormNet(torch.nn.Module):
+    """A wrapper whose BatchNorm holds the only state a momentum change touches."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x, labels):
+        return torch.nn.functional.cross_entropy(self.head(self.features(x).mean((2, 3))), labels)
+
+
+def _step_inputs() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"x": torch.randn(4, 3, 6, 6, generator=g), "labels": torch.tensor([0, 1, 0, 1])}
+
+
+@contextlib.contextmanager
+def _patched(owner, name, make):
+    original = getattr(owner, name)
+    setattr(owner, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def test_a_buffer_difference_names_the_module_owning_the_buffer():
+    torch.manual_seed(0)
+    model = BatchNormNet()
+
+    def momentum(original):
+        def forward(self, x):
+            self.momentum = 0.2  # PyTorch's default is 0.1: running statistics move twice as far
+            return original(self, x)
+        return forward
+    case = ParityCase(_session(), "t::bn", patches=lambda device: _patched(torch.nn.BatchNorm2d, "forward", momentum))
+    with pytest.raises(ParityError) as info:
+        case.train_step("step", model, _step_inputs())
+    message, extra = str(info.value), case.records[-1].extra
+    assert "First divergence: buffer.features.1.running_mean of features.1 (BatchNorm2d)" in message
+    assert "<BatchNormNet> itself" not in message  # not the wrapper around it
+    buffers = [r for r in extra["localization"] if r["kind"] == "buffer"]
+    assert {r["leaf"] for r in buffers} == {"buffer.features.1.running_mean", "buffer.features.1.running_var"}
+    assert all(r["submodule"] == "features.1" and r["module_type"] == "BatchNorm2d" for r in buffers)
+    assert "Buffers out of tolerance, with the module that owns each:" in message
+
+
+class _ScaledBackward(torch.autograd.Function):
+    """Identity forward, gradient × (1 + 1e-3) backward: a port's wrong backward kernel."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1.001
+
+
+def test_a_backward_only_difference_names_the_first_gradient(net, x):
+    def wrong_backward(original):
+        def forward(self, t):
+            y = original(self, t)
+            return _ScaledBackward.apply(y) if self.out_features == 3 else y
+        return forward
+    case = ParityCase(_session(), "t::bwd", patches=lambda device: _patched(torch.nn.Linear, "forward", wrong_backward))
+    with pytest.raises(ParityError) as info:
+        # no clipping: clipping to norm 1 would undo a uniform scale of every gradient
+        case.train_step("step", net.train(), {"x": x}, loss_fn=lambda out: out.square().mean(), max_grad_norm=None)
+    message = str(info.value)
+    assert "First divergence: gradient grad.head.bias" in message and "the backward pass differs" in message
+
+
+def test_an_optimizer_only_difference_names_the_optimizer_step(net, x):
+    def wrong_lr(original):
+        def init(self, params, lr=1e-3, *args, **kwargs):
+            original(self, params, lr * 2, *args, **kwargs)
+        return init
+    case = ParityCase(_session(), "t::opt", patches=lambda device: _patched(torch.optim.AdamW, "__init__", wrong_lr))
+    with pytest.raises(ParityError) as info:
+        case.train_step("step", net.train(), {"x": x}, loss_fn=lambda out: out.square().mean())
+    message = str(info.value)
+    assert "First divergence: the optimizer step — param." in message
+
+
+def test_a_call_that_cannot_be_rerun_alone_keeps_the_localization_going(net, x):
+    def needs_parent(original):
+        def forward(self, t):
+            if getattr(self, "needs_parent", False) and not getattr(self, "inside", False):
+                raise RuntimeError("needs state set by its parent")  # a re-run alone, outside the Net
+            return original(self, t)
+        return forward
+
+    def sets_state(original):
+        def forward(self, t):
+            self.blocks[3].inside = True
+            try:
+                return original(self, t)
+            finally:
+                self.blocks[3].inside = False
+        return forward
+    net.blocks[3].needs_parent = True
+    with _patched(Block, "forward", needs_parent), _patched(Net, "forward", sets_state):
+        message, _ = _fail(ParityCase(_session(), "t::alone", patches=_scaled(net, "blocks.2.b.weight")), "net",
+                           net, x)
+    assert "could not run" not in message
+    # blocks.3 inherits the error and is re-run for the table; alone, it raises: a note, no crash
+    assert "blocks.3 could not be re-run alone on the reference's inputs (RuntimeError: needs state" in message
+    assert "First divergence: blocks.2.b (Linear)" in message

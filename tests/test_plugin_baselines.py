@@ -21,6 +21,17 @@ import hypothesis  # noqa: E402,F401
 import pytest_npu_parity.npu  # noqa: E402,F401
 import pytest_npu_parity.runner  # noqa: E402,F401
 
+
+def _import_what_an_optimizer_step_imports() -> None:
+    """AdamW's first step imports torch._dynamo (and, through it, a module that registers a
+    TORCH_LIBRARY, which cannot be imported twice): do it once here, outside any in-process run."""
+    weight = torch.nn.Parameter(torch.ones(1))
+    weight.sum().backward()
+    torch.optim.AdamW([weight]).step()
+
+
+_import_what_an_optimizer_step_imports()
+
 # A seeded nn.Linear and a function. SCALE feeds the input (changing it makes the baseline stale);
 # SHIFT changes the function's result but neither its input nor its identity (a changed computation).
 MODEL_TEST = """
@@ -464,3 +475,45 @@ def test_every_check_of_a_test_with_a_corrupt_baseline_fails(pytester: pytest.Py
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["E *CorruptBaselineError: baseline * is corrupt: not a safetensors file*",
                                  "baselines not usable: 2 corrupt"])
+
+
+TRAIN_TEST = """
+import pytest
+import torch
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
+
+def test_step(parity, model):
+    x = torch.linspace(-1, 1, 256).reshape(4, 64)
+    parity.train_step("step", model, {"input": x}, loss_fn=lambda out: out.square().mean())
+
+@pytest.mark.parity(train_store="full")
+def test_step_full(parity, model):
+    x = torch.linspace(-1, 1, 256).reshape(4, 64)
+    parity.train_step("step", model, {"input": x}, loss_fn=lambda out: out.square().mean())
+"""
+
+
+def test_ini_train_store_summary_records_large_leaves_compactly(pytester: pytest.Pytester) -> None:
+    pytester.makeini("""
+        [pytest]
+        parity_dtypes = fp32
+        parity_train_store = summary min_numel=1024 samples=128 # keep training baselines small in git
+    """)
+    suite = pytester.path / "parity_suites" / "demo"
+    suite.mkdir(parents=True)
+    (suite / "test_train.py").write_text(textwrap.dedent(TRAIN_TEST))
+    _record(pytester)
+    compact = pytester.path / "baselines/demo/test_train/test_step.fp32.safetensors"
+    full = pytester.path / "baselines/demo/test_train/test_step_full.fp32.safetensors"
+    assert compact.stat().st_size < full.stat().st_size / 2  # the 64x64 weight and its gradient: 128 values each
+    pytester.runpytest("--npu-parity", "--parity-reference=baseline", "parity_suites").assert_outcomes(passed=2)
+    # a bad setting is one usage error naming the key, before any test runs
+    pytester.makeini("[pytest]\nparity_train_store = summary samples=lots\n")
+    result = pytester.runpytest("--npu-parity", "parity_suites")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*ini parity_train_store='summary samples=lots': train store *: samples='lots' "
+                                 "is not an integer*"])

@@ -105,7 +105,8 @@ def test_a_spent_budget_is_said_once_in_the_summary_with_the_command(pytester: p
         "*First-divergence localization skipped: it would take about * s, more than the 0 s left of this session's "
         "localization budget of 0 s*",
         f"*localization skipped for 4 checks: budget (0 s, --parity-localize-budget); run `pytest --npu-parity "
-        f"--parity-localize '{FIRST_ID.replace('[', '[[]')}'` (or -k NAME --parity-localize) to see one",
+        f"--parity-localize --parity-reference=cpu '{FIRST_ID.replace('[', '[[]')}'` (or -k NAME --parity-localize) "
+        "to see one",
     ])
     assert "First divergence:" not in result.stdout.str()
 

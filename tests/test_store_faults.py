@@ -531,6 +531,114 @@ def test_a_separate_path_value_that_moves_the_rootdir_is_a_usage_error(
     pytester.runpytest("--update-baselines", "--baseline-dir", "baselines", "parity_suites").assert_outcomes(passed=2)
 
 
+def test_a_separate_path_value_in_pytest_addopts_that_moves_the_rootdir_is_a_usage_error(
+        pytester: pytest.Pytester, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    _project(pytester)
+    outside = tmp_path_factory.mktemp("outside-report")
+    # PYTEST_ADDOPTS is parsed before the rootdir is chosen, like the command line: the same trap.
+    monkeypatch.setenv("PYTEST_ADDOPTS", f"--parity-report {outside}")
+    _usage_error(pytester.runpytest("--npu-parity"),
+                 f"ERROR: --parity-report {outside} (in PYTEST_ADDOPTS): pytest took the separate value for a test "
+                 f"path while choosing its rootdir and ini file (rootdir * instead of {pytester.path}, *); write "
+                 f"--parity-report={outside} with '='")
+    monkeypatch.setenv("PYTEST_ADDOPTS", f"--parity-report={outside}")
+    pytester.runpytest("--npu-parity").assert_outcomes(passed=2)
+    assert (outside / "summary.md").is_file()
+
+
+def _hint(result: pytest.RunResult, after: str) -> list[str]:
+    """The command a failure message suggests (the words after ``after`` on the first line with it)."""
+    import shlex
+
+    line = next(x for x in result.stdout.lines if after in x)
+    return shlex.split(line.partition(after)[2].split("`")[0].rstrip().removesuffix(")"))
+
+
+def test_every_hint_repeats_the_options_it_depends_on(pytester: pytest.Pytester,
+                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
+    _project(pytester)
+    store = tmp_path_factory.mktemp("store")
+    options = [f"--baseline-dir={store}", "--parity-dtypes=bf16", "--parity-seed=3"]
+    # missing: the record command names the store, the recipes and the seed of this run
+    result = pytester.runpytest("--npu-parity", "--parity-reference=baseline", *options, "-k", "test_a")
+    result.assert_outcomes(failed=1, deselected=1)
+    command = _hint(result, "record it on a trusted machine with: ")
+    assert command[:2] == ["pytest", "--update-baselines"] and command[2:5] == options
+    assert command[5:] == [A_ID.replace("fp32", "bf16")]
+    _record(pytester, *command[1:])  # what the hint says records exactly what this run looks for
+    pytester.runpytest("--npu-parity", "--parity-reference=baseline", *options, "-k", "test_a").assert_outcomes(
+        passed=1, deselected=1)
+    # stale (another seed): the re-record command repeats the seed this run uses
+    result = pytester.runpytest("--npu-parity", *options[:2], "--parity-seed=4", "-k", "test_a")
+    result.assert_outcomes(failed=1, deselected=1)
+    command = _hint(result, "re-record them on a trusted machine with: ")
+    assert command[2:5] == [*options[:2], "--parity-seed=4"]
+    _record(pytester, *command[1:])
+    pytester.runpytest("--npu-parity", *options[:2], "--parity-seed=4", "-k", "test_a").assert_outcomes(
+        passed=1, deselected=1)
+
+
+LOCALIZE_MODULE = """
+import contextlib
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).eval()
+
+
+@pytest.fixture
+def parity_patches(net):  # the last layer's weight x 1.001 on the target side: a port bug
+    @contextlib.contextmanager
+    def fault(device):
+        saved = net[2].weight.detach().clone()
+        with torch.no_grad():
+            net[2].weight.mul_(1.001)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                net[2].weight.copy_(saved)
+    return fault
+
+
+def test_net(parity, net):
+    parity.check("net", net, torch.linspace(-1, 1, 12).reshape(3, 4))
+"""
+
+
+def test_the_localize_hint_repeats_the_target_reference_and_policy(pytester: pytest.Pytester) -> None:
+    _project(pytester, LOCALIZE_MODULE)
+    options = ["--parity-device=cpu", "--parity-reference=cpu", "--parity-policy=allclose"]
+    result = pytester.runpytest("--npu-parity", *options, "--parity-localize-budget=0")
+    result.assert_outcomes(failed=1)
+    command = _hint(result, "To localize this check: ")
+    assert command[:3] == ["pytest", "--npu-parity", "--parity-localize"] and command[3:6] == options
+    forced = pytester.runpytest(*command[1:])
+    forced.assert_outcomes(failed=1)
+    forced.stdout.fnmatch_lines(["*First divergence: 2 (Linear)*"])
+
+
+def test_hints_of_a_run_started_below_the_rootdir_change_to_it(pytester: pytest.Pytester) -> None:
+    _project(pytester)
+    below = pytester.path / "parity_suites"
+    os.chdir(below)  # pytester restores the working directory after the test
+    result = pytester.runpytest("--npu-parity", "--parity-reference=baseline", "--baseline-dir=../store", "demo")
+    result.assert_outcomes(failed=2)
+    command = _hint(result, "re-record them on a trusted machine with: ")
+    assert command[:3] == ["cd", str(pytester.path), "&&"]
+    assert command[3:6] == ["pytest", "--update-baselines", f"--baseline-dir={pytester.path / 'store'}"]
+    os.chdir(pytester.path)
+    _record(pytester, *command[5:])
+    os.chdir(below)
+    pytester.runpytest("--npu-parity", "--parity-reference=baseline", "--baseline-dir=../store",
+                       "demo").assert_outcomes(passed=2)
+
+
 def test_empty_and_unmatched_ini_tolerance_patterns_are_warned(pytester: pytest.Pytester) -> None:
     _project(pytester, ini="""
         parity_tolerances =
