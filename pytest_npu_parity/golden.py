@@ -764,31 +764,6 @@ class _MsprobeSums:
         self.above += int((x > g_side).sum())
         self.below += int((x < g_side).sum())
 
-    def _add_all(self, x: torch.Tensor, g: torch.Tensor, small: torch.Tensor, small_atol: float) -> None:
-        """``add`` for a block whose positions are all in the mask: the same elements in the same
-        order enter every sum (bitwise the same metrics), without the copies boolean indexing makes
-        (about twice as fast on 1 M-element blocks)."""
-        n = x.numel()
-        self.n += n
-        diff = x - g
-        err = diff.abs()
-        self.sum_sq += float(err.square().sum())
-        k_small = int(small.sum())
-        if k_small < n:
-            if k_small:
-                normal = ~small
-                rel = err[normal].div_(g[normal].abs())
-            else:
-                rel = err / g.abs()
-            self.normal += n - k_small
-            self.sum_rel += float(rel.sum())
-            self.max_rel = max(self.max_rel, float(rel.max()))
-        if k_small:
-            self.small += k_small
-            self.small_wrong += int((err[small] > small_atol).sum())
-        self.above += int((diff > 0).sum())
-        self.below += int((diff < 0).sum())
-
     def result(self) -> SideMetrics:
         out = SideMetrics(small=self.small, normal=self.normal)
         if self.size == 0:
