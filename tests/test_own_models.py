@@ -161,7 +161,8 @@ def test_a_fault_on_the_target_fails_each_check(pytester: pytest.Pytester, monke
                                                 check: str, recipe: str, scale: float, files: list[str]) -> None:
     _project(pytester, recipe, files)
     monkeypatch.setenv("OWN_MODEL_FAULT", f"{check}:{scale}")
-    result = pytester.runpytest("--npu-parity", "-p", "no:randomly", "--parity-localize-budget=0")
+    result = pytester.runpytest("--npu-parity", "-p", "no:randomly", "--parity-localize-budget=0",
+                                "-rN")  # no short summary: with CI set pytest repeats whole messages there
     result.assert_outcomes(failed=len(files))
     out = result.stdout.str()
     assert out.count(f"Parity check '{check}' failed") == len(files), out

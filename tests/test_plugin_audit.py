@@ -14,6 +14,10 @@ import sys
 import pandas as pd  # imported before any in-process run, which restores sys.modules after itself
 import pytest
 
+# Warning counts below are the audit's: pytest's own "module already imported, cannot be rewritten"
+# (the plugin is imported by the outer session) depends on what the outer run imported first.
+QUIET = ("-W", "ignore::pytest.PytestAssertRewriteWarning")
+
 # Every model computes the same on both sides (the numbers pass); only its device propagation is wrong.
 USER_MODELS = """
 import numpy as np
@@ -98,7 +102,7 @@ def _line(source: str, tag: str) -> int:
 
 def _run_user_models(pytester: pytest.Pytester, *args: str):
     pytester.makepyfile(test_user_models=USER_MODELS)
-    return pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32", "--parity-report=rep", *args)
+    return pytester.runpytest(*QUIET, "--npu-parity", "--parity-dtypes", "fp32", "--parity-report=rep", *args)
 
 
 # (model, event lines each with the op, devices, dtype) - the source line is checked separately
@@ -191,7 +195,7 @@ def test_check_budget(parity):
     parity.check("out", make("float64"), torch.ones(3, 4), audit_budget={"fp64": "any"})
 """
     pytester.makepyfile(test_user_models=source)
-    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32", "-k", "not test_model", "--parity-report=rep")
+    result = pytester.runpytest(*QUIET, "--npu-parity", "--parity-dtypes", "fp32", "-k", "not test_model", "--parity-report=rep")
     result.assert_outcomes(passed=4, failed=1, warnings=1)
     result.stdout.fnmatch_lines(["*failed: test_user_models.py::test_partly_allowed?fp32? check 'out' (fp32): "
                                  "1 event beyond its audit budget: cpu_fallback 1 (allowed 0).*"])
@@ -205,18 +209,18 @@ def test_check_budget(parity):
     assert allowed.verdict == "pass" and allowed.audit_budget.endswith("# the constant is tiny")
     assert pd.isna(rows.loc["test_user_models.py::test_not_audited[fp32]"].audit_fp64)
     # an audit marker audits its test even when the session does not
-    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32", "-k", "test_warned", "-o", "parity_audit=off")
+    result = pytester.runpytest(*QUIET, "--npu-parity", "--parity-dtypes", "fp32", "-k", "test_warned", "-o", "parity_audit=off")
     result.assert_outcomes(passed=1, warnings=1)
     # --parity-audit takes its mode from the ini when it names one; --parity-audit-mode wins
     pytester.makeini("""
         [pytest]
         parity_audit = warn
     """)
-    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32", "--parity-audit", "-k", "partly")
+    result = pytester.runpytest(*QUIET, "--npu-parity", "--parity-dtypes", "fp32", "--parity-audit", "-k", "partly")
     result.assert_outcomes(passed=1, warnings=1)
-    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32", "--parity-audit-mode", "fail", "-k", "partly")
+    result = pytester.runpytest(*QUIET, "--npu-parity", "--parity-dtypes", "fp32", "--parity-audit-mode", "fail", "-k", "partly")
     result.assert_outcomes(failed=1)
-    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32", "--parity-audit-mode", "off", "-k", "partly")
+    result = pytester.runpytest(*QUIET, "--npu-parity", "--parity-dtypes", "fp32", "--parity-audit-mode", "off", "-k", "partly")
     result.assert_outcomes(passed=1)
     assert "audit:" not in result.stdout.str()
 
@@ -225,7 +229,7 @@ def test_clean_dropout_models_report_nothing(pytester: pytest.Pytester) -> None:
     """nn.Dropout and a transformer training step: the plugin draws the masks on the host (shared
     random stream) and clips/steps the optimizer itself; none of that is the model's."""
     pytester.makepyfile(test_dropout=DROPOUT_MODELS)
-    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32", "--parity-audit", "--parity-report=rep")
+    result = pytester.runpytest(*QUIET, "--npu-parity", "--parity-dtypes", "fp32", "--parity-audit", "--parity-report=rep")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["audit: 2 checks audited, events mixed_device 0, h2d 0, d2h 0, host_sync 0, "
                                  "cpu_fallback 0, fp64 0; none beyond the audit budgets"])
@@ -238,7 +242,7 @@ def test_clean_dropout_models_report_nothing(pytester: pytest.Pytester) -> None:
 ])
 def test_bad_audit_modes_are_usage_errors(pytester: pytest.Pytester, args, message) -> None:
     pytester.makepyfile(test_bad="def test_x(parity):\n    pass\n")
-    result = pytester.runpytest("--npu-parity", *args)
+    result = pytester.runpytest(*QUIET, "--npu-parity", *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
 
@@ -251,7 +255,7 @@ def test_bad_marker_budget_is_a_usage_error_naming_the_test(pytester: pytest.Pyt
         def test_x(parity):
             pass
     """)
-    result = pytester.runpytest("--npu-parity")
+    result = pytester.runpytest(*QUIET, "--npu-parity")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*test_bad.py::test_x*audit='loud' must be 'fail', 'warn' or 'off'*",
                                  "*test_bad.py::test_x*audit_budget=: audit budget {'h2': 1}: unknown kind 'h2' "
