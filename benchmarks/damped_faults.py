@@ -8,7 +8,7 @@ gates squash it. The fp32 allclose tolerance (rtol = atol = 1e-5) then passes le
 are far below atol. This script measures, on small configurations of common models, every fp32
 verdict on the same target outputs:
 
-* models (``CASES``): torchvision ``resnet18`` in eval and one training step; ``nn.LSTM`` and
+* models (``CASES``): torchvision ``resnet18`` in eval and one training step (AdamW, and SGD); ``nn.LSTM`` and
   ``nn.GRU`` in eval (2 layers) and an LSTM training step; Hugging Face ``BertModel`` and
   ``GPT2Model`` from small configs in eval with a padding mask and a ``GPT2LMHeadModel`` training
   step (dropout 0.1); ``nn.TransformerEncoder`` in eval with a ``src_key_padding_mask`` (its fast
@@ -17,9 +17,9 @@ verdict on the same target outputs:
   transformer slow path (``torch.backends.mha.set_fastpath_enabled(False)``), another CPU kernel
   path (``ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2`` in a child process, as
   ``calibration.CPU_KERNEL_PATH_ENV``) and, when ``NPU_PARITY_OTHER_PYTHON`` names the python of
-  another torch release, that release in a child process — and faults: one weight × (1 + 1e-4)
-  and × (1 + 1e-3) (``FAULTS``: a conv before a BatchNorm in resnet18, a recurrent weight, an FFN
-  weight);
+  another torch release, that release in a child process — and faults: each of a case's
+  ``faults`` weights × (1 + 1e-4), the first also × (1 + 1e-3) (a conv before a BatchNorm in
+  resnet18, input and recurrent weights, FFN, query and embedding weights);
 * verdicts (``POLICIES``): allclose at the current default and tighter, ``torch.testing``'s
   defaults, allclose plus a per-leaf relative-L2 limit, the golden verdict (fp64 CPU golden) and
   the golden floor with the default and a tighter floor.
@@ -32,7 +32,7 @@ inputs through a safetensors file (no pickle) and send their leaves back the sam
 
 Usage::
 
-    python benchmarks/damped_faults.py                      # ≈ 2-4 min on 2 cores
+    python benchmarks/damped_faults.py                      # ≈ 4 min on 2 cores (resnet18 steps: 3.5)
     NPU_PARITY_OTHER_PYTHON=/path/to/other/venv/bin/python python benchmarks/damped_faults.py
     python benchmarks/damped_faults.py --cases lstm_eval,gru_eval --no-child
 
@@ -100,6 +100,8 @@ class Case:
     faults: tuple[str, ...]  # parameters scaled one at a time by (1 + 1e-4); the first also by (1 + 1e-3)
     loss: Callable[[Any, dict], torch.Tensor] | None = None
     note: str = ""
+    coarse: bool = True  # also the first fault weight x (1 + 1e-3) (off where each run costs minutes)
+    optimizer: Callable[[list], Any] | None = None  # train steps: None is the runner's AdamW
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -209,8 +211,12 @@ CASES: list[Case] = [
     Case("resnet18_eval", "check", lambda: _resnet18(False),
          ("layer2.0.conv1.weight", "conv1.weight", "fc.weight"),
          note="torchvision resnet18 (num_classes 10), eval, 2x3x32x32"),
-    Case("resnet18_train_step", "train_step", lambda: _resnet18(True), ("layer2.0.conv1.weight", "conv1.weight"),
-         loss=_ce, note="one AdamW step, cross-entropy, batch 4x3x32x32; the faults are convs before a BatchNorm"),
+    Case("resnet18_train_step", "train_step", lambda: _resnet18(True), ("layer2.0.conv1.weight",),
+         loss=_ce, note="one AdamW step, cross-entropy, batch 4x3x32x32; the fault is a conv before a BatchNorm",
+         coarse=False),
+    Case("resnet18_train_step_sgd", "train_step", lambda: _resnet18(True), ("layer2.0.conv1.weight",), loss=_ce,
+         note="the same step with SGD(lr=0.01): an update linear in the gradient", coarse=False,
+         optimizer=lambda params: torch.optim.SGD(params, lr=0.01)),
     Case("lstm_eval", "check", lambda: _rnn(torch.nn.LSTM), ("weight_ih_l0", "weight_hh_l0", "weight_ih_l1"),
          note="nn.LSTM(32, 64, 2 layers), 4x24"),
     Case("gru_eval", "check", lambda: _rnn(torch.nn.GRU), ("weight_ih_l0", "weight_hh_l0", "weight_ih_l1"),
@@ -319,10 +325,10 @@ def variants(other_python: str | None, child: bool = True) -> list[Scenario]:
 
 def faults(case: Case) -> list[tuple[str, Scenario]]:
     """``(parameter, scenario)`` of each fault of ``case``: every fault weight x (1 + 1e-4), the
-    first also x (1 + 1e-3)."""
+    first also x (1 + 1e-3) (unless ``case.coarse`` is off)."""
     found = []
     for i, param in enumerate(case.faults):
-        for factor, label in ((1 + 1e-4, "1e-4"), (1 + 1e-3, "1e-3"))[: 2 if i == 0 else 1]:
+        for factor, label in ((1 + 1e-4, "1e-4"), (1 + 1e-3, "1e-3"))[: 2 if i == 0 and case.coarse else 1]:
             found.append((param, Scenario(f"{param} x(1+{label})", "fault", f"{param} x (1 + {label})",
                                           lambda f=factor: scaled_weight(f), factor=factor)))
     return found
@@ -437,7 +443,8 @@ def run_case(session: ParitySession, case: Case, built: Built, patches: Callable
             parity.check(case.name, built.module, policy=policy, **built.inputs)
         else:
             loss = (lambda out: case.loss(out, built.extra)) if case.loss is not None else None
-            parity.train_step(case.name, built.module, built.inputs, loss_fn=loss, policy=policy)
+            parity.train_step(case.name, built.module, built.inputs, loss_fn=loss, policy=policy,
+                              optimizer=case.optimizer)
     except ParityError:
         pass
     except Exception as exc:  # noqa: BLE001 - one case must not stop the benchmark
@@ -523,19 +530,34 @@ def child_main(path_in: str, path_out: str, names: list[str]) -> int:
     """Compute every case's target leaves here (another kernel path / torch) and save them."""
     from safetensors.torch import save_file
 
+    from pytest_npu_parity.baselines import BaselineStore
+
     built = _load_built(path_in, names)
-    session = ParitySession(torch.device("cpu"), reference="cpu", seed=SEED)
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {}
-    for name in names:
-        captured = run_case(session, BY_NAME[name], built[name], None)
-        if captured.actual is None:
-            meta[name] = {"error": captured.error or "no leaves"}
-            continue
-        meta[name] = {"leaves": {k: v is not None for k, v in captured.actual.items()}}
-        for k, v in captured.actual.items():
-            if v is not None:
-                tensors[f"{name}|{k}"] = v.contiguous()
+    with tempfile.TemporaryDirectory(prefix="damped-faults-child-") as tmp:
+        # Record mode runs each computation once, on this process's kernels (a target machine's
+        # run); the recording is taken from the case before any file would be written.
+        session = ParitySession(torch.device("cpu"), update_baselines=True, store=BaselineStore(tmp, "child"),
+                                seed=SEED)
+        for name in names:
+            case, b = BY_NAME[name], built[name]
+            parity = ParityCase(session, f"damped::{name}", "fp32")
+            try:
+                if case.kind == "check":
+                    parity.check(name, b.module, **b.inputs)
+                else:
+                    loss = (lambda out, c=case, e=b.extra: c.loss(out, e)) if case.loss is not None else None
+                    parity.train_step(name, b.module, b.inputs, loss_fn=loss, optimizer=case.optimizer)
+            except Exception as exc:  # noqa: BLE001 - reported per case
+                meta[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            recorded = parity._pending[name]  # the CheckBaseline a record run would write
+            leaves = dict(recorded.tensors, **{p: None for p in recorded.none_leaves})
+            meta[name] = {"leaves": {k: v is not None for k, v in leaves.items()}}
+            for k, v in leaves.items():
+                if v is not None:
+                    tensors[f"{name}|{k}"] = v.contiguous()
     save_file(tensors, path_out, metadata={"cases": json.dumps(meta), "torch": torch.__version__})
     return 0
 

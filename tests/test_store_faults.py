@@ -30,6 +30,8 @@ from pytest_npu_parity.baselines import (BaselineStore, CheckBaseline, CorruptBa
 import hypothesis  # noqa: E402,F401
 import pytest_npu_parity.npu  # noqa: E402,F401
 import pytest_npu_parity.runner  # noqa: E402,F401
+import pandas  # noqa: E402,F401  (--parity-report writes parquet/csv through pandas and pyarrow)
+import pyarrow  # noqa: E402,F401
 
 TWO_TESTS = """
 import pytest, torch
