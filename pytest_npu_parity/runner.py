@@ -1321,8 +1321,6 @@ class ParityCase:
                golden: dict | None = None, policy_note: str | None = None,
                weights: str | None = None, audit_budget: Any = None) -> CheckRecord:
         __tracebackhide__ = True
-        from .selfcheck import vacuity_problem
-
         if golden_policy is not None:
             from .golden import judge_golden
 
@@ -1340,16 +1338,7 @@ class ParityCase:
             record.extra["policy_note"] = policy_note
         self._keep(record)
         vacuous_ok = (call.vacuous_ok if call is not None else vacuous_ok) or self.vacuous_ok
-        problems = []
-        vacuous = vacuity_problem(expected)  # cheap: one min/max per floating leaf
-        if vacuous:
-            record.extra["vacuous"] = vacuous
-            if vacuous_ok:
-                record.extra["vacuous_ok"] = vacuous_ok
-            else:
-                problems.append(f"Parity check {name!r} is vacuous: {vacuous}, so no fault on the target could "
-                                "make it fail. Give it inputs/weights that reach the output, or allow it with "
-                                "vacuous_ok='<reason>' (check argument or @pytest.mark.parity).")
+        problems = _vacuity_problems(name, expected, record, vacuous_ok)
         audit_problem = self._judge_audit(record, audit_budget)
         if audit_problem:
             problems.append(audit_problem)
@@ -1447,7 +1436,6 @@ class ParityCase:
         sample sets along ``call.sample_dim`` (``distribution.compare_distributions``). No golden,
         no self-check perturbation and no first-divergence localization: they compare elements."""
         from .distribution import compare_distributions
-        from .selfcheck import vacuity_problem
 
         policy = self.session.distribution_policy
         result = compare_distributions(actual, expected, call.sample_dim, policy, name=name)
@@ -1463,16 +1451,7 @@ class ParityCase:
         streams = f"target samples from {target_stream}; reference: {reference_stream}"
         record.extra["policy_note"] = f"samples compared as distributions along axis {call.sample_dim} ({streams})"
         self._keep(record)
-        problems = []
-        vacuous = vacuity_problem(expected)
-        vacuous_ok = call.vacuous_ok or self.vacuous_ok
-        if vacuous:
-            record.extra["vacuous"] = vacuous
-            if vacuous_ok:
-                record.extra["vacuous_ok"] = vacuous_ok
-            else:
-                problems.append(f"Parity check {name!r} is vacuous: {vacuous}, so no fault on the target could "
-                                "make it fail.")
+        problems = _vacuity_problems(name, expected, record, call.vacuous_ok or self.vacuous_ok)
         if result.passed and not problems:
             return record
         record.status = "fail"
@@ -1628,6 +1607,24 @@ def scaled_backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimize
     out["amp.grad_norm"] = norm.detach().to(torch.float32).reshape(())
     return out
 
+
+
+def _vacuity_problems(name: str, expected: dict, record: "CheckRecord", vacuous_ok: str | None) -> list[str]:
+    """The vacuity problem of a check's reference leaves (``selfcheck.vacuity_problem``: one min/max
+    per floating leaf), as a one-item list, or ``[]`` when it has none or ``vacuous_ok`` allows it;
+    records ``vacuous`` / ``vacuous_ok`` in ``record.extra``."""
+    from .selfcheck import vacuity_problem
+
+    vacuous = vacuity_problem(expected)
+    if not vacuous:
+        return []
+    record.extra["vacuous"] = vacuous
+    if vacuous_ok:
+        record.extra["vacuous_ok"] = vacuous_ok
+        return []
+    return [f"Parity check {name!r} is vacuous: {vacuous}, so no fault on the target could make it fail. "
+            "Give it inputs/weights that reach the output, or allow it with vacuous_ok='<reason>' (check "
+            "argument or @pytest.mark.parity)."]
 
 def thread_count_mismatch(provenance: Any, target: torch.device) -> str | None:
     """A note when a CPU baseline was recorded with another intra-op thread count than this CPU
