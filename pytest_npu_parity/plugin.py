@@ -37,7 +37,8 @@ PROFILE_KEY = pytest.StashKey[str]()  # the hypothesis profile in force before t
 _SKIP_REASON = "parity suites run only with --npu-parity (or --update-baselines)"
 
 #: Keyword arguments of ``@pytest.mark.parity``.
-MARKER_KEYS = ("rtol", "atol", "budget", "reason", "recipes", "vacuous_ok", "policy", "audit", "audit_budget", "train_store")
+MARKER_KEYS = ("rtol", "atol", "budget", "reason", "recipes", "vacuous_ok", "policy", "audit", "audit_budget",
+               "train_store", "layers")
 #: Largest seed (``--parity-seed``, ini ``parity_seed``): torch generators take 64-bit seeds, numpy
 #: and the shared random stream signed 64-bit ones.
 MAX_SEED = 2**63 - 1
@@ -81,6 +82,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "side draws from its own device's generator; the samples are judged as distributions: "
                          "per-step mean and spread, quantiles and energy distance in one permutation test). "
                          "Other checks always share the stream. Default: ini parity_rng or shared")
+    group.addoption("--parity-layers", default=None, metavar="LIMIT",
+                    help="layer check of fp32 checks: every weighted submodule's output (sampled) within this "
+                         "relative L2 error of the reference's, besides the outputs' tolerance; 'off' to judge "
+                         "outputs only (default: ini parity_layers or 1e-5). Other recipes: "
+                         "@pytest.mark.parity(layers=LIMIT)")
     group.addoption("--parity-worker-devices", default=None, metavar="INDICES",
                     help="pytest-xdist: comma-separated device indices, worker gwK runs on entry K mod n "
                          "(default: ini parity_worker_devices, else gwK runs on index K mod device count)")
@@ -139,6 +145,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   help="a DeepSpeed JSON config (relative to rootdir) to lint by the Ascend guide's rules at start-up "
                        "(bf16 on, fp16 off, no communication_backend, no aio): a summary in the header, each "
                        "finding a PytestConfigWarning; a missing or non-JSON file is a usage error")
+    parser.addini("parity_layers", default="",
+                  help="default for --parity-layers: the layer check's relative L2 limit of fp32 checks, or 'off' "
+                       "(default 1e-5)")
     parser.addini("parity_train_store", default="full",
                   help="how training-step baselines keep gradients and parameters: 'full' (default) or 'summary "
                        "[min_numel=65536] [samples=4096]' (leaves with at least min_numel elements stored as that "
@@ -299,13 +308,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "parity(rtol=None, atol=None, budget=None, reason=None, recipes=None, vacuous_ok=None, policy=None, "
-        "audit=None, audit_budget=None, train_store=None): "
+        "audit=None, audit_budget=None, train_store=None, layers=None): "
         "tolerance override for every check of the test (shown in the report with its reason), the recipes it "
         "runs under, why its checks may be vacuous (constant reference output, no teeth under "
         "--parity-selfcheck), their verdict policy ('allclose' or 'golden [rmse=… # reason]'), the test's "
         "device-propagation audit mode ('fail', 'warn', 'off') and what its target runs may do "
         "(audit_budget={'h2d': 2} or 'h2d=2 host_sync=any # reason') and how its training steps are recorded "
-        "('full' or 'summary [min_numel=N samples=K]')",
+        "('full' or 'summary [min_numel=N samples=K]') and the layer check of its checks (False, or a relative "
+        "L2 limit per weighted layer)",
     )
     config.stash[CASES_KEY] = []
     config.stash[ROWS_KEY] = []
@@ -420,6 +430,7 @@ def _make_session(config: pytest.Config):
                                           hint=localize_command(config))],
         check_hooks=[selfcheck.SelfCheck()] if config.getoption("parity_selfcheck") else [],
         recipe_policies=recipe_policies, check_policies=check_policies, rng=rng, train_store=_train_store(config),
+        layers=_layers(config),
     )
 
 
@@ -446,6 +457,22 @@ def _launch(config: pytest.Config, target: Any) -> None:
         launch(target)
     except (LaunchOrderError, RuntimeError, ValueError, ImportError) as exc:  # ImportError: transfer_to_npu
         raise pytest.UsageError(f"--parity-device={target}: {exc}") from None
+
+
+def _layers(config: pytest.Config):
+    """``--parity-layers`` / ini ``parity_layers`` as a ``layers.LayerPolicy`` (None: off), or
+    ``"default"`` when neither is set; a usage error naming the option otherwise."""
+    from .layers import parse_layer_spec
+
+    value, where = config.getoption("parity_layers"), "--parity-layers"
+    if value is None:
+        value, where = config.getini("parity_layers"), "ini parity_layers"
+    if value is None or not str(value).strip():
+        return "default"
+    try:
+        return parse_layer_spec(value, source="option" if where.startswith("--") else "ini")
+    except ValueError as exc:
+        raise pytest.UsageError(f"{where}={value!r}: {exc}") from None
 
 
 def _train_store(config: pytest.Config):
@@ -710,6 +737,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
                      f"are judged as distributions ({session.distribution_policy.describe()}); other checks share "
                      "one seeded CPU stream")
     lines.append("npu-parity: verdicts " + " · ".join(verdict(recipe) for recipe in _recipe_names(config)) + (" (per-check choices in parity_policies)" if session.check_policies else ""))
+    layered = [(r, session.layer_policy(r)) for r in _recipe_names(config)]
+    lines.append("npu-parity: layer check " + (" · ".join(f"{r}: {p.describe()}" for r, p in layered if p is not None)
+                                               or "off") + " (--parity-layers)")
     if session.target.type != "npu" and not status.available and (status.torch_npu_version or _npu.quarantined()):
         lines.append(f"npu-parity: torch_npu is installed but the NPU is not used: {status.reason}")
     deepspeed = _deepspeed_header(config)
@@ -812,6 +842,13 @@ def _marker_problems(marker: Any) -> list[str]:
             parse_policy_spec(policy, source="marker", recipe="fp32")
         except (ValueError, TypeError) as exc:
             problems.append(f"policy={policy!r}: {exc}")
+    if marker.kwargs.get("layers") is not None:
+        from .layers import parse_layer_spec
+
+        try:
+            parse_layer_spec(marker.kwargs["layers"], source="marker")
+        except ValueError as exc:
+            problems.append(f"layers=: {exc}")
     store = marker.kwargs.get("train_store")
     if isinstance(store, str) and store.strip():
         from .compact import parse_train_store
@@ -920,7 +957,8 @@ def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, p
                           vacuous_ok=marker.kwargs.get("vacuous_ok") if marker else None,
                           marker_policy=marker.kwargs.get("policy") if marker else None,
                           audit_budget=budget, audit_mode=marker.kwargs.get("audit") if marker else None,
-                          marker_train_store=marker.kwargs.get("train_store") if marker else None)
+                          marker_train_store=marker.kwargs.get("train_store") if marker else None,
+                          marker_layers=marker.kwargs.get("layers") if marker else None)
     except (ValueError, TypeError) as exc:  # a bad policy= or train_store= in the marker
         raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.parity: {exc}") from None
     request.config.stash[CASES_KEY].append(case)

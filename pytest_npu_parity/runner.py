@@ -111,6 +111,10 @@ class CheckRecord:
     ``localization_stopped``; these and ``stale_cause`` also go into the check's rows.
     ``distribution_policy`` is the ``distribution.DistributionPolicy`` of a sampling check judged
     as distributions (``result`` is then a ``distribution.DistributionResult``), else None.
+    ``layer_records`` is ``(target's, reference's)`` layer records (``layers.capture_layers``) of a
+    check judged by a layer policy, else None; ``extra`` then holds ``layer_policy``,
+    ``layers_judged``, ``layer_worst``/``layer_worst_rel_l2`` and (failing) ``layers_failing``, which
+    also go into every row of the check.
     ``golden_policy`` is the ``golden.GoldenPolicy`` the check was judged by, or None for the
     allclose tolerance; a check that asked for the golden but could not get one (``GoldenRunner``
     raised ``GoldenUnavailableError``) is judged by allclose and says why in ``extra["policy_note"]``.
@@ -135,6 +139,7 @@ class CheckRecord:
     golden_policy: Any = None
     weights: str | None = None
     distribution_policy: Any = None
+    layer_records: tuple | None = None
 
     @property
     def policy(self) -> str:
@@ -161,7 +166,8 @@ class CheckRecord:
         counts = (self.audit or {}).get("counts", {})
         for kind in ("mixed_device", "h2d", "d2h", "host_sync", "cpu_fallback", "fp64"):
             base[f"audit_{kind}"] = counts.get(kind)
-        for key in ("audit_budget", "audit_problem", "audit_verdict"):
+        for key in ("audit_budget", "audit_problem", "audit_verdict", "layer_policy", "layers_judged",
+                    "layer_worst", "layer_worst_rel_l2", "layers_failing"):
             base[key] = self.extra.get(key)
         leaves = self.result.leaves if self.result is not None else []
         if not leaves:
@@ -437,6 +443,10 @@ class ParitySession:
             ``"summary"`` or ``"summary min_numel=N samples=K"`` (``compact.parse_train_store``) or a
             ``compact.TrainStore``: large gradients and parameters kept as a deterministic sample
             plus summary statistics (module ``compact``).
+        layers: the layer check (module ``layers``): ``"default"`` (``layers.DEFAULT_LIMITS``: fp32
+            layers judged at rel-L2 1e-5, other recipes not), ``"off"``/None, or a relative L2 limit
+            (a float, a spec string or a ``layers.LayerPolicy``) for the fp32 recipe; other recipes
+            then record no layers unless a test asks (``ParityCase(marker_layers=...)``).
     """
 
     def __init__(self, target: torch.device, *, reference: str = "auto", update_baselines: bool = False,
@@ -447,7 +457,8 @@ class ParitySession:
                  check_hooks: list[Callable[..., str | None]] | None = None,
                  recipe_policies: dict[str, Any] | None = None, check_policies: dict[str, str] | None = None,
                  golden_runner: Any = None, audit_mode: str | None = None, audit_budget: Any = None,
-                 rng: str = "shared", distribution_policy: Any = None, train_store: Any = None):
+                 rng: str = "shared", distribution_policy: Any = None, train_store: Any = None,
+                 layers: Any = "default"):
         from .audit import parse_audit_budget
         from .distribution import DistributionPolicy
         from .compact import parse_train_store
@@ -485,6 +496,9 @@ class ParitySession:
         self.patterns_used: set[str] = set()  # check_tolerances/check_policies patterns that matched a check
         self.golden_runner = golden_runner if golden_runner is not None else GoldenRunner()
         self.train_store = parse_train_store(train_store, source="ini")
+        from .layers import parse_layer_spec
+
+        self.layers = "default" if layers == "default" else parse_layer_spec(layers, source="option")
         self._golden_memo: dict[tuple, Any] = {}
         self.records: list[CheckRecord] = []
         self.baseline_writes: dict[str, str] = {}  # test_id -> created/changed/unchanged/not written
@@ -496,6 +510,14 @@ class ParitySession:
         from .devices import device_name
 
         self.target_name = device_name(target)
+
+    def layer_policy(self, recipe: str) -> Any:
+        """The ``layers.LayerPolicy`` of ``recipe``'s checks, or None when they record no layers."""
+        from .layers import default_layer_policy
+
+        if self.layers == "default":
+            return default_layer_policy(recipe)
+        return self.layers if recipe == "fp32" else None
 
     # -- modules -------------------------------------------------------------------------------
     def place(self, module: torch.nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -643,13 +665,17 @@ class ParityCase:
         audit_mode: ``off`` (no audit for this test), ``warn`` or ``fail``; None: the session's.
         marker_train_store: train store from ``@pytest.mark.parity(train_store=...)`` (``"summary"``
             …), or None for the session's.
+        marker_layers: the layer check of every check of the test (``@pytest.mark.parity(layers=...)``:
+            ``False``/``"off"``, a relative L2 limit, ``True`` for the fp32 default; see
+            ``layers.parse_layer_spec``), or None for the session's per recipe.
     """
 
     def __init__(self, session: ParitySession, test_id: str, recipe: str = "fp32", *,
                  marker_tolerance: Tolerance | None = None, patches: PatchFactory | None = None,
                  vacuous_ok: str | None = None, marker_policy: str | None = None, audit_budget: Any = None,
-                 audit_mode: str | None = None, marker_train_store: str | None = None):
+                 audit_mode: str | None = None, marker_train_store: str | None = None, marker_layers: Any = None):
         from .compact import parse_train_store
+        from .layers import parse_layer_spec
 
         if recipe not in RECIPES:
             raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
@@ -669,6 +695,9 @@ class ParityCase:
         self.audit_budget = parse_audit_budget(audit_budget, source="marker", base=session.audit_budget)
         self.marker_train_store = (parse_train_store(marker_train_store, source="marker")
                                    if marker_train_store is not None else None)
+        self.marker_layers = marker_layers
+        self.layer_policy = (parse_layer_spec(marker_layers, source="marker") if marker_layers is not None
+                             else session.layer_policy(recipe))
         self.records: list[CheckRecord] = []
         self._pending: dict[str, Any] = {}
         self._baseline: Any = None
@@ -684,7 +713,8 @@ class ParityCase:
               group: str | None = None, seed: int | None = None, grad: bool = False, rtol: float | None = None,
               atol: float | None = None, budget: float | None = None, reason: str | None = None,
               vacuous_ok: str | None = None, fault_weight: str | None = None, policy: str | None = None,
-              audit_budget: Any = None, sample_dim: int | None = None, **kwargs: Any) -> CheckRecord:
+              audit_budget: Any = None, sample_dim: int | None = None, layers: Any = None,
+              **kwargs: Any) -> CheckRecord:
         """Run ``fn(*args, **kwargs)`` on the reference and the target and compare every output leaf.
 
         Args:
@@ -716,12 +746,18 @@ class ParityCase:
                 from their own streams (session ``rng="device"``, or a baseline recorded so) the
                 two sample sets are judged as distributions by ``distribution.compare_distributions``
                 under ``session.distribution_policy``, and ``rtol``/``atol``/``policy`` do not apply.
+            layers: this check's layer check (``layers.parse_layer_spec``: ``False`` off, a relative
+                L2 limit, ``True`` the fp32 default); default: the test's (marker ``layers=``), else
+                the session's for the recipe (fp32: every weighted submodule's output within
+                rel-L2 1e-5 of the reference's, module ``layers``). Not applied to samples judged
+                as distributions.
 
         Returns:
             The ``CheckRecord`` (also kept for the summary and report).
 
         Raises:
             ParityError: an output leaf is out of tolerance, or shapes/dtypes/structure differ, or
+                a weighted layer's output moved beyond the layer limit (``layers.judge_layers``), or
                 the check is vacuous (``selfcheck.vacuity_problem``), or (audit mode ``fail``) its
                 audited target run has events beyond its audit budget.
             baselines.BaselineError: the stored baseline is missing (with ``--parity-reference
@@ -735,6 +771,7 @@ class ParityCase:
                                      dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
         golden_policy = self._verdict_policy(name, policy, training=grad or is_training(fn))
         budget = self._audit_budget(name, audit_budget)
+        layer_policy = self._layer_policy(name, layers)
         self._check_name(name)
         start = time.perf_counter()
         hashes = self._hashes(fn, args, kwargs)
@@ -753,7 +790,7 @@ class ParityCase:
         def run(device: torch.device, patched: bool, audited: bool = False):
             __tracebackhide__ = True
             return self._run(fn, args, kwargs, device, seed=seed, patched=patched, grad=grad, audited=audited,
-                             stream=stream(patched))
+                             stream=stream(patched), layers=layer_policy)
 
         def rerun(device: torch.device, patched: bool, call_args: tuple, call_kwargs: dict) -> dict:
             return self._run(fn, call_args, call_kwargs, device, seed=seed, patched=patched, grad=grad,
@@ -764,7 +801,7 @@ class ParityCase:
 
         call = CheckCall("check", fn, args, kwargs, seed, grad, rerun, vacuous_ok, fault_weight, sample_dim)
         return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
-                                       golden_policy, golden, budget)
+                                       golden_policy, golden, budget, layer_policy=layer_policy)
 
     def train_step(self, name: str, module: torch.nn.Module, inputs: Any, *,
                    labels: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
@@ -775,7 +812,7 @@ class ParityCase:
                    reason: str | None = None, vacuous_ok: str | None = None,
                    fault_weight: str | None = None, policy: str | None = None,
                    loop: Callable[[torch.nn.Module, dict, Recipe | None], dict] | None = None,
-                   audit_budget: Any = None, store: str | None = None) -> CheckRecord:
+                   audit_budget: Any = None, store: str | None = None, layers: Any = None) -> CheckRecord:
         """One training step on each side from the same weights, compared leaf by leaf.
 
         Each side deep-copies ``module``, puts it in training mode on its device, runs the forward
@@ -810,7 +847,8 @@ class ParityCase:
         backward; the gradient clipping, the loss scaler and the optimizer step are the plugin's and
         not audited. ``store``: how a recording keeps the leaves (``"full"``, ``"summary"``, see
         ``compact``; default: the marker's ``train_store=``, else the session's); a comparison with
-        a baseline follows what the baseline recorded.
+        a baseline follows what the baseline recorded. ``layers``: as in ``check``; the layers'
+        outputs are those of the training-mode forward.
 
         ``loop``: a whole training loop instead of the single step (``hf_trainer.TrainerLoop``: N steps
         through Hugging Face Trainer): ``loop(module, inputs, recipe)`` trains each side's fresh copy of
@@ -832,6 +870,7 @@ class ParityCase:
                                      dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
         golden_policy = self._verdict_policy(name, policy, training=True)
         budget = self._audit_budget(name, audit_budget)
+        layer_policy = self._layer_policy(name, layers)
         from .compact import parse_train_store
 
         train_store = (parse_train_store(store, source="check") if store is not None
@@ -886,7 +925,8 @@ class ParityCase:
             m = copy.deepcopy(module).to(device)
             return self._run(step, (m, True, positional if args is None else tuple(args), labels),
                              keywords if batch is None else batch, device, seed=seed, patched=patched,
-                             grad=True, audited=audited, recipe_context=False)
+                             grad=True, audited=audited, recipe_context=False,
+                             layers=layer_policy if args is None and batch is None else None)
 
         def golden() -> dict:
             from .golden import GoldenUnavailableError, golden_dtypes
@@ -905,18 +945,20 @@ class ParityCase:
                          lambda device, patched, args, batch: run(device, patched, args=args, batch=batch)[0],
                          vacuous_ok, fault_weight)
         return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
-                                       golden_policy, golden, budget, train_store=train_store)
+                                       golden_policy, golden, budget, train_store=train_store,
+                                       layer_policy=layer_policy)
 
     def _record_or_compare(self, name: str, run: Callable, hashes: dict[str, Any], call: "CheckCall",
                            tol: Tolerance, submodule: str | None, group: str | None, start: float,
                            golden_policy: Any = None, golden_run: Callable[[], dict] | None = None,
-                           audit_budget: Any = None, train_store: Any = None) -> CheckRecord:
+                           audit_budget: Any = None, train_store: Any = None, layer_policy: Any = None) -> CheckRecord:
         """The tail shared by ``check`` and ``train_step``: record the reference run in record mode;
         else get the reference (baseline or live CPU), run the target under the patch set (audited
         when the session audits and the test does not turn it off), judge (under ``golden_policy``
         with the golden from ``golden_run``, when given; the audit by ``audit_budget``). A train step's
         leaves are recorded as ``train_store`` says (``compact``); the target's (and the golden's)
-        leaves are reduced the way the baseline recorded them."""
+        leaves are reduced the way the baseline recorded them. Layer records (``layers``) are stored
+        with the leaves and judged by ``layer_policy`` beside them."""
         __tracebackhide__ = True
         from .compact import apply_recorded, compact_leaves
 
@@ -936,6 +978,11 @@ class ParityCase:
             self._baseline_error(name, exc, tol, submodule, group, start, weights)
             raise
         actual, audit = run(self.target, patched=True, audited=self._audit_mode() != "off")
+        from .layers import split_layers
+
+        actual, actual_layers = split_layers(actual)
+        expected, expected_layers = split_layers(expected)
+        layer_records = (actual_layers, expected_layers, layer_policy) if layer_policy is not None else None
         if call.sample_dim is not None and (own_stream or reference_rng == "device"):
             return self._judge_distribution(name, actual, expected, tol, reference, provenance, submodule, start,
                                             audit, call, group, weights, own_stream, reference_rng)
@@ -969,7 +1016,8 @@ class ParityCase:
                     "±lr; their grad.* leaves are compared")
         return self._judge(name, actual, expected, tol, reference, provenance, submodule, start, audit,
                            call=call, group=group, golden_policy=golden_policy if golden is not None else None,
-                           golden=golden, policy_note=note, weights=weights, audit_budget=audit_budget)
+                           golden=golden, policy_note=note, weights=weights, audit_budget=audit_budget,
+                           layer_records=layer_records)
 
     def compare(self, name: str, actual: Any, expected: Any, *, rtol: float | None = None,
                 atol: float | None = None, budget: float | None = None, reason: str | None = None,
@@ -1086,8 +1134,10 @@ class ParityCase:
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device, *, seed: int,
              patched: bool, grad: bool, audited: bool = False, recipe_context: bool = True,
-             stream: tuple[str, int] | None = None):
-        """``(leaves on the CPU, audit dict or None)`` of one run of ``fn`` on ``device``.
+             stream: tuple[str, int] | None = None, layers: Any = None):
+        """``(leaves on the CPU, audit dict or None)`` of one run of ``fn`` on ``device``; with a
+        ``layers.LayerPolicy`` as ``layers`` the leaves also hold the run's layer records
+        (``layers.capture_layers`` on the computation's module, keys ``layer:<path>``).
 
         ``audited``: record a device-propagation audit (``session.audit_factory(device)``). A real
         audit watches this very run. A *logical* one (``audit.logical``, a CPU target) watches an
@@ -1104,7 +1154,7 @@ class ParityCase:
         __tracebackhide__ = True
         try:
             return self._run_once(fn, args, kwargs, device, seed=seed, patched=patched, grad=grad, audited=audited,
-                                  recipe_context=recipe_context, stream=stream)
+                                  recipe_context=recipe_context, stream=stream, layers=layers)
         except RuntimeError as exc:
             from .recipes import RecipeUnsupportedError
 
@@ -1152,27 +1202,34 @@ class ParityCase:
 
     def _run_once(self, fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device, *, seed: int,
                   patched: bool, grad: bool, audited: bool = False, recipe_context: bool = True,
-                  stream: tuple[str, int] | None = None):
+                  stream: tuple[str, int] | None = None, layers: Any = None):
         """``_run`` without the recipe diagnosis."""
         __tracebackhide__ = True
         audit = self.session.audit_factory(device) if audited else None
         if audit is not None and getattr(audit, "logical", False):
             leaves, _ = self._run(fn, args, kwargs, device, seed=seed, patched=patched, grad=grad,
-                                  recipe_context=recipe_context, stream=stream)
+                                  recipe_context=recipe_context, stream=stream, layers=layers)
             fresh = tuple(copy.deepcopy(a) if isinstance(a, torch.nn.Module) else a for a in args)
             self._call(fn, fresh, kwargs, device, seed=seed, patched=patched, grad=grad,
                        recipe_context=recipe_context, audit=audit, stream=stream)
             return leaves, audit.to_dict()
+        records: dict[str, torch.Tensor] | None = {} if layers is not None else None
         output, entered = self._call(fn, args, kwargs, device, seed=seed, patched=patched, grad=grad,
-                                     recipe_context=recipe_context, audit=audit, stream=stream)
+                                     recipe_context=recipe_context, audit=audit, stream=stream,
+                                     layers=records, layer_samples=getattr(layers, "samples", None))
         leaves = _to_cpu_leaves(output)
+        if records:
+            leaves.update(records)
         return leaves, (entered.to_dict() if entered is not None and hasattr(entered, "to_dict") else None)
 
     def _call(self, fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device, *, seed: int,
               patched: bool, grad: bool, recipe_context: bool, audit: Any = None,
-              stream: tuple[str, int] | None = None) -> tuple[Any, Any]:
+              stream: tuple[str, int] | None = None, layers: dict | None = None,
+              layer_samples: int | None = None) -> tuple[Any, Any]:
         """Run ``fn`` once on ``device`` under the recipe, shared randomness and (if given) ``audit``;
         an audit with ``to_target`` (``audit.DeviceAudit``) places the module and inputs first.
+        ``layers``: a dict that receives the run's layer records (``layers.capture_layers`` on the
+        placed module, or on the first module among the arguments: a train step's copy).
         Returns ``(output, the entered audit or None)``."""
         __tracebackhide__ = True
         weights_dtype = self.recipe.weights_dtype
@@ -1203,7 +1260,14 @@ class ParityCase:
                         audit.to_target(owner)
                     args_d, kwargs_d = audit.to_target(args_d), audit.to_target(kwargs_d)
                 audit = stack.enter_context(audit)
+            if layers is not None:
+                from .layers import DEFAULT_SAMPLES, capture_layers
+
+                root = owner_module(call) or next((a for a in args_d if isinstance(a, torch.nn.Module)), None)
+                captured = stack.enter_context(capture_layers(root, layer_samples or DEFAULT_SAMPLES))
             output = call(*args_d, **kwargs_d)
+        if layers is not None:
+            layers.update(captured)  # on the CPU once the capture has ended
         return output, audit
 
     def _load_baseline(self):
@@ -1319,7 +1383,7 @@ class ParityCase:
     def _judge(self, name, actual, expected, tol, reference, provenance, submodule, start, audit,
                call: CheckCall | None, group=None, vacuous_ok: str | None = None, golden_policy: Any = None,
                golden: dict | None = None, policy_note: str | None = None,
-               weights: str | None = None, audit_budget: Any = None) -> CheckRecord:
+               weights: str | None = None, audit_budget: Any = None, layer_records: tuple | None = None) -> CheckRecord:
         __tracebackhide__ = True
         if golden_policy is not None:
             from .golden import judge_golden
@@ -1339,6 +1403,9 @@ class ParityCase:
         self._keep(record)
         vacuous_ok = (call.vacuous_ok if call is not None else vacuous_ok) or self.vacuous_ok
         problems = _vacuity_problems(name, expected, record, vacuous_ok)
+        layer_problem = self._judge_layers(record, layer_records)
+        if layer_problem:
+            problems.append(layer_problem)
         audit_problem = self._judge_audit(record, audit_budget)
         if audit_problem:
             problems.append(audit_problem)
@@ -1384,6 +1451,43 @@ class ParityCase:
                     message += "\n\n" + extra
         record.message = message
         raise ParityError(message, result)
+
+    def _layer_policy(self, name: str, spec: Any) -> Any:
+        """The ``layers.LayerPolicy`` of check ``name``: its own ``layers=`` over the test's; a bad spec names the check."""
+        if spec is None:
+            return self.layer_policy
+        from .layers import parse_layer_spec
+
+        try:
+            return parse_layer_spec(spec, source="check")
+        except ValueError as exc:
+            raise ValueError(f"parity check {name!r}: {exc}") from None
+
+    def _judge_layers(self, record: CheckRecord, layer_records: tuple | None) -> str | None:
+        """Judge the check's layer records (``layers.judge_layers``) into ``record.extra``; the
+        failure text, or None. A reference without layer records (a baseline recorded before them,
+        or with the layer check off) leaves a note and judges nothing."""
+        if layer_records is None:
+            return None
+        from .layers import judge_layers
+
+        actual, expected, policy = layer_records
+        record.layer_records = (actual, expected)
+        record.extra["layer_policy"] = policy.describe()
+        if actual and not expected:
+            note = ("layer check not run: the reference has no layer records (re-record the baseline with "
+                    "--update-baselines to judge every weighted layer)")
+            record.extra["policy_note"] = "; ".join(filter(None, [record.extra.get("policy_note"), note]))
+            return None
+        verdict = judge_layers(actual, expected, policy)
+        record.extra["layers_judged"] = verdict.judged
+        worst = verdict.worst()
+        if worst is not None:
+            record.extra["layer_worst"], record.extra["layer_worst_rel_l2"] = worst
+        if verdict.passed:
+            return None
+        record.extra["layers_failing"] = ", ".join(verdict.failing)
+        return verdict.format()
 
     def _audit_mode(self) -> str:
         """``off`` (no audit), ``record``, ``warn`` or ``fail`` for this test's checks."""

@@ -1,0 +1,219 @@
+"""Layer records (module ``layers``): capture, the rel-L2/amplification rule, and the runner's layer check."""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from pytest_npu_parity.baselines import BaselineStore
+from pytest_npu_parity.compare import ParityError
+from pytest_npu_parity.layers import (INPUT_SUFFIX, LAYER_PREFIX, LayerPolicy, capture_layers, judge_layers,
+                                      parse_layer_spec, split_layers)
+from pytest_npu_parity.runner import ParityCase, ParitySession
+
+CPU = torch.device("cpu")
+
+
+def damped() -> torch.nn.Module:
+    """Linear (no bias) then LayerNorm without affine: the norm divides any scale of the Linear's
+    weight away, so a weight x (1 + 1e-4) leaves the output within rounding."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False), torch.nn.LayerNorm(64, elementwise_affine=False),
+                               torch.nn.Linear(64, 8)).eval()
+
+
+X = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+
+
+def scale_weight(model: torch.nn.Module, session: ParitySession, name: str, factor: float):
+    @contextlib.contextmanager
+    def patches(device: torch.device):
+        w = model.get_parameter(name)
+        saved = w.detach().clone()
+        with torch.no_grad():
+            w.mul_(factor)
+        session.forget(model)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                w.copy_(saved)
+            session.forget(model)
+    return patches
+
+
+def test_capture_records_first_call_of_weighted_submodules_with_inputs():
+    model = damped()
+    with capture_layers(model, samples=100) as records:
+        model(X)
+        model(X * 2)  # a second call does not overwrite the first
+    assert list(records) == [f"{LAYER_PREFIX}0", f"{LAYER_PREFIX}0{INPUT_SUFFIX}",
+                             f"{LAYER_PREFIX}2", f"{LAYER_PREFIX}2{INPUT_SUFFIX}"]  # LayerNorm has no weights
+    assert records[f"{LAYER_PREFIX}0"].shape == (100,)
+    assert records[f"{LAYER_PREFIX}2"].numel() == 100  # 16 x 8 = 128 > 100 sampled
+    full = model[0](X).reshape(-1)
+    assert set(records[f"{LAYER_PREFIX}0"].tolist()) <= set(full.tolist())
+    assert not model[0]._forward_hooks  # hooks removed
+    with capture_layers(model, samples=100) as again:
+        model(X)
+    assert torch.equal(again[f"{LAYER_PREFIX}0"], records[f"{LAYER_PREFIX}0"])  # same positions
+
+
+def test_judge_rule_limit_amplification_and_nonfinite():
+    g = torch.Generator().manual_seed(2)
+    e = torch.randn(256, generator=g)
+    noise = torch.randn(256, generator=g)
+    policy = LayerPolicy(1e-5)
+    ok = judge_layers({"layer:a": e * (1 + 1e-7 * noise)}, {"layer:a": e}, policy)
+    assert ok.passed and ok.errors["a"] < 1e-6
+    bad = judge_layers({"layer:a": e * (1 + 1e-4)}, {"layer:a": e}, policy)
+    assert not bad.passed and bad.failing == ["a"] and math.isclose(bad.errors["a"], 1e-4, rel_tol=1e-3)
+    # the same output error over an input that already drifted by 2e-5 is drift received (x5 < x10)
+    drifted = {"layer:a": e * (1 + 1e-4), "layer:a@in": e * (1 + 2e-5)}
+    assert judge_layers(drifted, {"layer:a": e, "layer:a@in": e}, policy).passed
+    # ... but not over an input that drifted by 2e-6 (x50)
+    drifted["layer:a@in"] = e * (1 + 2e-6)
+    assert not judge_layers(drifted, {"layer:a": e, "layer:a@in": e}, policy).passed
+    masked = e.clone()
+    masked[0] = -math.inf
+    assert judge_layers({"layer:a": masked}, {"layer:a": masked}, policy).passed  # same -inf: equal
+    nan = e.clone()
+    nan[3] = math.nan
+    assert not judge_layers({"layer:a": nan}, {"layer:a": e}, policy).passed
+    zeros = torch.zeros(64)
+    assert judge_layers({"layer:z": zeros + 1e-12}, {"layer:z": zeros}, policy).passed  # under the floor
+    other = judge_layers({"layer:a": e, "layer:b": e[:10]}, {"layer:a": e, "layer:b": e[:20], "layer:c": e}, policy)
+    assert other.judged == 1 and other.unmatched == ["b", "c"]
+
+
+def test_parse_layer_spec():
+    assert parse_layer_spec("off", source="ini") is None and parse_layer_spec(False, source="marker") is None
+    assert parse_layer_spec("3e-5 # deep BatchNorm stack", source="ini").limit == 3e-5
+    assert parse_layer_spec(True, source="marker").limit == 1e-5
+    with pytest.raises(ValueError, match="give 'off' or a relative L2 limit"):
+        parse_layer_spec("tight", source="ini")
+    with pytest.raises(ValueError, match="limit=-1"):
+        parse_layer_spec(-1, source="ini")
+
+
+def test_split_layers_keeps_outputs_apart():
+    leaves = {"": torch.ones(2), "layer:0": torch.ones(3), "layer:0@in": torch.ones(3)}
+    outputs, layers = split_layers(leaves)
+    assert list(outputs) == [""] and set(layers) == {"layer:0", "layer:0@in"}
+
+
+def test_damped_fault_fails_the_layer_check_and_passes_outputs_only():
+    model = damped()
+    session = ParitySession(CPU, reference="cpu")
+    fault = scale_weight(model, session, "0.weight", 1 + 1e-4)
+    with pytest.raises(ParityError, match=r"Layer check failed: 1 of 2 .*'0' 0\.0001 \(input 0\)") as info:
+        ParityCase(session, "t::fault", "fp32", patches=fault).check("m", model, X)
+    assert "with every output leaf within tolerance" in str(info.value)
+    # outputs alone cannot see it: the layer check off passes the same fault (what it is for)
+    record = ParityCase(session, "t::off", "fp32", patches=fault).check("m", model, X, layers=False)
+    assert record.status == "pass"
+    clean = ParityCase(session, "t::clean", "fp32").check("m", model, X)
+    assert clean.extra["layers_judged"] == 2 and clean.extra["layer_worst_rel_l2"] == 0.0
+    assert {"layers_judged", "layer_worst", "layer_policy"} <= set(clean.rows()[0])
+
+
+def test_bf16_records_no_layers_by_default_and_a_marker_turns_them_on():
+    model = damped()
+    session = ParitySession(CPU, reference="cpu")
+    assert ParityCase(session, "t::b", "bf16").layer_policy is None
+    assert ParityCase(session, "t::b2", "bf16", marker_layers=1e-2).layer_policy.limit == 1e-2
+    assert ParitySession(CPU, reference="cpu", layers="off").layer_policy("fp32") is None
+    record = ParityCase(session, "t::b3", "bf16").check("m", model, X)
+    assert "layers_judged" not in record.extra
+
+
+def test_layer_records_are_stored_in_baselines_and_judged_against_them(tmp_path):
+    model = damped()
+    recorder = ParitySession(CPU, update_baselines=True, store=BaselineStore(tmp_path, "suite"))
+    case = ParityCase(recorder, "tests/test_x.py::t", "fp32")
+    case.check("m", model, X)
+    assert case.finish() == "created"
+    stored = next(iter(case._pending.values())) if case._pending else None
+    session = ParitySession(CPU, reference="baseline", store=BaselineStore(tmp_path, "suite"))
+    record = ParityCase(session, "tests/test_x.py::t", "fp32").check("m", model, X)
+    assert record.reference == "baseline" and record.extra["layers_judged"] == 2
+    fault = scale_weight(model, session, "0.weight", 1 + 1e-4)
+    with pytest.raises(ParityError, match="Layer check failed"):
+        ParityCase(session, "tests/test_x.py::t", "fp32", patches=fault).check("m", model, X)
+    del stored
+
+
+def test_baseline_without_layer_records_leaves_a_note(tmp_path):
+    model = damped()
+    recorder = ParitySession(CPU, update_baselines=True, store=BaselineStore(tmp_path, "suite"), layers="off")
+    case = ParityCase(recorder, "tests/test_x.py::t", "fp32")
+    case.check("m", model, X)
+    case.finish()
+    session = ParitySession(CPU, reference="baseline", store=BaselineStore(tmp_path, "suite"))
+    record = ParityCase(session, "tests/test_x.py::t", "fp32").check("m", model, X)
+    assert record.status == "pass" and "layer check not run" in record.extra["policy_note"]
+
+
+def test_train_step_records_training_mode_layers():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    session = ParitySession(CPU, reference="cpu")
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(3))
+    record = ParityCase(session, "t::train", "fp32").train_step("step", model, x, loss_fn=lambda out: out.square().mean())
+    assert record.extra["layers_judged"] == 3
+
+
+DAMPED_TEST = """
+import contextlib
+import pytest
+import torch
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False),
+                               torch.nn.LayerNorm(64, elementwise_affine=False), torch.nn.Linear(64, 8)).eval()
+
+MODEL = model()
+
+@pytest.fixture
+def parity_patches(parity_session):
+    @contextlib.contextmanager
+    def fault(device):
+        w = MODEL[0].weight
+        saved = w.detach().clone()
+        with torch.no_grad():
+            w.mul_(1 + 1e-4)
+        parity_session.forget(MODEL)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                w.copy_(saved)
+            parity_session.forget(MODEL)
+    return fault
+
+X = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+
+def test_damped(parity):
+    parity.check("m", MODEL, X)
+
+@pytest.mark.parity(layers=False)
+def test_damped_outputs_only(parity):
+    parity.check("m", MODEL, X)
+"""
+
+
+def test_plugin_layer_check_option_marker_and_header(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_damped=DAMPED_TEST)
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes=fp32", "-p", "no:cacheprovider", "-rN")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["npu-parity: layer check fp32: rel-L2 <= 1e-05 per layer or <= 10x its input's*",
+                                 "*Layer check failed: 1 of 2 weighted layers*'0' 0.0001 (input 0)*"])
+    off = pytester.runpytest("--npu-parity", "--parity-dtypes=fp32", "--parity-layers=off", "-p", "no:cacheprovider")
+    off.assert_outcomes(passed=2)
+    off.stdout.fnmatch_lines(["npu-parity: layer check off (--parity-layers)"])
+    bad = pytester.runpytest("--npu-parity", "--parity-layers=tight", "-p", "no:cacheprovider")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    bad.stderr.fnmatch_lines(["*--parity-layers='tight': layer check 'tight': give 'off' or a relative L2 limit*"])
