@@ -71,6 +71,7 @@ warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is 
 from pytest_npu_parity.calibration import CPU_KERNEL_PATH_ENV, OTHER_PYTHON_ENV  # noqa: E402
 from pytest_npu_parity.compare import ParityError, compare  # noqa: E402
 from pytest_npu_parity.golden import GoldenPolicy, default_golden_for_recipe, judge_golden  # noqa: E402
+from pytest_npu_parity.layers import LayerPolicy, judge_layers, split_layers  # noqa: E402
 from pytest_npu_parity.policy import Tolerance  # noqa: E402
 from pytest_npu_parity.runner import ParityCase, ParitySession  # noqa: E402
 
@@ -347,6 +348,7 @@ class Verdict:
     golden: GoldenPolicy | None = None
     rel_l2: float | None = None
     note: str = ""
+    layers: float | None = None  # plus the layer check at this rel-L2 limit (module layers)
 
 
 def _golden_policy(floor: bool) -> GoldenPolicy:
@@ -354,7 +356,10 @@ def _golden_policy(floor: bool) -> GoldenPolicy:
 
 
 POLICIES = [
-    Verdict("allclose 1e-5/1e-5", Tolerance(rtol=1e-5, atol=1e-5), note="fp32 eval default"),
+    Verdict("allclose 1e-5/1e-5 + layers 1e-5", Tolerance(rtol=1e-5, atol=1e-5), layers=1e-5,
+            note="fp32 default: outputs and every weighted layer"),
+    Verdict("allclose 1e-5/1e-5 + layers 1e-6", Tolerance(rtol=1e-5, atol=1e-5), layers=1e-6),
+    Verdict("allclose 1e-5/1e-5", Tolerance(rtol=1e-5, atol=1e-5), note="outputs only"),
     Verdict("allclose 1e-5/1e-6", Tolerance(rtol=1e-5, atol=1e-6)),
     Verdict("allclose 1e-5/1e-7", Tolerance(rtol=1e-5, atol=1e-7)),
     Verdict("allclose 1e-6/1e-8", Tolerance(rtol=1e-6, atol=1e-8)),
@@ -368,7 +373,8 @@ POLICIES = [
 ]
 
 
-def judge_all(actual: dict, expected: dict, golden: dict | None) -> tuple[dict[str, str], dict[str, dict]]:
+def judge_all(actual: dict, expected: dict, golden: dict | None,
+              layers: tuple[dict, dict] | None = None) -> tuple[dict[str, str], dict[str, dict]]:
     """Every verdict of ``POLICIES`` on one target: ``({verdict: "pass" | "fail" | "n/a"}, details)``.
 
     The golden ratio test is computed once (``judge_golden`` without the floor: it is what costs,
@@ -399,9 +405,22 @@ def judge_all(actual: dict, expected: dict, golden: dict | None) -> tuple[dict[s
             failing = [leaf.path for leaf in ratio_test.leaves
                        if not leaf.passed and not (floor and leaves[leaf.path].passed and leaf.problem is None
                                                    and leaf.nonfinite_mismatched == 0)]
+        if verdict.layers is not None and layers and layers[1]:  # no weighted submodules: outputs only
+            judged = judge_layers(layers[0], layers[1], LayerPolicy(verdict.layers))
+            failing += [f"layer:{k}" for k in judged.failing]
         verdicts[verdict.name] = "fail" if failing else "pass"
         details[verdict.name] = {"failing": failing[:4], "failing_count": len(failing)}
     return verdicts, details
+
+
+def layer_worst(layers: tuple[dict, dict] | None) -> dict[str, Any]:
+    """The judged layer with the largest relative L2 error of target vs reference, and how many were judged."""
+    if not layers or not layers[1]:
+        return {}
+    judged = judge_layers(layers[0], layers[1], LayerPolicy(1e-5))
+    worst = judged.worst()
+    return {"layers_judged": judged.judged, "layer_worst": worst[0] if worst else None,
+            "layer_worst_rel_l2": worst[1] if worst else None, "layers_unmatched": len(judged.unmatched)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,6 +433,7 @@ class Captured:
     expected: dict | None = None
     golden: dict | None = None
     error: str | None = None
+    layers: tuple[dict, dict] | None = None  # (target's, reference's) layer records
 
 
 def run_case(session: ParitySession, case: Case, built: Built, patches: Callable | None,
@@ -424,8 +444,9 @@ def run_case(session: ParitySession, case: Case, built: Built, patches: Callable
     allclose (the verdicts are taken afterwards by ``judge_all``)."""
     captured = Captured()
 
-    def hook(_case, _record, _call, actual, expected):
+    def hook(_case, record, _call, actual, expected):
         captured.actual, captured.expected = actual, expected
+        captured.layers = record.layer_records
         return None
 
     original = session.golden
@@ -651,20 +672,22 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(got, str) or got is None:
                     rows.append(dict(row, status="error", message=got))
                     continue
-                actual = got
+                actual, child_layers = split_layers(got)
+                layers = (child_layers, clean.layers[1] if clean.layers else {})
             else:
                 captured = run_case(session, case, built[name], _patch(scenario.apply))
                 if captured.error or captured.actual is None:
                     rows.append(dict(row, status="error", message=captured.error))
                     continue
-                actual = captured.actual
+                actual, layers = captured.actual, captured.layers
             if set(actual) != set(clean.expected):  # a train step drops the same rounding-noise params
                 actual = {k: v for k, v in actual.items() if k in clean.expected}
-            if _equal(actual, clean.expected):
+            if _equal(actual, clean.expected) and (not layers or _equal(layers[0], layers[1])):
                 rows.append(dict(row, status="no effect"))
                 continue
-            verdicts, details = judge_all(actual, clean.expected, clean.golden)
-            row.update(status="judged", effect=_worst(actual, clean.expected), verdicts=verdicts, details=details)
+            verdicts, details = judge_all(actual, clean.expected, clean.golden, layers)
+            row.update(status="judged", effect=dict(_worst(actual, clean.expected), **layer_worst(layers)),
+                       verdicts=verdicts, details=details)
             row["seconds"] = time.perf_counter() - t1
             print(f"  {name} {scenario.name}: {row['seconds']:.1f} s", flush=True)
             rows.append(row)
@@ -718,17 +741,19 @@ def markdown(report: dict) -> str:
     lines += ["", "Per case: worst leaf of target vs reference (rel-L2 / max-abs) and which verdicts fail "
               "(F = fail, . = pass); variants should pass, faults fail.", ""]
     short = [p["name"] for p in report["policies"]]
-    lines.append("| case | scenario | rel-L2 (leaf) | max-abs | " + " | ".join(short) + " |")
-    lines.append("| --- | --- | --- | --- | " + " | ".join("---" for _ in short) + " |")
+    lines.append("| case | scenario | rel-L2 (leaf) | max-abs | worst layer rel-L2 (layer, of judged) | "
+                 + " | ".join(short) + " |")
+    lines.append("| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in short) + " |")
     for r in report["rows"]:
         if r.get("status") != "judged":
-            lines.append(f"| {r['case']} | {r['scenario']} | {r.get('status')} {r.get('message') or ''} | | "
+            lines.append(f"| {r['case']} | {r['scenario']} | {r.get('status')} {r.get('message') or ''} | | | "
                          + " | ".join("" for _ in short) + " |")
             continue
         e = r["effect"]
         marks = ["F" if r["verdicts"][n] == "fail" else "." if r["verdicts"][n] == "pass" else "n/a" for n in short]
         lines.append(f"| {r['case']} | {r['scenario']} | {_g(e.get('rel_l2'))} ({e.get('rel_l2_leaf')}) | "
-                     f"{_g(e.get('max_abs'))} | " + " | ".join(marks) + " |")
+                     f"{_g(e.get('max_abs'))} | {_g(e.get('layer_worst_rel_l2'))} ({e.get('layer_worst')}, "
+                     f"{e.get('layers_judged')}) | " + " | ".join(marks) + " |")
     lines += ["", "Reference vs fp64 golden (the reference's own rounding error), worst leaf:", ""]
     for name, info in report["cases"].items():
         e = info["reference_vs_golden"]
