@@ -9,7 +9,8 @@ comparison of outputs can tell the two apart. The query projection's own output 
 So every check of a module also records, on each side, the output of each of its submodules
 that holds parameters of its own (``Linear``, ``Conv2d``, ``LayerNorm``, ``Embedding``,
 ``BatchNorm2d``, an ``LSTM`` inside a larger model …; the checked module itself is left out: its
-output is the check's), at the first call of that submodule in the run:
+output is the check's; so are modules whose forward changes path when hooked, ``HOOK_SENSITIVE``),
+at the first call of that submodule in the run:
 
 * the first dense floating tensor of the output (in ``compare.flatten`` order) and of the
   positional inputs, flattened;
@@ -163,10 +164,28 @@ def _sampled(key: str, tensor: torch.Tensor, samples: int) -> torch.Tensor:
     return flat.clone()
 
 
+#: Modules whose forward looks at the hooks of itself and its submodules and takes another path
+#: when there are any: ``nn.TransformerEncoderLayer`` turns off its fast path
+#: (``torch/nn/modules/transformer.py``, ``TransformerEncoderLayer.forward``: "forward pre-/hooks are
+#: attached to the module", torch 2.5.1 and 2.14.1). Neither they nor their submodules are hooked, so
+#: the layer check never changes what runs.
+HOOK_SENSITIVE = (torch.nn.TransformerEncoderLayer,)
+
+
 def layer_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``(path, module)`` of every submodule of ``root`` with parameters of its own (not ``root``)."""
-    return [(name, m) for name, m in root.named_modules()
-            if name and next(m.parameters(recurse=False), None) is not None]
+    """``(path, module)`` of every submodule of ``root`` with parameters of its own (not ``root``),
+    except ``HOOK_SENSITIVE`` modules and everything inside them, and script modules."""
+    skipped: list[str] = []
+    found = []
+    for name, m in root.named_modules():
+        if any(name == s or name.startswith(s + ".") for s in skipped):
+            continue
+        if isinstance(m, HOOK_SENSITIVE) or isinstance(m, torch.jit.ScriptModule):
+            skipped.append(name)
+            continue
+        if name and next(m.parameters(recurse=False), None) is not None:
+            found.append((name, m))
+    return found
 
 
 @contextlib.contextmanager

@@ -217,3 +217,28 @@ def test_plugin_layer_check_option_marker_and_header(pytester: pytest.Pytester) 
     bad = pytester.runpytest("--npu-parity", "--parity-layers=tight", "-p", "no:cacheprovider")
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
     bad.stderr.fnmatch_lines(["*--parity-layers='tight': layer check 'tight': give 'off' or a relative L2 limit*"])
+
+
+def test_recording_never_changes_what_runs_transformer_encoder_layer_fast_path(monkeypatch):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True).eval()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), layer, torch.nn.Linear(32, 4)).eval()
+    x = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(4))
+    fast = torch._transformer_encoder_layer_fwd
+    calls = []
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", lambda *a, **k: calls.append(1) or fast(*a, **k))
+    with torch.no_grad():
+        plain = model(x)
+        assert calls == [1]  # the fused fast path ran
+        with capture_layers(model) as records:
+            hooked = model(x)
+    assert calls == [1, 1] and torch.equal(plain, hooked)  # recording kept it
+    assert [k for k in records if not k.endswith(INPUT_SUFFIX)] == ["layer:0", "layer:2"]
+    # what the exclusion is for: a hook inside the layer turns the fast path off
+    handle = layer.linear1.register_forward_hook(lambda *a: None)
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        handle.remove()
+    assert calls == [1, 1]
