@@ -38,6 +38,17 @@ BF16_FLOOR = dict(rtol=2e-3, atol=2e-3, reason="5 bf16 Trainer steps, another to
                                                "running_mean moves by up to 1.35e-3 (measured, 2.5.1 vs 2.14.1)")
 
 
+#: fp32 allclose tolerance of the DeepSpeed Trainer check, which has no golden (DeepSpeed casts the inputs to fp32)
+#: and so no ratio test to tell accumulated rounding from a fault. Measured against the baseline recorded with
+#: torch 2.14.1's default CPU kernels: on another CPU kernel path (ATEN_CPU_CAPABILITY=default
+#: ONEDNN_MAX_CPU_ISA=AVX2) five AdamW steps move the first decoder layer's BatchNorm running_mean by max-abs
+#: 2.1e-5 (err/tol 1.86 at the default 1e-5). A weight fault still fails the check through its layer check (the
+#: first forward runs on the recorded weights: a 1e-4 weight scale moves its layer by 1e-4).
+FP32_DEEPSPEED = dict(rtol=1e-4, atol=1e-4, reason="5 fp32 AdamW steps through DeepSpeed, no golden: BatchNorm "
+                                                   "running_mean moves by up to 2.1e-5 on another CPU kernel path "
+                                                   "(measured)")
+
+
 @pytest.mark.parity(recipes=["fp32", "bf16"])
 def test_trainer_steps(parity, aurora_tiny):
     tolerance = BF16_FLOOR if parity.recipe.name == "bf16" else {}
@@ -53,4 +64,4 @@ def test_trainer_steps_deepspeed(parity, aurora_tiny):
         pytest.skip(why)
     parity.train_step(f"trainer_deepspeed_zero2_{STEPS}_steps", aurora_tiny, trainer_inputs(),
                       loop=hf_trainer.TrainerLoop(steps=STEPS, batch_size=BATCH, deepspeed_config=DEEPSPEED_CONFIG),
-                      group="Trainer smoke run (DeepSpeed ZeRO-2)", fault_weight=TRAIN_STEP_FAULT)
+                      group="Trainer smoke run (DeepSpeed ZeRO-2)", fault_weight=TRAIN_STEP_FAULT, **FP32_DEEPSPEED)
