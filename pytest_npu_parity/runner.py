@@ -813,9 +813,10 @@ class ParityCase:
         parameter with tiny gradients into a difference of up to ±lr. The replay is used only when
         replaying the reference's own gradients reproduces the reference's ``param.*`` within the
         check's tolerance (an optimizer that is not a function of the weights and gradients alone
-        fails that) and the baseline is not compacted; otherwise the reference's own step is the
-        expected value, the parameters whose reference gradient is rounding noise are left out
-        (``rounding_level_params``), and the note says why. Not with ``loop`` or a loss-scaling
+        fails that; against a compact baseline, on the parameters it stores whole, and the replayed
+        parameters are then reduced to ``@sample``/``@stats`` as recorded); otherwise the
+        reference's own step is the expected value, the parameters whose reference gradient is
+        rounding noise are left out (``rounding_level_params``), and the note says why. Not with ``loop`` or a loss-scaling
         recipe (their steps are compared as they are). Under a loss-scaling recipe (``fp16``)
         the backward, clipping and step go through a dynamic ``GradScaler``
         (:func:`scaled_backward_and_step`), ``grad.<param>`` are the unscaled gradients, and three
@@ -1004,39 +1005,48 @@ class ParityCase:
     @staticmethod
     def _optimizer_replay(call: "CheckCall", actual: dict, expected: dict, tol: Tolerance,
                           compact: dict | None) -> tuple[dict | None, str | None]:
-        """``(replayed param.<p> leaves or None, note or None)`` of a training step's optimizer replay
+        """``(replayed param.* leaves or None, note or None)`` of a training step's optimizer replay
         (``train_step``, Compared leaves): the step replayed from the target's full ``grad.<p>``
-        leaves, used only when the same replay from the reference's own ``grad.<p>`` reproduces the
-        reference's ``param.<p>`` within ``tol`` (else None and a note why, and the caller falls
-        back to ``rounding_level_params``)."""
+        leaves (``actual``, before ``compact.apply_recorded``), reduced as the baseline recorded them
+        (``compact``), used only when the same replay from the reference's own ``grad.<p>``
+        reproduces the reference's ``param.<p>`` within ``tol``. A compact baseline keeps large
+        gradients only as ``@sample``/``@stats``: the replay is then validated on the parameters it
+        stores whole (an optimizer whose step of one parameter depends on others' gradients fails
+        that check, their gradients being absent), and not used when it stores none whole. Otherwise
+        None and a note why; the caller then falls back to ``rounding_level_params``."""
+        from .compact import SAMPLE_SUFFIX, STATS_SUFFIX, apply_recorded
+
         if call.kind != "train_step" or call.replay is None:
             return None, None
         fallback = ("optimizer replay not used ({}): param.* after the step compared with the reference's "
                     "own step")
-        if compact or any(k.endswith(("@sample", "@stats")) for k in expected):
-            return None, fallback.format("the baseline stores compacted grad/param leaves, the reference's "
-                                         "step cannot be replayed from them")
         params = {k for k in expected if k.startswith("param.")}
-        if not params or not any(k.startswith("grad.") and isinstance(v, torch.Tensor) for k, v in expected.items()):
+        whole = {k for k in params if not k.endswith((SAMPLE_SUFFIX, STATS_SUFFIX))}
+        if not any(isinstance(expected.get("grad." + k[len("param."):]), torch.Tensor) for k in whole):
+            if whole != params:
+                return None, fallback.format("the compact baseline stores no parameter's gradient whole, so the "
+                                             "reference's step cannot be replayed from it")
             return None, None
         try:
-            check = call.replay(expected)
-            mismatch = sorted(k for k in params if not isinstance(expected[k], torch.Tensor) or k not in check
+            check = call.replay(expected)  # compacted gradients are absent: those parameters are not stepped
+            mismatch = sorted(k for k in whole if not isinstance(expected[k], torch.Tensor) or k not in check
                               or check[k].shape != expected[k].shape)
             if not mismatch:
-                result = compare({k: check[k] for k in params}, {k: expected[k] for k in params}, tol)
+                result = compare({k: check[k] for k in whole}, {k: expected[k] for k in whole}, tol)
                 mismatch = [leaf.path for leaf in result.leaves if not leaf.passed]
             if mismatch:
                 shown = ", ".join(mismatch[:3]) + (", …" if len(mismatch) > 3 else "")
                 return None, fallback.format(f"replaying the reference's own gradients does not reproduce "
                                              f"its step on {shown}: the optimizer is not a function of the "
                                              "weights and gradients alone")
-            replayed = call.replay(actual)
+            replayed = apply_recorded(call.replay(actual), compact)
         except Exception as exc:  # noqa: BLE001 - a user optimizer that cannot be replayed: the old comparison
             return None, fallback.format(f"the replay raised {type(exc).__name__}: {exc}")
+        validated = (f" (validated on the {len(whole)} parameter(s) the compact baseline stores whole)"
+                     if whole != params else "")
         return {k: v for k, v in replayed.items() if k in params}, (
             "param.* after the step compared with the CPU optimizer's step from the target's gradients "
-            "(optimizer replay): a gradient difference within tolerance is not amplified by AdamW")
+            "(optimizer replay): a gradient difference within tolerance is not amplified by AdamW" + validated)
 
     def compare(self, name: str, actual: Any, expected: Any, *, rtol: float | None = None,
                 atol: float | None = None, budget: float | None = None, reason: str | None = None,

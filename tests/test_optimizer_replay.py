@@ -254,15 +254,39 @@ def test_replay_optimizer_step_is_the_optimizer_step_from_the_given_gradients():
     assert half["param.weight"].dtype == torch.float64
 
 
-def test_replay_is_not_used_for_a_compact_baseline(tmp_path):
+def _compact_baseline(tmp_path, model, inputs, store: str, **kwargs):
     from pytest_npu_parity.baselines import BaselineStore
 
-    store = BaselineStore(tmp_path, "suite")
-    model = WeightScaled()
-    rec = ParityCase(ParitySession(CPU, update_baselines=True, store=store), "tests/t.py::t", "fp32")
-    rec.train_step("step", model, IMG, store="summary min_numel=16 samples=8", policy="allclose")
+    store_dir = BaselineStore(tmp_path, "suite")
+    rec = ParityCase(ParitySession(CPU, update_baselines=True, store=store_dir), "tests/t.py::t", "fp32")
+    rec.train_step("step", model, inputs, store=store, policy="allclose", **kwargs)
     rec.finish()
-    c = ParityCase(ParitySession(CPU, reference="baseline", store=store), "tests/t.py::t", "fp32")
-    record = c.train_step("step", model, IMG, policy="allclose")
+    return lambda patches=None: ParityCase(ParitySession(CPU, reference="baseline", store=store_dir),
+                                           "tests/t.py::t", "fp32", patches=patches)
+
+
+def test_replay_against_a_compact_baseline_is_validated_on_the_whole_leaves_and_reduced_like_them(tmp_path):
+    model = WeightScaled()
+    against = _compact_baseline(tmp_path, model, IMG, "summary min_numel=16 samples=8")
+    record = against().train_step("step", model, IMG, policy="allclose")
     assert record.status == "pass"
-    assert "optimizer replay not used (the baseline stores compacted" in record.extra["policy_note"]
+    note = record.extra["policy_note"]
+    assert "(optimizer replay)" in note and "validated on the 6 parameter(s) the compact baseline stores whole" in note
+    leaves = {leaf.path for leaf in record.result.leaves}
+    assert {"param.conv.weight@sample", "param.conv.weight@stats", "param.fc2.weight"} <= leaves
+    c = against(wrong_lr())
+    with pytest.raises(ParityError):
+        c.train_step("step", model, IMG, policy="allclose")
+    failing = failing_leaves(c.records[-1])
+    assert "param.conv.weight@sample" in failing and all(leaf.startswith("param.") for leaf in failing)
+
+
+def test_replay_is_not_used_when_a_compact_baseline_keeps_no_gradient_whole(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    against = _compact_baseline(tmp_path, model, X, "summary min_numel=2 samples=1",
+                                loss_fn=lambda out: out.pow(2).mean())
+    record = against().train_step("step", model, X, loss_fn=lambda out: out.pow(2).mean(), policy="allclose")
+    assert record.status == "pass"
+    assert "optimizer replay not used (the compact baseline stores no parameter's gradient whole" in \
+        record.extra["policy_note"]
