@@ -272,7 +272,9 @@ def scaled_weight(factor: float) -> Iterator[None]:
         handle.remove()
         with torch.no_grad():
             for param, saved in done.values():
-                param.copy_(saved)
+                # rebind, not copy_: a train step's param.* leaf on the CPU shares the stepped
+                # parameter's storage, and copying the saved weight into it would undo the step
+                param.data = saved
 
 
 @contextlib.contextmanager
@@ -434,6 +436,8 @@ class Captured:
     golden: dict | None = None
     error: str | None = None
     layers: tuple[dict, dict] | None = None  # (target's, reference's) layer records
+    #: a train step judged by optimizer replay: ``(leaves) -> param.* leaves`` (``CheckCall.replay``)
+    replay: Callable[[dict], dict] | None = None
 
 
 def run_case(session: ParitySession, case: Case, built: Built, patches: Callable | None,
@@ -444,9 +448,11 @@ def run_case(session: ParitySession, case: Case, built: Built, patches: Callable
     allclose (the verdicts are taken afterwards by ``judge_all``)."""
     captured = Captured()
 
-    def hook(_case, record, _call, actual, expected):
+    def hook(_case, record, call, actual, expected):
         captured.actual, captured.expected = actual, expected
         captured.layers = record.layer_records
+        if "(optimizer replay)" in (record.extra.get("policy_note") or ""):
+            captured.replay = call.replay
         return None
 
     original = session.golden
@@ -659,7 +665,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         ref_err = _worst(clean.expected, clean.golden) if clean.golden is not None else {}
         references[name] = {"reference_vs_golden": ref_err, "clean_equal": _equal(clean.actual, clean.expected),
-                            "golden": clean.golden is not None, "seconds": time.perf_counter() - t0,
+                            "golden": clean.golden is not None, "optimizer_replay": clean.replay is not None,
+                            "seconds": time.perf_counter() - t0,
                             "leaves": len(clean.expected), "note": case.note, "faults": list(case.faults),
                             "kind": case.kind}
         for param, scenario in [(None, v) for v in chosen] + faults(case):
@@ -682,11 +689,14 @@ def main(argv: list[str] | None = None) -> int:
                 actual, layers = captured.actual, captured.layers
             if set(actual) != set(clean.expected):  # a train step drops the same rounding-noise params
                 actual = {k: v for k, v in actual.items() if k in clean.expected}
-            if _equal(actual, clean.expected) and (not layers or _equal(layers[0], layers[1])):
+            # A train step judged by optimizer replay (as the runner judges it): param.* expected
+            # after the CPU optimizer's step from this target's gradients.
+            expected = clean.expected if clean.replay is None else {**clean.expected, **clean.replay(actual)}
+            if _equal(actual, expected) and (not layers or _equal(layers[0], layers[1])):
                 rows.append(dict(row, status="no effect"))
                 continue
-            verdicts, details = judge_all(actual, clean.expected, clean.golden, layers)
-            row.update(status="judged", effect=dict(_worst(actual, clean.expected), **layer_worst(layers)),
+            verdicts, details = judge_all(actual, expected, clean.golden, layers)
+            row.update(status="judged", effect=dict(_worst(actual, expected), **layer_worst(layers)),
                        verdicts=verdicts, details=details)
             row["seconds"] = time.perf_counter() - t1
             print(f"  {name} {scenario.name}: {row['seconds']:.1f} s", flush=True)

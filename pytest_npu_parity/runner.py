@@ -326,6 +326,10 @@ class CheckCall:
         fault_weight: the parameter of the check's module (a ``named_parameters`` name) that
             ``--parity-selfcheck`` perturbs, or None for ``selfcheck.sensitive_parameter``'s choice.
         sample_dim: the axis of i.i.d. samples of a sampling check, or None.
+        replay: for a plain training step (``train_step`` without ``loop`` or loss scaling),
+            ``(leaves) -> {param.<p>: CPU tensor}``: the optimizer step replayed on a fresh CPU copy
+            of the module from the ``grad.<p>`` leaves in ``leaves`` (see ``ParityCase.train_step``,
+            optimizer replay); None for other checks.
     """
 
     kind: str
@@ -338,6 +342,7 @@ class CheckCall:
     vacuous_ok: str | None = None
     fault_weight: str | None = None
     sample_dim: int | None = None
+    replay: Callable[[dict], dict] | None = None
 
     @property
     def module(self) -> torch.nn.Module | None:
@@ -836,7 +841,20 @@ class ParityCase:
 
         Compared leaves: ``loss``; ``grad.<param>`` for every trainable parameter; ``param.<param>``
         after the step for every trainable parameter; ``buffer.<name>`` for every buffer (e.g.
-        BatchNorm running mean/var and num_batches_tracked). Under a loss-scaling recipe (``fp16``)
+        BatchNorm running mean/var and num_batches_tracked). The ``param.<param>`` leaves are judged
+        by **optimizer replay**: the expected values after the step are ``optimizer``'s step on a
+        fresh CPU copy of ``module`` (in the recipe's weights dtype) from the *target's* recorded
+        ``grad.<param>`` (``replay_optimizer_step``), so they test the target's optimizer step and
+        starting weights while the ``grad.*`` leaves test the gradients; AdamW's first step, about
+        ``lr·g/(|g| + eps)``, would otherwise turn a rounding-level gradient difference of a
+        parameter with tiny gradients into a difference of up to ±lr. The replay is used only when
+        replaying the reference's own gradients reproduces the reference's ``param.*`` within the
+        check's tolerance (an optimizer that is not a function of the weights and gradients alone
+        fails that; against a compact baseline, on the parameters it stores whole, and the replayed
+        parameters are then reduced to ``@sample``/``@stats`` as recorded); otherwise the
+        reference's own step is the expected value, the parameters whose reference gradient is
+        rounding noise are left out (``rounding_level_params``), and the note says why. Not with ``loop`` or a loss-scaling
+        recipe (their steps are compared as they are). Under a loss-scaling recipe (``fp16``)
         the backward, clipping and step go through a dynamic ``GradScaler``
         (:func:`scaled_backward_and_step`), ``grad.<param>`` are the unscaled gradients, and three
         leaves more are compared: ``amp.scale``, ``amp.skipped_steps`` and ``amp.grad_norm``.
@@ -941,9 +959,14 @@ class ParityCase:
                     first = first or exc
             raise first
 
+        replay = None
+        if loop is None and not self.recipe.loss_scaling:
+            def replay(leaves: dict) -> dict:
+                return replay_optimizer_step(module, leaves, optimizer, self.recipe.weights_dtype)
+
         call = CheckCall("train_step", module, positional, keywords, seed, True,
                          lambda device, patched, args, batch: run(device, patched, args=args, batch=batch)[0],
-                         vacuous_ok, fault_weight)
+                         vacuous_ok, fault_weight, replay=replay)
         return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
                                        golden_policy, golden, budget, train_store=train_store,
                                        layer_policy=layer_policy)
@@ -957,7 +980,10 @@ class ParityCase:
         when the session audits and the test does not turn it off), judge (under ``golden_policy``
         with the golden from ``golden_run``, when given; the audit by ``audit_budget``). A train step's
         leaves are recorded as ``train_store`` says (``compact``); the target's (and the golden's)
-        leaves are reduced the way the baseline recorded them. Layer records (``layers``) are stored
+        leaves are reduced the way the baseline recorded them. A train step's expected ``param.*``
+        leaves are replaced by the optimizer replay from the target's gradients when
+        ``_optimizer_replay`` trusts it (else its parameters with a rounding-noise reference
+        gradient are left out, ``rounding_level_params``). Layer records (``layers``) are stored
         with the leaves and judged by ``layer_policy`` beside them."""
         __tracebackhide__ = True
         from .compact import apply_recorded, compact_leaves
@@ -986,6 +1012,7 @@ class ParityCase:
         if call.sample_dim is not None and (own_stream or reference_rng == "device"):
             return self._judge_distribution(name, actual, expected, tol, reference, provenance, submodule, start,
                                             audit, call, group, weights, own_stream, reference_rng)
+        replayed, replay_note = self._optimizer_replay(call, actual, expected, tol, compact)
         actual = apply_recorded(actual, compact)
         if compact:  # re-runs (--parity-selfcheck) are compared with the same compact leaves
             rerun = call.rerun
@@ -1004,7 +1031,11 @@ class ParityCase:
                 f"{len(compact)} large leaves compared as the baseline recorded them (train store summary): "
                 f"{next(iter(compact.values()))['samples']} sampled elements and [sum, L2 norm, max |x|, "
                 "position-weighted sum] each (leaves <name>@sample, <name>@stats)")
-        if call.kind == "train_step":
+        if replayed is not None:
+            expected = {**expected, **replayed}
+        if replay_note:
+            note = ((note + "; ") if note else "") + replay_note
+        if call.kind == "train_step" and replayed is None:
             dropped = rounding_level_params(expected)
             if dropped:
                 actual, expected = _without(actual, dropped), _without(expected, dropped)
@@ -1018,6 +1049,52 @@ class ParityCase:
                            call=call, group=group, golden_policy=golden_policy if golden is not None else None,
                            golden=golden, policy_note=note, weights=weights, audit_budget=audit_budget,
                            layer_records=layer_records)
+
+    @staticmethod
+    def _optimizer_replay(call: "CheckCall", actual: dict, expected: dict, tol: Tolerance,
+                          compact: dict | None) -> tuple[dict | None, str | None]:
+        """``(replayed param.* leaves or None, note or None)`` of a training step's optimizer replay
+        (``train_step``, Compared leaves): the step replayed from the target's full ``grad.<p>``
+        leaves (``actual``, before ``compact.apply_recorded``), reduced as the baseline recorded them
+        (``compact``), used only when the same replay from the reference's own ``grad.<p>``
+        reproduces the reference's ``param.<p>`` within ``tol``. A compact baseline keeps large
+        gradients only as ``@sample``/``@stats``: the replay is then validated on the parameters it
+        stores whole (an optimizer whose step of one parameter depends on others' gradients fails
+        that check, their gradients being absent), and not used when it stores none whole. Otherwise
+        None and a note why; the caller then falls back to ``rounding_level_params``."""
+        from .compact import SAMPLE_SUFFIX, STATS_SUFFIX, apply_recorded
+
+        if call.kind != "train_step" or call.replay is None:
+            return None, None
+        fallback = ("optimizer replay not used ({}): param.* after the step compared with the reference's "
+                    "own step")
+        params = {k for k in expected if k.startswith("param.")}
+        whole = {k for k in params if not k.endswith((SAMPLE_SUFFIX, STATS_SUFFIX))}
+        if not any(isinstance(expected.get("grad." + k[len("param."):]), torch.Tensor) for k in whole):
+            if whole != params:
+                return None, fallback.format("the compact baseline stores no parameter's gradient whole, so the "
+                                             "reference's step cannot be replayed from it")
+            return None, None
+        try:
+            check = call.replay(expected)  # compacted gradients are absent: those parameters are not stepped
+            mismatch = sorted(k for k in whole if not isinstance(expected[k], torch.Tensor) or k not in check
+                              or check[k].shape != expected[k].shape)
+            if not mismatch:
+                result = compare({k: check[k] for k in whole}, {k: expected[k] for k in whole}, tol)
+                mismatch = [leaf.path for leaf in result.leaves if not leaf.passed]
+            if mismatch:
+                shown = ", ".join(mismatch[:3]) + (", …" if len(mismatch) > 3 else "")
+                return None, fallback.format(f"replaying the reference's own gradients does not reproduce "
+                                             f"its step on {shown}: the optimizer is not a function of the "
+                                             "weights and gradients alone")
+            replayed = apply_recorded(call.replay(actual), compact)
+        except Exception as exc:  # noqa: BLE001 - a user optimizer that cannot be replayed: the old comparison
+            return None, fallback.format(f"the replay raised {type(exc).__name__}: {exc}")
+        validated = (f" (validated on the {len(whole)} parameter(s) the compact baseline stores whole)"
+                     if whole != params else "")
+        return {k: v for k, v in replayed.items() if k in params}, (
+            "param.* after the step compared with the CPU optimizer's step from the target's gradients "
+            "(optimizer replay): a gradient difference within tolerance is not amplified by AdamW" + validated)
 
     def compare(self, name: str, actual: Any, expected: Any, *, rtol: float | None = None,
                 atol: float | None = None, budget: float | None = None, reason: str | None = None,
@@ -1570,13 +1647,54 @@ class ParityCase:
         self.session.records.append(record)
 
 
+def replay_optimizer_step(module: torch.nn.Module, leaves: dict[str, Any],
+                          optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                          weights_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """One ``optimizer`` step replayed on the CPU from given gradients (``train_step``'s optimizer replay).
+
+    A fresh copy of ``module`` on the CPU (cast to ``weights_dtype`` unless None), in training mode;
+    ``optimizer`` (a factory, as ``train_step`` takes it) over its trainable parameters in
+    ``named_parameters`` order; each parameter's ``.grad`` set to ``leaves["grad.<p>"]`` cast to the
+    parameter's dtype (left None where that leaf is missing, None, or of another shape: the
+    optimizer then skips the parameter, as it does one without a gradient); one ``opt.step()`` under
+    ``torch.no_grad()`` and ``recipes.strict_fp32_flags``. Nothing is clipped: the ``grad.<p>``
+    leaves of a training step are the clipped gradients its optimizer consumed.
+
+    Args:
+        module: the module as the training step started from (not modified).
+        leaves: a training step's leaves; only the full ``grad.<p>`` leaves are read (compacted
+            ``@sample``/``@stats`` leaves cannot be replayed from).
+        optimizer: ``(params) -> torch.optim.Optimizer``.
+        weights_dtype: the recipe's weights dtype, or None to keep the module's dtypes.
+
+    Returns:
+        ``{"param.<p>": CPU tensor}`` after the step for every trainable parameter.
+    """
+    m = copy.deepcopy(module).cpu()
+    if weights_dtype is not None:
+        m = m.to(weights_dtype)
+    m.train()
+    params = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
+    with strict_fp32_flags():
+        opt = optimizer([p for _, p in params])
+        opt.zero_grad(set_to_none=True)
+        for n, p in params:
+            g = leaves.get(f"grad.{n}")
+            if isinstance(g, torch.Tensor) and g.shape == p.shape and g.is_floating_point():
+                p.grad = g.detach().to(device=p.device, dtype=p.dtype).clone()
+        with torch.no_grad():
+            opt.step()
+    return {f"param.{n}": p.detach() for n, p in params}
+
+
 #: A parameter's gradient is rounding noise when its largest magnitude is at most this many fp32
 #: epsilons (1.19e-7) of the largest gradient magnitude of the step (see ``rounding_level_params``).
 ROUNDING_LEVEL_EPS = 100
 
 
 def rounding_level_params(leaves: dict[str, Any]) -> set[str]:
-    """The ``param.<name>`` leaves of a training step whose gradient is rounding noise.
+    """The ``param.<name>`` leaves of a training step whose gradient is rounding noise (left out of
+    the comparison where the optimizer replay is not used, see ``ParityCase.train_step``).
 
     A parameter the loss does not depend on analytically (the key projection's bias under softmax,
     a bias before a training-mode BatchNorm) gets a gradient of pure rounding noise, and AdamW,

@@ -165,8 +165,11 @@ def test_a_compact_baseline_is_small_passes_clean_and_fails_a_1e_4_fault(tmp_pat
     _, record = _compare(summary, model, policy=policy)  # the clean target passes
     leaves = {leaf.path for leaf in record.result.leaves}
     assert {"grad.fc.weight@sample", "grad.fc.weight@stats", "grad.conv.weight"} <= leaves
-    assert "param.conv.bias" not in leaves  # rounding-noise gradient under the BatchNorm: dropped as before
+    # rounding-noise gradient under the BatchNorm: compared with the optimizer replay from the target's
+    # gradients (validated on the leaves the baseline stores whole), not dropped
+    assert "param.conv.bias" in leaves and "param.fc.weight@stats" in leaves
     assert "train store summary" in record.extra["policy_note"]
+    assert "(optimizer replay)" in record.extra["policy_note"]
 
     setattr(model, _TAG, "fc.weight")
     failing = {}

@@ -355,8 +355,20 @@ def test_rounding_level_gradients_leave_their_parameters_out_of_a_train_step():
     # the bias before a training-mode BatchNorm: the loss does not depend on it, its gradient is noise
     net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 1))
     batch = {"input": torch.randn(8, 4)}
+    # with optimizer replay (the default) the bias is compared with the step from the target's gradients
     record = case("fp32").train_step("step", net, batch, loss_fn=lambda out: out.pow(2).mean())
+    assert "optimizer replay" in record.extra.get("policy_note", "")
+    assert {"grad.0.bias", "param.0.bias"} <= {row["leaf"] for row in record.rows()}
+    # without it (an optimizer the replay cannot reproduce) the bias after the step is left out
+    calls = []
+
+    def not_replayable(params):
+        calls.append(1)
+        return torch.optim.AdamW(params, lr=1e-4 * (1 + (len(calls) > 2)))
+    record = case("fp32").train_step("step", net, batch, loss_fn=lambda out: out.pow(2).mean(),
+                                     optimizer=not_replayable)
     note = record.extra.get("policy_note", "")
+    assert "optimizer replay not used" in note
     assert "1 parameter(s) after the step not compared (param.0.bias)" in note
     leaves = {row["leaf"] for row in record.rows()}
     assert "grad.0.bias" in leaves and "param.0.bias" not in leaves and "param.0.weight" in leaves
