@@ -20,19 +20,22 @@ verdict on the same target outputs:
   another torch release, that release in a child process — and faults: each of a case's
   ``faults`` weights × (1 + 1e-4), the first also × (1 + 1e-3) (a conv before a BatchNorm in
   resnet18, input and recurrent weights, FFN, query and embedding weights);
-* verdicts (``POLICIES``): allclose at the current default and tighter, ``torch.testing``'s
-  defaults, allclose plus a per-leaf relative-L2 limit, the golden verdict (fp64 CPU golden) and
-  the golden floor with the default and a tighter floor.
+* verdicts (``POLICIES``): the default — allclose plus the layer check (``layers``: every weighted
+  layer's sampled output within rel-L2 1e-5, or within 10x its input's) — and the layer check at
+  1e-6; outputs only: allclose at the current default and tighter, ``torch.testing``'s defaults,
+  allclose plus a per-leaf relative-L2 limit, the golden verdict (fp64 CPU golden) and the golden
+  floor with the default and a tighter floor. Training steps' parameters after the step are judged
+  against the optimizer replay from each target's gradients, as the runner judges them.
 
 Every check runs through the plugin's own ``ParitySession``/``ParityCase`` (placement, shared
-random stream, rounding-noise parameters dropped from train steps); the target and reference
-leaves are captured with a check hook and the golden with the session's memo, then judged by each
+random stream, optimizer replay of train steps); the target and reference leaves (and layer
+records) are captured with a check hook and the golden with the session's memo, then judged by each
 verdict with ``compare.compare`` and ``golden.judge_golden``. Children get the parent's weights and
 inputs through a safetensors file (no pickle) and send their leaves back the same way.
 
 Usage::
 
-    python benchmarks/damped_faults.py                      # ≈ 4 min on 2 cores (resnet18 steps: 3.5)
+    python benchmarks/damped_faults.py                      # ≈ 1 min on 2 cores
     NPU_PARITY_OTHER_PYTHON=/path/to/other/venv/bin/python python benchmarks/damped_faults.py
     python benchmarks/damped_faults.py --cases lstm_eval,gru_eval --no-child
 
