@@ -350,6 +350,22 @@ class CheckCall:
         return owner_module(self.fn)
 
 
+class _CopyOnEntry:
+    """A module argument of ``ParityCase._call`` that is deep-copied to the run's device only once
+    the run's patch set is entered (``train_step``: each side trains a fresh copy). Copying before
+    the patches would hide from the target a patch that edits the module's weights, which
+    ``_call`` otherwise applies before placing a module."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def copy(self, device: torch.device) -> torch.nn.Module:
+        """``copy.deepcopy(module).to(device)``."""
+        return copy.deepcopy(self.module).to(device)
+
+
 def _move(obj: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:
     """Move every tensor in a nested structure to ``device`` (floating ones cast to ``float_dtype``)."""
     if isinstance(obj, torch.Tensor):
@@ -940,7 +956,9 @@ class ParityCase:
         def run(device: torch.device, patched: bool, audited: bool = False, args: tuple | None = None,
                 batch: dict | None = None):
             __tracebackhide__ = True
-            m = copy.deepcopy(module).to(device)
+            # Copied inside the run, after the patch set is entered: a patch that edits the
+            # module's weights (a fault, a port's weight conversion) must reach the copy that trains.
+            m = _CopyOnEntry(module)
             return self._run(step, (m, True, positional if args is None else tuple(args), labels),
                              keywords if batch is None else batch, device, seed=seed, patched=patched,
                              grad=True, audited=audited, recipe_context=False,
@@ -1319,6 +1337,7 @@ class ParityCase:
                 # A patch context that names no patches (a user's parity_patches override) is named
                 # after its factory, so that the report never says "none" while patches ran.
                 self.session.patches_applied.update(names if names is not None else (patch_factory_name(self.patches),))
+            args = tuple(a.copy(device) if isinstance(a, _CopyOnEntry) else a for a in args)
             if isinstance(fn, torch.nn.Module):
                 call = self.session.place(fn, device, weights_dtype)
             elif module is not None:

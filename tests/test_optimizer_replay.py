@@ -290,3 +290,39 @@ def test_replay_is_not_used_when_a_compact_baseline_keeps_no_gradient_whole(tmp_
     assert record.status == "pass"
     assert "optimizer replay not used (the compact baseline stores no parameter's gradient whole" in \
         record.extra["policy_note"]
+
+
+def edited_weight(model: torch.nn.Module, name: str, factor: float):
+    """A patch set that scales ``model``'s parameter ``name`` in place while the target runs and
+    restores it after (the weight-editing patch of the layer check's tests, a port's weight fault)."""
+    @contextlib.contextmanager
+    def patches(device: torch.device):
+        weight = model.get_parameter(name)
+        saved = weight.detach().clone()
+        with torch.no_grad():
+            weight.mul_(factor)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                weight.copy_(saved)
+    return patches
+
+
+@pytest.mark.parametrize("policy", ["allclose", None])
+def test_a_patch_that_edits_the_weights_reaches_the_copy_the_target_trains(policy):
+    # Each side trains a deep copy of the module; the target's copy is made once its patch set is
+    # entered, so a weight the patch edits is the weight it trains (before: the copy was taken first,
+    # and a x(1 + 1e-1) weight fault passed every leaf).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step = dict(labels=labels, loss_fn=torch.nn.CrossEntropyLoss(), policy=policy, layers=False)
+    assert case(edited_weight(model, "2.weight", 1.0)).train_step("step", model, x, **step).status == "pass"
+    c = case(edited_weight(model, "2.weight", 1 + 1e-4))
+    with pytest.raises(ParityError):
+        c.train_step("step", model, x, **step)
+    assert "param.2.weight" in failing_leaves(c.records[-1])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # the user's module is untouched
