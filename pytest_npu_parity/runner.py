@@ -330,6 +330,10 @@ class CheckCall:
             ``(leaves) -> {param.<p>: CPU tensor}``: the optimizer step replayed on a fresh CPU copy
             of the module from the ``grad.<p>`` leaves in ``leaves`` (see ``ParityCase.train_step``,
             optimizer replay); None for other checks.
+        memo: what else makes the run another computation, for the session's reference and golden
+            memos (``ParityCase._memo_key``): the layer records' sample count (None without
+            layer records); a train step's ``optimizer``, ``loss_fn``, ``max_grad_norm`` and
+            ``loop`` (callables by identity, ``_Same``).
     """
 
     kind: str
@@ -343,11 +347,29 @@ class CheckCall:
     fault_weight: str | None = None
     sample_dim: int | None = None
     replay: Callable[[dict], dict] | None = None
+    memo: tuple = ()
 
     @property
     def module(self) -> torch.nn.Module | None:
         """The module the computation belongs to (``owner_module(fn)``), or None for a function."""
         return owner_module(self.fn)
+
+
+class _Same:
+    """A memo-key part that equals only another ``_Same`` of the very same object (hashed by
+    ``id``, which works for unhashable callables); it holds the object, so that no other object
+    takes its ``id`` while the key lives."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
 
 
 class _CopyOnEntry:
@@ -820,7 +842,8 @@ class ParityCase:
         def golden() -> dict:
             return self.session.golden_runner.run(fn, args, kwargs, recipe=self.recipe.name, seed=seed, grad=grad)
 
-        call = CheckCall("check", fn, args, kwargs, seed, grad, rerun, vacuous_ok, fault_weight, sample_dim)
+        call = CheckCall("check", fn, args, kwargs, seed, grad, rerun, vacuous_ok, fault_weight, sample_dim,
+                         memo=(getattr(layer_policy, "samples", None),))
         return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
                                        golden_policy, golden, budget, layer_policy=layer_policy)
 
@@ -984,7 +1007,9 @@ class ParityCase:
 
         call = CheckCall("train_step", module, positional, keywords, seed, True,
                          lambda device, patched, args, batch: run(device, patched, args=args, batch=batch)[0],
-                         vacuous_ok, fault_weight, replay=replay)
+                         vacuous_ok, fault_weight, replay=replay,
+                         memo=(getattr(layer_policy, "samples", None), _Same(optimizer), _Same(loss_fn),
+                               max_grad_norm, _Same(loop)))
         return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
                                        golden_policy, golden, budget, train_store=train_store,
                                        layer_policy=layer_policy)
@@ -1394,9 +1419,12 @@ class ParityCase:
     def _memo_key(self, name: str, hashes: dict[str, Any], call: "CheckCall") -> tuple:
         """What makes two runs of a check the same computation: name, recipe, seed, autograd, kind,
         the very function or module object (a closure or a module attribute that is not a tensor
-        is not in the fingerprints), the input and the weights."""
+        is not in the fingerprints), the input and the weights, and ``call.memo`` (the layer
+        records; a train step's optimizer, loss and clipping): two tests of one module, input and
+        check name with another optimizer, or one with ``layers=False`` before one with layer
+        records, must not share a reference."""
         return (name, self.recipe.name, call.seed, call.grad, call.kind, id(call.fn),
-                hashes["input_hash"], hashes["config_hash"], hashes.get("structure_hash"))
+                hashes["input_hash"], hashes["config_hash"], hashes.get("structure_hash")) + tuple(call.memo)
 
     def _reference(self, name: str, run: Callable, hashes: dict[str, str], call: "CheckCall"):
         """(expected leaves, reference kind, provenance line, the reference's random stream mode, the

@@ -242,3 +242,16 @@ def test_recording_never_changes_what_runs_transformer_encoder_layer_fast_path(m
     finally:
         handle.remove()
     assert calls == [1, 1]
+
+
+def test_a_reference_without_layer_records_is_not_reused_by_a_check_with_them():
+    # One session, one module, input and check name: a first test with layers=False must not leave
+    # its reference (no layer records) to a later test that judges layers, or the later test judges
+    # no layer at all and the damped 1e-4 weight fault passes.
+    model = damped()
+    session = ParitySession(CPU, reference="cpu")
+    ParityCase(session, "tests/test_layers.py::a", "fp32").check("m", model, X, layers=False)
+    later = ParityCase(session, "tests/test_layers.py::b", "fp32", patches=scale_weight(model, session, "0.weight", 1 + 1e-4))
+    with pytest.raises(ParityError, match="Layer check failed"):
+        later.check("m", model, X)
+    assert later.records[-1].extra["layers_judged"] == 2

@@ -326,3 +326,18 @@ def test_a_patch_that_edits_the_weights_reaches_the_copy_the_target_trains(polic
         c.train_step("step", model, x, **step)
     assert "param.2.weight" in failing_leaves(c.records[-1])
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # the user's module is untouched
+
+
+def test_tests_of_one_module_with_other_optimizers_or_losses_do_not_share_a_reference():
+    # The session memoizes live CPU references (and goldens) per check; a train step's optimizer,
+    # loss and clipping are part of what it computes, so parametrizing a test over them must not
+    # compare a step with another optimizer's reference (every parameter then differs by ~lr).
+    session = ParitySession(CPU, reference="cpu")
+    model = HalfNormed()
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    adam = lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True)  # noqa: E731
+    for i, kwargs in enumerate([dict(optimizer=sgd), dict(optimizer=adam), dict(optimizer=adam, max_grad_norm=None),
+                                dict(optimizer=adam, loss_fn=lambda out: 2 * out)]):
+        record = ParityCase(session, f"tests/test_optimizer_replay.py::t{i}", "fp32").train_step("step", model, X, **kwargs)
+        assert record.status == "pass", kwargs
+    assert len(session._reference_memo) == 4
