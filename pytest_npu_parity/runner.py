@@ -384,8 +384,25 @@ class _CopyOnEntry:
         self.module = module
 
     def copy(self, device: torch.device) -> torch.nn.Module:
-        """``copy.deepcopy(module).to(device)``."""
-        return copy.deepcopy(self.module).to(device)
+        """``trainable_copy(module).to(device)``."""
+        return trainable_copy(self.module).to(device)
+
+
+def trainable_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """``copy.deepcopy(module)`` whose parameters are leaves with the original's ``requires_grad``.
+
+    A plain deep copy of a module holding a ``torch.jit.script`` submodule gives that submodule's
+    parameters a ``grad_fn`` (``CloneBackward0``; torch 2.5.1 and 2.14.1): they are no leaves, and
+    an optimizer over them raises ``ValueError: can't optimize a non-leaf Tensor``. Copied under
+    ``torch.no_grad()`` they are leaves (without ``requires_grad`` there), which is then restored.
+    """
+    with torch.no_grad():
+        fresh = copy.deepcopy(module)
+    for (_, theirs), (_, ours) in zip(module.named_parameters(remove_duplicate=False),
+                                      fresh.named_parameters(remove_duplicate=False)):
+        if ours.requires_grad != theirs.requires_grad:
+            ours.requires_grad_(theirs.requires_grad)
+    return fresh
 
 
 def _move(obj: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:
@@ -992,7 +1009,7 @@ class ParityCase:
 
             first = None
             for dtype in golden_dtypes(self.recipe.name):  # fp64, else (bf16 work) fp32
-                m = copy.deepcopy(module).to(dtype)
+                m = trainable_copy(module).to(dtype)
                 try:
                     return self.session.golden_runner.run(step, (m, False, positional, labels), keywords,
                                                           recipe=self.recipe.name, seed=seed, grad=True, dtype=dtype)
@@ -1717,7 +1734,7 @@ def replay_optimizer_step(module: torch.nn.Module, leaves: dict[str, Any],
     Returns:
         ``{"param.<p>": CPU tensor}`` after the step for every trainable parameter.
     """
-    m = copy.deepcopy(module).cpu()
+    m = trainable_copy(module).cpu()
     if weights_dtype is not None:
         m = m.to(weights_dtype)
     m.train()

@@ -341,3 +341,24 @@ def test_tests_of_one_module_with_other_optimizers_or_losses_do_not_share_a_refe
         record = ParityCase(session, f"tests/test_optimizer_replay.py::t{i}", "fp32").train_step("step", model, X, **kwargs)
         assert record.status == "pass", kwargs
     assert len(session._reference_memo) == 4
+
+
+def test_a_module_with_a_scripted_submodule_trains_and_its_weight_fault_fails():
+    # copy.deepcopy gives a torch.jit.script submodule's parameters a grad_fn (no leaves: "can't
+    # optimize a non-leaf Tensor"); train_step's copies keep them leaves that require grad.
+    import warnings
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script is deprecated in torch 2.14
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.jit.script(torch.nn.Linear(16, 16)),
+                                    torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    loss = lambda out: out.square().mean()  # noqa: E731
+    record = case().train_step("step", model, x, loss_fn=loss)
+    assert record.status == "pass" and "param.1.weight" in {row["leaf"] for row in record.rows()}
+    assert all(p.is_leaf and p.requires_grad for p in model.parameters())
+    c = case(edited_weight(model, "1.weight", 1 + 1e-4))
+    with pytest.raises(ParityError):
+        c.train_step("step", model, x, loss_fn=loss)
+    assert {"param.1.weight", "grad.1.weight"} & failing_leaves(c.records[-1])
