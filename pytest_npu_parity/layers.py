@@ -79,7 +79,7 @@ class LayerPolicy:
             ``limit * ||e|| + floor * sqrt(n)``.
         amplification: a layer's output error within this many times its input's error is drift
             it received, not its own (default 10; module doc).
-        samples: values recorded per layer output (default 256).
+        samples: values recorded per layer output (default ``DEFAULT_SAMPLES``, 64).
         source: where the limit came from (``default``, ``ini``, ``option``, ``marker``, ``check``).
 
     Raises:
