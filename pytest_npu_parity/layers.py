@@ -79,7 +79,7 @@ class LayerPolicy:
             ``limit * ||e|| + floor * sqrt(n)``.
         amplification: a layer's output error within this many times its input's error is drift
             it received, not its own (default 10; module doc).
-        samples: values recorded per layer output (default 256).
+        samples: values recorded per layer output (default ``DEFAULT_SAMPLES``, 64).
         source: where the limit came from (``default``, ``ini``, ``option``, ``marker``, ``check``).
 
     Raises:
@@ -158,10 +158,19 @@ def _positions(path: str, numel: int, samples: int) -> torch.Tensor:
 
 
 def _sampled(key: str, tensor: torch.Tensor, samples: int) -> torch.Tensor:
-    flat = tensor.detach().reshape(-1)
-    if flat.numel() > samples:
-        flat = flat.index_select(0, _positions(key, flat.numel(), samples).to(flat.device))
-    return flat.clone()
+    """The values of ``tensor`` at ``samples`` positions of its row-major flattening (all of them when
+    it has no more), as a new 1-D tensor. A non-contiguous tensor (a ``channels_last`` conv output,
+    a transpose) is gathered at those positions (``torch.unravel_index``) instead of being copied
+    whole by ``reshape``: the same values, without a copy of the layer's output."""
+    tensor = tensor.detach()
+    numel = tensor.numel()
+    if numel <= samples:
+        return tensor.reshape(-1).clone()
+    positions = _positions(key, numel, samples).to(tensor.device)
+    unravel = getattr(torch, "unravel_index", None)  # torch >= 2.2
+    if tensor.is_contiguous() or unravel is None:
+        return tensor.reshape(-1).index_select(0, positions)
+    return tensor[unravel(positions, tensor.shape)]
 
 
 #: Modules whose forward looks at the hooks of itself and its submodules and takes another path

@@ -330,6 +330,10 @@ class CheckCall:
             ``(leaves) -> {param.<p>: CPU tensor}``: the optimizer step replayed on a fresh CPU copy
             of the module from the ``grad.<p>`` leaves in ``leaves`` (see ``ParityCase.train_step``,
             optimizer replay); None for other checks.
+        memo: what else makes the run another computation, for the session's reference and golden
+            memos (``ParityCase._memo_key``): the layer records' sample count (None without
+            layer records); a train step's ``optimizer``, ``loss_fn``, ``max_grad_norm`` and
+            ``loop`` (callables by identity, ``_Same``).
     """
 
     kind: str
@@ -343,11 +347,62 @@ class CheckCall:
     fault_weight: str | None = None
     sample_dim: int | None = None
     replay: Callable[[dict], dict] | None = None
+    memo: tuple = ()
 
     @property
     def module(self) -> torch.nn.Module | None:
         """The module the computation belongs to (``owner_module(fn)``), or None for a function."""
         return owner_module(self.fn)
+
+
+class _Same:
+    """A memo-key part that equals only another ``_Same`` of the very same object (hashed by
+    ``id``, which works for unhashable callables); it holds the object, so that no other object
+    takes its ``id`` while the key lives."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+
+class _CopyOnEntry:
+    """A module argument of ``ParityCase._call`` that is deep-copied to the run's device only once
+    the run's patch set is entered (``train_step``: each side trains a fresh copy). Copying before
+    the patches would hide from the target a patch that edits the module's weights, which
+    ``_call`` otherwise applies before placing a module."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def copy(self, device: torch.device) -> torch.nn.Module:
+        """``trainable_copy(module).to(device)``."""
+        return trainable_copy(self.module).to(device)
+
+
+def trainable_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """``copy.deepcopy(module)`` whose parameters are leaves with the original's ``requires_grad``.
+
+    A plain deep copy of a module holding a ``torch.jit.script`` submodule gives that submodule's
+    parameters a ``grad_fn`` (``CloneBackward0``; torch 2.5.1 and 2.14.1): they are no leaves, and
+    an optimizer over them raises ``ValueError: can't optimize a non-leaf Tensor``. Copied under
+    ``torch.no_grad()`` they are leaves (without ``requires_grad`` there), which is then restored.
+    """
+    with torch.no_grad():
+        fresh = copy.deepcopy(module)
+    for (_, theirs), (_, ours) in zip(module.named_parameters(remove_duplicate=False),
+                                      fresh.named_parameters(remove_duplicate=False)):
+        if ours.requires_grad != theirs.requires_grad:
+            ours.requires_grad_(theirs.requires_grad)
+    return fresh
 
 
 def _move(obj: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:
@@ -804,7 +859,8 @@ class ParityCase:
         def golden() -> dict:
             return self.session.golden_runner.run(fn, args, kwargs, recipe=self.recipe.name, seed=seed, grad=grad)
 
-        call = CheckCall("check", fn, args, kwargs, seed, grad, rerun, vacuous_ok, fault_weight, sample_dim)
+        call = CheckCall("check", fn, args, kwargs, seed, grad, rerun, vacuous_ok, fault_weight, sample_dim,
+                         memo=(getattr(layer_policy, "samples", None),))
         return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
                                        golden_policy, golden, budget, layer_policy=layer_policy)
 
@@ -940,7 +996,9 @@ class ParityCase:
         def run(device: torch.device, patched: bool, audited: bool = False, args: tuple | None = None,
                 batch: dict | None = None):
             __tracebackhide__ = True
-            m = copy.deepcopy(module).to(device)
+            # Copied inside the run, after the patch set is entered: a patch that edits the
+            # module's weights (a fault, a port's weight conversion) must reach the copy that trains.
+            m = _CopyOnEntry(module)
             return self._run(step, (m, True, positional if args is None else tuple(args), labels),
                              keywords if batch is None else batch, device, seed=seed, patched=patched,
                              grad=True, audited=audited, recipe_context=False,
@@ -951,7 +1009,7 @@ class ParityCase:
 
             first = None
             for dtype in golden_dtypes(self.recipe.name):  # fp64, else (bf16 work) fp32
-                m = copy.deepcopy(module).to(dtype)
+                m = trainable_copy(module).to(dtype)
                 try:
                     return self.session.golden_runner.run(step, (m, False, positional, labels), keywords,
                                                           recipe=self.recipe.name, seed=seed, grad=True, dtype=dtype)
@@ -966,7 +1024,9 @@ class ParityCase:
 
         call = CheckCall("train_step", module, positional, keywords, seed, True,
                          lambda device, patched, args, batch: run(device, patched, args=args, batch=batch)[0],
-                         vacuous_ok, fault_weight, replay=replay)
+                         vacuous_ok, fault_weight, replay=replay,
+                         memo=(getattr(layer_policy, "samples", None), _Same(optimizer), _Same(loss_fn),
+                               max_grad_norm, _Same(loop)))
         return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
                                        golden_policy, golden, budget, train_store=train_store,
                                        layer_policy=layer_policy)
@@ -1319,6 +1379,7 @@ class ParityCase:
                 # A patch context that names no patches (a user's parity_patches override) is named
                 # after its factory, so that the report never says "none" while patches ran.
                 self.session.patches_applied.update(names if names is not None else (patch_factory_name(self.patches),))
+            args = tuple(a.copy(device) if isinstance(a, _CopyOnEntry) else a for a in args)
             if isinstance(fn, torch.nn.Module):
                 call = self.session.place(fn, device, weights_dtype)
             elif module is not None:
@@ -1375,9 +1436,12 @@ class ParityCase:
     def _memo_key(self, name: str, hashes: dict[str, Any], call: "CheckCall") -> tuple:
         """What makes two runs of a check the same computation: name, recipe, seed, autograd, kind,
         the very function or module object (a closure or a module attribute that is not a tensor
-        is not in the fingerprints), the input and the weights."""
+        is not in the fingerprints), the input and the weights, and ``call.memo`` (the layer
+        records; a train step's optimizer, loss and clipping): two tests of one module, input and
+        check name with another optimizer, or one with ``layers=False`` before one with layer
+        records, must not share a reference."""
         return (name, self.recipe.name, call.seed, call.grad, call.kind, id(call.fn),
-                hashes["input_hash"], hashes["config_hash"], hashes.get("structure_hash"))
+                hashes["input_hash"], hashes["config_hash"], hashes.get("structure_hash")) + tuple(call.memo)
 
     def _reference(self, name: str, run: Callable, hashes: dict[str, str], call: "CheckCall"):
         """(expected leaves, reference kind, provenance line, the reference's random stream mode, the
@@ -1670,7 +1734,7 @@ def replay_optimizer_step(module: torch.nn.Module, leaves: dict[str, Any],
     Returns:
         ``{"param.<p>": CPU tensor}`` after the step for every trainable parameter.
     """
-    m = copy.deepcopy(module).cpu()
+    m = trainable_copy(module).cpu()
     if weights_dtype is not None:
         m = m.to(weights_dtype)
     m.train()

@@ -242,3 +242,34 @@ def test_recording_never_changes_what_runs_transformer_encoder_layer_fast_path(m
     finally:
         handle.remove()
     assert calls == [1, 1]
+
+
+def test_a_reference_without_layer_records_is_not_reused_by_a_check_with_them():
+    # One session, one module, input and check name: a first test with layers=False must not leave
+    # its reference (no layer records) to a later test that judges layers, or the later test judges
+    # no layer at all and the damped 1e-4 weight fault passes.
+    model = damped()
+    session = ParitySession(CPU, reference="cpu")
+    ParityCase(session, "tests/test_layers.py::a", "fp32").check("m", model, X, layers=False)
+    later = ParityCase(session, "tests/test_layers.py::b", "fp32", patches=scale_weight(model, session, "0.weight", 1 + 1e-4))
+    with pytest.raises(ParityError, match="Layer check failed"):
+        later.check("m", model, X)
+    assert later.records[-1].extra["layers_judged"] == 2
+
+
+def test_a_non_contiguous_output_is_sampled_at_the_same_positions_without_a_whole_copy(monkeypatch):
+    # A channels_last conv output (or a transpose) is gathered at the sample positions of its
+    # row-major flattening: the same record as its contiguous copy, and no reshape of the whole output.
+    from pytest_npu_parity.layers import _sampled
+
+    x = torch.randn(4, 8, 16, 16, generator=torch.Generator().manual_seed(3))
+    strided = x.to(memory_format=torch.channels_last)
+    assert not strided.is_contiguous()
+    for t in (strided, x.transpose(1, 3)):
+        expected = _sampled("layer:conv", t.contiguous(), 64)
+        monkeypatch.setattr(torch.Tensor, "reshape", lambda *a, **k: pytest.fail("whole output reshaped"))
+        got = _sampled("layer:conv", t, 64)
+        monkeypatch.undo()
+        assert torch.equal(got, expected) and got.shape == (64,)
+    small = x[:1, :1, :2, :2].transpose(2, 3)  # no more values than samples: all of them, in row-major order
+    assert torch.equal(_sampled("layer:s", small, 64), small.contiguous().reshape(-1))

@@ -290,3 +290,75 @@ def test_replay_is_not_used_when_a_compact_baseline_keeps_no_gradient_whole(tmp_
     assert record.status == "pass"
     assert "optimizer replay not used (the compact baseline stores no parameter's gradient whole" in \
         record.extra["policy_note"]
+
+
+def edited_weight(model: torch.nn.Module, name: str, factor: float):
+    """A patch set that scales ``model``'s parameter ``name`` in place while the target runs and
+    restores it after (the weight-editing patch of the layer check's tests, a port's weight fault)."""
+    @contextlib.contextmanager
+    def patches(device: torch.device):
+        weight = model.get_parameter(name)
+        saved = weight.detach().clone()
+        with torch.no_grad():
+            weight.mul_(factor)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                weight.copy_(saved)
+    return patches
+
+
+@pytest.mark.parametrize("policy", ["allclose", None])
+def test_a_patch_that_edits_the_weights_reaches_the_copy_the_target_trains(policy):
+    # Each side trains a deep copy of the module; the target's copy is made once its patch set is
+    # entered, so a weight the patch edits is the weight it trains (before: the copy was taken first,
+    # and a x(1 + 1e-1) weight fault passed every leaf).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step = dict(labels=labels, loss_fn=torch.nn.CrossEntropyLoss(), policy=policy, layers=False)
+    assert case(edited_weight(model, "2.weight", 1.0)).train_step("step", model, x, **step).status == "pass"
+    c = case(edited_weight(model, "2.weight", 1 + 1e-4))
+    with pytest.raises(ParityError):
+        c.train_step("step", model, x, **step)
+    assert "param.2.weight" in failing_leaves(c.records[-1])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # the user's module is untouched
+
+
+def test_tests_of_one_module_with_other_optimizers_or_losses_do_not_share_a_reference():
+    # The session memoizes live CPU references (and goldens) per check; a train step's optimizer,
+    # loss and clipping are part of what it computes, so parametrizing a test over them must not
+    # compare a step with another optimizer's reference (every parameter then differs by ~lr).
+    session = ParitySession(CPU, reference="cpu")
+    model = HalfNormed()
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    adam = lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True)  # noqa: E731
+    for i, kwargs in enumerate([dict(optimizer=sgd), dict(optimizer=adam), dict(optimizer=adam, max_grad_norm=None),
+                                dict(optimizer=adam, loss_fn=lambda out: 2 * out)]):
+        record = ParityCase(session, f"tests/test_optimizer_replay.py::t{i}", "fp32").train_step("step", model, X, **kwargs)
+        assert record.status == "pass", kwargs
+    assert len(session._reference_memo) == 4
+
+
+def test_a_module_with_a_scripted_submodule_trains_and_its_weight_fault_fails():
+    # copy.deepcopy gives a torch.jit.script submodule's parameters a grad_fn (no leaves: "can't
+    # optimize a non-leaf Tensor"); train_step's copies keep them leaves that require grad.
+    import warnings
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script is deprecated in torch 2.14
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.jit.script(torch.nn.Linear(16, 16)),
+                                    torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    loss = lambda out: out.square().mean()  # noqa: E731
+    record = case().train_step("step", model, x, loss_fn=loss)
+    assert record.status == "pass" and "param.1.weight" in {row["leaf"] for row in record.rows()}
+    assert all(p.is_leaf and p.requires_grad for p in model.parameters())
+    c = case(edited_weight(model, "1.weight", 1 + 1e-4))
+    with pytest.raises(ParityError):
+        c.train_step("step", model, x, loss_fn=loss)
+    assert {"param.1.weight", "grad.1.weight"} & failing_leaves(c.records[-1])
