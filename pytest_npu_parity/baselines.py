@@ -422,6 +422,7 @@ class BaselineStore:
         seed: int | None = None,
         structure_hash: str | None = None,
         structure: dict | Callable[[], dict] | None = None,
+        train_recipe: dict | Callable[[], dict] | None = None,
     ) -> CheckBaseline:
         """Return the stored check if it was recorded for this input and configuration.
 
@@ -455,11 +456,16 @@ class BaselineStore:
                 1e-05 → 0.001``, ``structure changed (…)``) is stale; none (a field only one side
                 has, e.g. added by another torch release) is fresh, with ``meta["bitwise_structure"]``
                 False. An entry without a recorded structure (an older file) makes no claim.
+            train_recipe: a training step's ``structure.train_recipe`` (optimizer, clipping, loss or
+                loop; or a callable returning it, called only when the entry recorded one); None
+                otherwise. A difference from the recorded one (``structure.train_recipe_changes``:
+                ``train recipe changed: optimizer AdamW → SGD, lr 0.0001 → 0.01``) is stale; an entry
+                recorded without one (an older file) makes no claim.
 
         Raises:
             MissingBaselineError: the file has no entry for ``check``.
-            StaleBaselineError: the recipe, seed, input, weights, configuration or structure, leaf
-                set, shape or dtype differs;
+            StaleBaselineError: the recipe, seed, input, weights, configuration or structure, train
+                recipe, leaf set, shape or dtype differs;
                 the message lists each difference as recorded vs now, the baseline's provenance and
                 the re-record command.
         """
@@ -507,6 +513,11 @@ class BaselineStore:
                 lines = _structure_changes(meta.get("structure"), structure, meta.get("submodule"))
                 structure_changed = bool(lines)
                 changes += lines
+        before = meta.get("train_recipe")
+        if isinstance(before, dict) and train_recipe is not None:
+            from .structure import train_recipe_changes
+
+            changes += train_recipe_changes(before, train_recipe() if callable(train_recipe) else train_recipe)
         if shapes is not None:
             was = {leaf: tuple(s) for leaf, s in _recorded_shapes(recorded).items()}
             was.update({leaf: None for leaf in recorded.none_leaves})

@@ -954,6 +954,8 @@ class ParityCase:
         optimizer = optimizer or default_optimizer
         positional, keywords = _forward_inputs(inputs)
         hashes = self._hashes(module, positional, keywords, modes=False, labels=labels)
+        # computed when recording, or comparing with a baseline that recorded one
+        hashes["train_recipe"] = lambda: train_recipe_of(module, optimizer, max_grad_norm, loss_fn, loop)
 
         def step(m: torch.nn.Module, _recipe_context: bool = True, _positional: tuple = (), _labels: Any = None,
                  **batch: Any) -> dict[str, torch.Tensor]:
@@ -1928,6 +1930,24 @@ def thread_count_mismatch(provenance: Any, target: torch.device) -> str | None:
     return (f"Note: thread-count mismatch — the CPU baseline was recorded with {recorded} intra-op thread"
             f"{'s' * (recorded != 1)}, this run uses {torch.get_num_threads()}; bf16 CPU kernels block their "
             f"reductions by thread count (set OMP_NUM_THREADS={recorded} or torch.set_num_threads({recorded})).")
+
+
+def train_recipe_of(module: torch.nn.Module,
+                    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                    max_grad_norm: float | None, loss_fn: Any, loop: Any = None) -> dict[str, Any]:
+    """``structure.train_recipe`` of a ``train_step``: ``optimizer`` built once (never stepped) on the
+    trainable parameters of a throwaway ``trainable_copy(module)``; with ``loop`` only the loop is
+    described (it owns optimizer, clipping and loss).
+
+    Raises:
+        whatever ``optimizer(params)`` raises (the step itself would raise it too).
+    """
+    from .structure import train_recipe
+
+    if loop is not None:
+        return train_recipe(loop=loop)
+    params = [p for p in trainable_copy(module).parameters() if p.requires_grad]
+    return train_recipe(optimizer(params), max_grad_norm, loss_fn)
 
 
 def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -36,6 +36,14 @@ path or class name present on one side only is.
 
 The record is computed before any run, on the module the test passes; nothing here imports
 transformers (configs are recognized by their ``to_dict``/``to_json_string`` methods).
+
+**A training step's recipe.** The weights and structure do not say how a training step trains:
+``train_recipe`` records the optimizer (class and hyperparameters), ``max_grad_norm`` and the loss
+of ``ParityCase.train_step`` (or the ``loop=`` object's settings) as a flat plain-JSON dict stored
+beside the structure in the baseline; ``train_recipe_changes`` names what differs
+(``train recipe changed: optimizer AdamW → SGD, lr 0.0001 → 0.01``), again only where both
+records have a field, so a hyperparameter that one torch release adds to an optimizer's
+``defaults`` is no change.
 """
 from __future__ import annotations
 
@@ -43,6 +51,8 @@ import base64
 import enum
 import hashlib
 import json
+import os
+import re
 import types
 import zlib
 from collections.abc import Mapping
@@ -59,6 +69,8 @@ __all__ = [
     "pack_structure",
     "unpack_structure",
     "structure_changes",
+    "train_recipe",
+    "train_recipe_changes",
 ]
 
 #: Version of the record's layout (``module_structure``'s ``format`` field).
@@ -296,3 +308,114 @@ def _full(path: str, prefix: str | None) -> str:
     if not prefix:
         return path
     return f"{prefix}.{path}" if path else prefix
+
+
+#: Version of ``train_recipe``'s layout (its ``format`` field).
+TRAIN_RECIPE_FORMAT = 1
+#: ``train_recipe`` keys compared even when only one record has them (a loss or loop added or removed).
+_RECIPE_ALWAYS = ("optimizer", "max_grad_norm", "loss", "loop")
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _recipe_value(value: Any, depth: int = 0) -> Any:
+    """``value`` as JSON data for ``train_recipe``: plain values as ``_plain`` keeps them (tuples as
+    lists), a path by its file name (an absolute path differs between machines), a mapping as a dict
+    of such values, anything else as its ``repr`` without memory addresses."""
+    if isinstance(value, os.PathLike) or (isinstance(value, str) and os.sep in value and os.path.isabs(value)):
+        return os.path.basename(os.fspath(value))
+    if isinstance(value, Mapping) and depth < 4:
+        return {str(k): _recipe_value(v, depth + 1) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (tuple, list)) and depth < 4:
+        return [_recipe_value(v, depth + 1) for v in value]
+    plain = _plain(value, depth)
+    return _ADDRESS.sub("", repr(value)) if plain is _SKIP else plain
+
+
+def _public(obj: Any, prefix: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``{prefix + name: _recipe_value}`` of ``obj``'s public instance attributes (``vars``)."""
+    return {f"{prefix}{name}": _recipe_value(value) for name, value in sorted(getattr(obj, "__dict__", {}).items())
+            if not name.startswith("_") and name not in skip}
+
+
+def _callable_name(fn: Any) -> str:
+    if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+        return f"{getattr(fn, '__module__', None) or ''}.{fn.__qualname__}".lstrip(".")
+    return type(fn).__qualname__
+
+
+def train_recipe(optimizer: torch.optim.Optimizer | None = None, max_grad_norm: float | None = None,
+                 loss_fn: Any = None, loop: Any = None) -> dict[str, Any]:
+    """The recipe of a training step as a flat plain-JSON dict (``ParityCase.train_step`` records it in
+    the baseline; ``train_recipe_changes`` compares two).
+
+    Keys: ``format``; without ``loop``: ``optimizer`` (the class's ``__qualname__``), ``optimizer.<k>``
+    for every entry of its ``defaults``, ``optimizer.param_groups`` (the number of tensors of each
+    param group), ``optimizer.group<i>.<k>`` for every setting of param group ``i`` but ``params``,
+    ``max_grad_norm``, ``loss`` (``"output.loss"`` for None, the default loss; a loss module's class
+    ``__qualname__`` with its public plain attributes as ``loss.<name>``, e.g. ``loss.reduction``,
+    ``loss.label_smoothing``; a function's ``__module__.__qualname__``; another callable's class
+    ``__qualname__`` and public attributes). With ``loop``: ``loop`` (its class's ``__qualname__``)
+    and its public attributes as ``loop.<name>`` (``loop.steps``, ``loop.deepspeed_config``: a path
+    by its file name). Values: numbers, strings, bools, None, lists (tuples) and dicts of them;
+    anything else as its ``repr`` without memory addresses. A lambda is named, not its body.
+
+    Args:
+        optimizer: the step's optimizer, built on a copy of the module's trainable parameters
+            (not stepped); ignored with ``loop``.
+        max_grad_norm: the gradient clipping norm, or None.
+        loss_fn: the step's loss (None: the output's own loss).
+        loop: a training loop object (``hf_trainer.TrainerLoop``) that owns optimizer, clipping and loss.
+    """
+    record: dict[str, Any] = {"format": TRAIN_RECIPE_FORMAT}
+    if loop is not None:
+        record["loop"] = _callable_name(loop)
+        if not isinstance(loop, (types.FunctionType, types.MethodType)):
+            record.update(_public(loop, "loop."))
+        return record
+    if optimizer is not None:
+        record["optimizer"] = type(optimizer).__qualname__
+        record.update({f"optimizer.{k}": _recipe_value(v) for k, v in sorted(optimizer.defaults.items())})
+        record["optimizer.param_groups"] = [len(group.get("params", ())) for group in optimizer.param_groups]
+        for i, group in enumerate(optimizer.param_groups):
+            record.update({f"optimizer.group{i}.{k}": _recipe_value(v) for k, v in sorted(group.items())
+                           if k != "params"})
+    record["max_grad_norm"] = _recipe_value(max_grad_norm)
+    if loss_fn is None:
+        record["loss"] = "output.loss"
+    elif isinstance(loss_fn, torch.nn.Module):
+        record["loss"] = type(loss_fn).__qualname__
+        record.update(_public(loss_fn, "loss.", skip=("training",)))
+    else:
+        record["loss"] = _callable_name(loss_fn)
+        if not isinstance(loss_fn, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+            record.update(_public(loss_fn, "loss."))
+    return record
+
+
+def train_recipe_changes(recorded: Mapping[str, Any], now: Mapping[str, Any], *, shown: int = SHOWN) -> list[str]:
+    """What differs between two ``train_recipe`` records: ``[]`` or one line
+    ``"train recipe changed: optimizer AdamW → SGD, lr 0.0001 → 0.01, weight_decay 0.1 → 0 (and 1 more)"``.
+
+    Compared: the keys both records have, and ``optimizer``, ``max_grad_norm``, ``loss`` and ``loop``
+    always (a missing one as None). Optimizer keys are named without their ``optimizer.`` prefix; a
+    param group's setting that changed exactly as the optimizer's default did is not named twice.
+    """
+    diffs: list[str] = []
+    for key in [k for k in now if k in recorded or k in _RECIPE_ALWAYS] + \
+               [k for k in _RECIPE_ALWAYS if k in recorded and k not in now]:
+        if key == "format":
+            continue
+        a, b = recorded.get(key), now.get(key)
+        if a == b:
+            continue
+        group = re.match(r"optimizer\.group\d+\.(.+)", key)
+        default = f"optimizer.{group.group(1)}" if group else None
+        if default in recorded and default in now and (recorded[default], now[default]) == (a, b):
+            continue
+        name = key.removeprefix("optimizer.") if key != "optimizer" else key
+        named = key in ("optimizer", "loss", "loop")  # class or function names, shown bare
+        diffs.append(f"{name} {a} → {b}" if named else f"{name} {_show(a)} → {_show(b)}")
+    if not diffs:
+        return []
+    more = f" (and {len(diffs) - shown} more)" if len(diffs) > shown else ""
+    return ["train recipe changed: " + ", ".join(diffs[:shown]) + more]

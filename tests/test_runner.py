@@ -731,6 +731,53 @@ def test_labels_are_part_of_the_inputs_fingerprint(tmp_path):
     assert info.value.stale_cause == "input"
 
 
+def test_a_train_steps_optimizer_clipping_and_loss_are_part_of_its_baseline(tmp_path):
+    from pytest_npu_parity.baselines import StaleBaselineError, SuiteStores
+
+    test_id = "parity_suites/demo/test_m.py::t[fp32]"
+    store = SuiteStores(tmp_path)
+
+    def step(**kwargs):
+        return ParityCase(ParitySession(CPU, store=store), test_id, "fp32").train_step("step", Classifier(), X, **kwargs)
+
+    onehot = torch.nn.functional.one_hot(LABELS, 3).float()  # MSELoss/L1Loss targets of the (32, 3) logits
+    recording = ParityCase(ParitySession(CPU, update_baselines=True, store=store), test_id, "fp32")
+    recording.train_step("step", Classifier(), X, labels=onehot, loss_fn=torch.nn.MSELoss())
+    assert recording.finish() == "created"
+    recorded = store.load(test_id).checks["step"].meta["train_recipe"]
+    assert recorded["optimizer"] == "AdamW" and recorded["optimizer.lr"] == 1e-4 and recorded["loss"] == "MSELoss"
+    same = step(labels=onehot, loss_fn=torch.nn.MSELoss())  # the same recipe: fresh, and it passes
+    assert same.status == "pass" and same.reference == "baseline"
+    cases = [
+        (dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.01)), "optimizer AdamW → SGD, lr 0.0001 → 0.01"),
+        (dict(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)),
+         "train recipe changed: lr 0.0001 → 0.001"),
+        (dict(loss_fn=torch.nn.L1Loss()), "train recipe changed: loss MSELoss → L1Loss"),
+        (dict(loss_fn=torch.nn.MSELoss(), max_grad_norm=None), "train recipe changed: max_grad_norm 1.0 → None"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(StaleBaselineError, match="is stale for check 'step'") as info:
+            step(**{"labels": onehot, "loss_fn": torch.nn.MSELoss(), **kwargs})
+        assert message in str(info.value) and "optimizer replay" not in str(info.value)
+        assert info.value.stale_cause == "other"  # not the weights, config or input
+
+
+def test_a_train_step_baseline_recorded_without_a_recipe_makes_no_claim(tmp_path):
+    from pytest_npu_parity.baselines import SuiteStores
+
+    test_id = "parity_suites/demo/test_m.py::t[fp32]"
+    store = SuiteStores(tmp_path)
+    recording = ParityCase(ParitySession(CPU, update_baselines=True, store=store), test_id, "fp32")
+    recording.train_step("step", Classifier(), X, labels=LABELS, loss_fn=torch.nn.CrossEntropyLoss())
+    recording._pending["step"].meta.pop("train_recipe")  # as written before the field existed
+    assert recording.finish() == "created"
+    # compared with the AdamW reference all the same (nothing recorded to say otherwise)
+    record = ParityCase(ParitySession(CPU, store=store), test_id, "fp32").train_step(
+        "step", Classifier(), X, labels=LABELS, loss_fn=torch.nn.CrossEntropyLoss(),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))
+    assert record.status == "pass" and record.reference == "baseline"
+
+
 def test_a_train_step_with_positional_inputs_is_self_checked_and_localized():
     from pytest_npu_parity.localize import Localizer
     from pytest_npu_parity.selfcheck import SelfCheck

@@ -14,6 +14,8 @@ from pytest_npu_parity.structure import (
     pack_structure,
     structure_changes,
     structure_hash,
+    train_recipe,
+    train_recipe_changes,
     unpack_structure,
 )
 
@@ -187,3 +189,60 @@ def test_torch_modules_record_the_same_under_every_supported_torch():
         recorded = {"format": 1, "modules": {"": RECORDED_2_14[name]}, "configs": {}}
         assert structure_changes(recorded, now) == [], name
         assert now["modules"][""][0] == RECORDED_2_14[name][0]
+
+
+def _params() -> list[nn.Parameter]:
+    return list(nn.Linear(3, 2).parameters())
+
+
+def test_a_train_recipe_is_plain_json_naming_optimizer_clipping_and_loss():
+    import json
+
+    opt = torch.optim.AdamW([{"params": _params()[:1]}, {"params": _params()[1:], "lr": 1e-3}],
+                            lr=1e-4, betas=(0.9, 0.95))
+    record = train_recipe(opt, 1.0, nn.CrossEntropyLoss(label_smoothing=0.1, ignore_index=-1))
+    assert json.loads(json.dumps(record)) == record
+    assert record["optimizer"] == "AdamW" and record["optimizer.betas"] == [0.9, 0.95]
+    assert record["optimizer.param_groups"] == [1, 1]
+    assert record["optimizer.group0.lr"] == 1e-4 and record["optimizer.group1.lr"] == 1e-3
+    assert not any(k.endswith(".params") for k in record)
+    assert record["max_grad_norm"] == 1.0 and record["loss"] == "CrossEntropyLoss"
+    assert (record["loss.label_smoothing"], record["loss.ignore_index"], record["loss.reduction"]) == (0.1, -1, "mean")
+    assert "loss.training" not in record
+    assert train_recipe(opt, None, None)["loss"] == "output.loss"
+    assert train_recipe(opt, None, torch.nn.functional.mse_loss)["loss"] == "torch.nn.functional.mse_loss"
+
+
+def test_a_loop_recipe_names_its_class_and_settings_and_a_config_path_by_its_file_name():
+    from pytest_npu_parity.hf_trainer import TrainerLoop
+
+    record = train_recipe(loop=TrainerLoop(steps=3, batch_size=2, deepspeed_config="/somewhere/zero2.json"))
+    assert record["loop"] == "TrainerLoop" and "optimizer" not in record and "loss" not in record
+    assert (record["loop.steps"], record["loop.batch_size"], record["loop.deepspeed_config"]) == (3, 2, "zero2.json")
+    later = train_recipe(loop=TrainerLoop(steps=5, batch_size=2, deepspeed_config="/elsewhere/zero2.json"))
+    assert train_recipe_changes(record, later) == ["train recipe changed: loop.steps 3 → 5"]
+
+
+def test_train_recipe_changes_name_the_optimizer_and_its_hyperparameters():
+    adamw = train_recipe(torch.optim.AdamW(_params(), lr=1e-4), 1.0, None)
+    sgd = train_recipe(torch.optim.SGD(_params(), lr=0.01), 1.0, None)
+    assert train_recipe_changes(adamw, sgd) == [
+        "train recipe changed: optimizer AdamW → SGD, lr 0.0001 → 0.01, weight_decay 0.01 → 0"]
+    faster = train_recipe(torch.optim.AdamW(_params(), lr=1e-3), 1.0, None)
+    assert train_recipe_changes(adamw, faster) == ["train recipe changed: lr 0.0001 → 0.001"]
+    assert train_recipe_changes(adamw, train_recipe(torch.optim.AdamW(_params(), lr=1e-4), 1.0, None)) == []
+    l1 = train_recipe(torch.optim.AdamW(_params(), lr=1e-4), None, nn.L1Loss())
+    assert train_recipe_changes(train_recipe(torch.optim.AdamW(_params(), lr=1e-4), None, nn.MSELoss()), l1) == [
+        "train recipe changed: loss MSELoss → L1Loss"]
+
+
+def test_train_recipe_changes_compare_only_keys_both_have_but_always_the_optimizer_and_loss():
+    now = train_recipe(torch.optim.AdamW(_params(), lr=1e-4), 1.0, None)
+    older = {k: v for k, v in now.items() if "decoupled_weight_decay" not in k}  # a release without the field
+    older["optimizer.some_old_field"] = 1
+    assert train_recipe_changes(older, now) == []
+    without_loss = {k: v for k, v in now.items() if k != "loss"}
+    assert train_recipe_changes(without_loss, now) == ["train recipe changed: loss None → output.loss"]
+    grouped = train_recipe(torch.optim.AdamW([{"params": _params()}, {"params": _params(), "lr": 1.0}], lr=1e-4),
+                           1.0, None)
+    assert "param_groups [2] → [2, 2]" in train_recipe_changes(now, grouped)[0]
