@@ -36,8 +36,8 @@ layers), against the same error of its input. A layer fails when its output erro
 
 So the fp32 defaults (``DEFAULT_LIMITS``, ``DEFAULT_AMPLIFICATION``) are a limit of 1e-5 and an
 amplification of 10. bf16 work differs by ~4e-3 per layer between correct runs, far above a 1e-4
-fault, so no bf16 limit is set by default. A layer without a floating input (an ``Embedding``)
-is judged by the limit alone.
+fault, so no bf16 limit is set by default. A layer without a floating positional input (an
+``Embedding``, a layer called with keyword arguments only) is judged by the limit alone.
 
 Positions where both sides hold the same non-finite value (``-inf`` of a mask) count as equal; a
 non-finite value on one side only fails its layer. A layer whose records differ in size (another
