@@ -829,34 +829,25 @@ def _marker_problems(marker: Any) -> list[str]:
     audit = marker.kwargs.get("audit")
     if audit is not None and audit not in ("off", "fail", "warn"):
         problems.append(f"audit={audit!r} must be 'fail', 'warn' or 'off'")
-    if marker.kwargs.get("audit_budget") is not None:
-        from .audit import parse_audit_budget
+    from .audit import parse_audit_budget
+    from .compact import parse_train_store
+    from .layers import parse_layer_spec
 
+    # Keywords whose value an engine parser judges; a policy or train store that is not a non-empty
+    # string is reported above, and their own text is repeated in the message.
+    parsers = {"audit_budget": lambda v: parse_audit_budget(v, source="marker"),
+               "policy": lambda v: parse_policy_spec(v, source="marker", recipe="fp32"),
+               "layers": lambda v: parse_layer_spec(v, source="marker"),
+               "train_store": lambda v: parse_train_store(v, source="marker")}
+    for key, parse in parsers.items():
+        value = marker.kwargs.get(key)
+        quoted = key in ("policy", "train_store")
+        if value is None or (quoted and not (isinstance(value, str) and value.strip())):
+            continue
         try:
-            parse_audit_budget(marker.kwargs["audit_budget"], source="marker")
-        except ValueError as exc:
-            problems.append(f"audit_budget=: {exc}")
-    policy = marker.kwargs.get("policy")
-    if isinstance(policy, str) and policy.strip():
-        try:
-            parse_policy_spec(policy, source="marker", recipe="fp32")
+            parse(value)
         except (ValueError, TypeError) as exc:
-            problems.append(f"policy={policy!r}: {exc}")
-    if marker.kwargs.get("layers") is not None:
-        from .layers import parse_layer_spec
-
-        try:
-            parse_layer_spec(marker.kwargs["layers"], source="marker")
-        except ValueError as exc:
-            problems.append(f"layers=: {exc}")
-    store = marker.kwargs.get("train_store")
-    if isinstance(store, str) and store.strip():
-        from .compact import parse_train_store
-
-        try:
-            parse_train_store(store, source="marker")
-        except ValueError as exc:
-            problems.append(f"train_store={store!r}: {exc}")
+            problems.append(f"{key}={value!r}: {exc}" if quoted else f"{key}=: {exc}")
     return problems
 
 

@@ -1,6 +1,7 @@
-"""Helpers shared by the pytester-based tests (imported as a plain module from the tests folder)."""
+"""Helpers shared by the tests (imported as a plain module from the tests folder): pytester projects and patch sets."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -33,3 +34,28 @@ def import_lazy_modules(tmp_dir: Path) -> None:
         pd.DataFrame({"a": [1]}).to_parquet(Path(tmp_dir) / "a.parquet")
     except ImportError:  # no parquet engine: reports write csv only
         pass
+
+
+def edited_weight(model, name: str, factor: float, session=None):
+    """A patch set (``ParityCase(patches=...)``) that scales ``model``'s parameter ``name`` in place by
+    ``factor`` while the target runs and restores it after: a port's weight fault. With ``session``
+    the session's placed copies of ``model`` are dropped on entry and exit (``ParitySession.forget``),
+    as a check of a module needs; a train step copies the module inside each run."""
+    import torch
+
+    @contextlib.contextmanager
+    def patches(device):
+        weight = model.get_parameter(name)
+        saved = weight.detach().clone()
+        with torch.no_grad():
+            weight.mul_(factor)
+        if session is not None:
+            session.forget(model)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                weight.copy_(saved)
+            if session is not None:
+                session.forget(model)
+    return patches

@@ -1,7 +1,6 @@
 """Layer records (module ``layers``): capture, the rel-L2/amplification rule, and the runner's layer check."""
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -12,6 +11,7 @@ from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.layers import (INPUT_SUFFIX, LAYER_PREFIX, LayerPolicy, capture_layers, judge_layers,
                                       parse_layer_spec, split_layers)
 from pytest_npu_parity.runner import ParityCase, ParitySession
+from pytester_helpers import edited_weight
 
 CPU = torch.device("cpu")
 
@@ -25,23 +25,6 @@ def damped() -> torch.nn.Module:
 
 
 X = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
-
-
-def scale_weight(model: torch.nn.Module, session: ParitySession, name: str, factor: float):
-    @contextlib.contextmanager
-    def patches(device: torch.device):
-        w = model.get_parameter(name)
-        saved = w.detach().clone()
-        with torch.no_grad():
-            w.mul_(factor)
-        session.forget(model)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                w.copy_(saved)
-            session.forget(model)
-    return patches
 
 
 def test_capture_records_first_call_of_weighted_submodules_with_inputs():
@@ -107,7 +90,7 @@ def test_split_layers_keeps_outputs_apart():
 def test_damped_fault_fails_the_layer_check_and_passes_outputs_only():
     model = damped()
     session = ParitySession(CPU, reference="cpu")
-    fault = scale_weight(model, session, "0.weight", 1 + 1e-4)
+    fault = edited_weight(model, "0.weight", 1 + 1e-4, session)
     with pytest.raises(ParityError, match=r"Layer check failed: 1 of 2 .*'0' 0\.0001 \(input 0\)") as info:
         ParityCase(session, "t::fault", "fp32", patches=fault).check("m", model, X)
     assert "with every output leaf within tolerance" in str(info.value)
@@ -139,7 +122,7 @@ def test_layer_records_are_stored_in_baselines_and_judged_against_them(tmp_path)
     session = ParitySession(CPU, reference="baseline", store=BaselineStore(tmp_path, "suite"))
     record = ParityCase(session, "tests/test_x.py::t", "fp32").check("m", model, X)
     assert record.reference == "baseline" and record.extra["layers_judged"] == 2
-    fault = scale_weight(model, session, "0.weight", 1 + 1e-4)
+    fault = edited_weight(model, "0.weight", 1 + 1e-4, session)
     with pytest.raises(ParityError, match="Layer check failed"):
         ParityCase(session, "tests/test_x.py::t", "fp32", patches=fault).check("m", model, X)
     del stored
@@ -251,7 +234,7 @@ def test_a_reference_without_layer_records_is_not_reused_by_a_check_with_them():
     model = damped()
     session = ParitySession(CPU, reference="cpu")
     ParityCase(session, "tests/test_layers.py::a", "fp32").check("m", model, X, layers=False)
-    later = ParityCase(session, "tests/test_layers.py::b", "fp32", patches=scale_weight(model, session, "0.weight", 1 + 1e-4))
+    later = ParityCase(session, "tests/test_layers.py::b", "fp32", patches=edited_weight(model, "0.weight", 1 + 1e-4, session))
     with pytest.raises(ParityError, match="Layer check failed"):
         later.check("m", model, X)
     assert later.records[-1].extra["layers_judged"] == 2

@@ -9,6 +9,7 @@ import torch
 
 from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.runner import ParityCase, ParitySession, default_optimizer, replay_optimizer_step
+from pytester_helpers import edited_weight
 
 CPU = torch.device("cpu")
 
@@ -290,23 +291,6 @@ def test_replay_is_not_used_when_a_compact_baseline_keeps_no_gradient_whole(tmp_
     assert record.status == "pass"
     assert "optimizer replay not used (the compact baseline stores no parameter's gradient whole" in \
         record.extra["policy_note"]
-
-
-def edited_weight(model: torch.nn.Module, name: str, factor: float):
-    """A patch set that scales ``model``'s parameter ``name`` in place while the target runs and
-    restores it after (the weight-editing patch of the layer check's tests, a port's weight fault)."""
-    @contextlib.contextmanager
-    def patches(device: torch.device):
-        weight = model.get_parameter(name)
-        saved = weight.detach().clone()
-        with torch.no_grad():
-            weight.mul_(factor)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                weight.copy_(saved)
-    return patches
 
 
 @pytest.mark.parametrize("policy", ["allclose", None])

@@ -660,6 +660,8 @@ def test_empty_and_unmatched_ini_tolerance_patterns_are_warned(pytester: pytest.
     ("recipes=['fp-32']", "recipes=['fp-32']: unknown recipe(s) 'fp-32'; known: fp32, bf16*"),
     ("policy='goldn'", "policy='goldn': *"),
     ("rtol=-1", "rtol=-1 must be a number >= 0"),
+    ("layers='tight'", "layers=: layer check 'tight': give 'off' or a relative L2 limit such as 1e-5"),
+    ("train_store='sumary'", "train_store='sumary': train store 'sumary': use one of full, summary"),
 ])
 def test_a_bad_marker_is_a_usage_error_naming_the_test(pytester: pytest.Pytester, marker: str, message: str) -> None:
     _project(pytester, f"""
