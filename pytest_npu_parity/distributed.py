@@ -56,6 +56,7 @@ prepare_torch()  # a spawned rank imports this module first: keep a torch_npu wi
 
 import torch  # noqa: E402
 
+from .process_group import destroy_process_groups
 from .recipes import RECIPES
 from .rng import same_randomness
 
@@ -414,7 +415,7 @@ def _rank_main(rank: int, spec: dict[str, Any]) -> None:
                   metadata={"none": json.dumps(none_grads), "device": str(device)})
         os.replace(tmp, workdir / f"rank{rank}.safetensors")  # a complete file or none
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()  # not dist.destroy_process_group(): on torch 2.5.1 it can deadlock (process_group)
 
 
 def _save_state(module: torch.nn.Module, path: Path) -> None:

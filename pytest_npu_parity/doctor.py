@@ -711,7 +711,9 @@ def _section_distributed(ctx: _Context, r: SectionResult) -> None:
                 dist.all_reduce(value)
                 ok = bool((value.cpu() == 1).all())
             finally:
-                dist.destroy_process_group()
+                from .process_group import destroy_process_groups
+
+                destroy_process_groups()  # torch 2.5.1's gloo destructor can deadlock (process_group)
         except Exception as exc:
             r.worse("fail")
             r.details.append(f"1-process {backend} init on {ctx.target}: FAILED — "

@@ -142,7 +142,12 @@ def _deepspeed_process(device: torch.device) -> Iterator[None]:
         if not already and dist.is_available() and dist.is_initialized():
             import deepspeed.comm
 
-            deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's cached groups (deepspeed/comm/comm.py)
+            from .process_group import destroy_process_groups
+
+            # deepspeed.comm's destroy also drops DeepSpeed's cached groups (deepspeed/comm/comm.py); through
+            # destroy_process_groups because on torch 2.5.1 freeing a gloo group right after ZeRO's async
+            # gathers can deadlock (process_group module docstring)
+            destroy_process_groups(deepspeed.comm.destroy_process_group)
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()  # is_deepspeed_zero3_enabled() reads this global

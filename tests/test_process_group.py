@@ -1,0 +1,106 @@
+"""process_group.destroy_process_groups: no gloo destructor deadlock on torch 2.5.1, groups freed by the next call.
+
+The deadlock is reproduced in a child process (it would hang this one): a world-size-1 gloo group, an
+``all_gather(async_op=True)`` whose tensors and work handle are dropped, then the teardown under test. The plain
+``dist.destroy_process_group()`` is the control: it hangs on torch 2.5.1 (so the helper's test can fail) and
+returns on torch 2.14.1.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pytest_npu_parity import process_group
+from pytest_npu_parity.distributed import free_port
+
+CHILD = textwrap.dedent("""
+    import os, sys
+    import torch, torch.distributed as dist
+    from pytest_npu_parity.process_group import destroy_process_groups
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+    x = torch.ones(1_000_000)
+    out = [torch.empty_like(x)]
+    work = dist.all_gather(out, x, async_op=True)
+    del out, work, x  # the worker now holds the last references to the work's tensors
+    if sys.argv[1] == "plain":
+        dist.destroy_process_group()
+    else:
+        destroy_process_groups()
+    assert not dist.is_initialized()
+    print("torn down", flush=True)
+""")
+
+#: The child's limit: a torn-down group returns in milliseconds; a deadlock never does.
+CHILD_TIMEOUT_S = 30
+
+
+def _teardown_in_child(how: str) -> bool:
+    """True when the child tore the group down and exited, False when it hung past the limit."""
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")  # a torch_npu without CANN must not break torch
+    try:
+        done = subprocess.run([sys.executable, "-c", CHILD, how, str(free_port())], env=env,
+                              capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return False
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "torn down" in done.stdout
+    return True
+
+
+def test_destroy_process_groups_after_async_collective_returns():
+    assert _teardown_in_child("helper")
+
+
+def test_plain_destroy_is_the_deadlock_the_helper_avoids():
+    release = torch.__version__.split("+")[0]
+    if release.startswith("2.5."):
+        assert not _teardown_in_child("plain"), "plain destroy_process_group returned on torch 2.5"
+    elif release.startswith("2.14."):
+        assert _teardown_in_child("plain")
+    else:
+        pytest.skip(f"measured on torch 2.5.1 (hangs) and 2.14.1 (returns) only, this is {torch.__version__}")
+
+
+@pytest.fixture
+def gloo_group():
+    """Init a world-size-1 gloo group (torn down by the test or, failing that, here)."""
+    def init():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        return dist.group.WORLD
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_groups_are_kept_until_the_next_call(gloo_group):
+    first = gloo_group()
+    process_group.destroy_process_groups()
+    assert not dist.is_initialized()
+    assert any(g is first for g in process_group._retired)
+    second = gloo_group()
+    process_group.destroy_process_groups()
+    assert any(g is second for g in process_group._retired)
+    assert all(g is not first for g in process_group._retired)
+
+
+def test_nothing_initialized_is_a_no_op(monkeypatch):
+    assert not dist.is_initialized()
+    called = []
+    process_group.destroy_process_groups(lambda: called.append(1))
+    assert called == []
+
+
+def test_a_custom_destroy_is_called(gloo_group):
+    gloo_group()
+    called = []
+
+    def destroy():
+        called.append(1)
+        dist.destroy_process_group()
+
+    process_group.destroy_process_groups(destroy)
+    assert called == [1] and not dist.is_initialized()
