@@ -87,11 +87,55 @@ def test_groups_are_kept_until_the_next_call(gloo_group):
     assert all(g is not first for g in process_group._retired)
 
 
-def test_nothing_initialized_is_a_no_op(monkeypatch):
+def test_nothing_initialized_calls_no_destroy():
     assert not dist.is_initialized()
     called = []
     process_group.destroy_process_groups(lambda: called.append(1))
     assert called == []
+
+
+def test_a_call_with_nothing_initialized_frees_the_kept_groups(gloo_group):
+    kept = gloo_group()
+    process_group.destroy_process_groups()
+    assert any(g is kept for g in process_group._retired)
+    process_group.destroy_process_groups()  # the release: nothing is initialized now
+    assert process_group._retired == []
+    assert not dist.is_initialized()
+
+
+RANK_CHILD = textwrap.dedent("""
+    import datetime, os
+    import torch, torch.distributed as dist
+    from pytest_npu_parity.process_group import destroy_process_groups
+    rank = int(os.environ["RANK"])
+    for attempt in range(3):
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=10))
+        x = torch.full((4,), float(rank + 1 + attempt))
+        dist.all_reduce(x)
+        assert x.tolist() == [3.0 + 2 * attempt] * 4, x
+        destroy_process_groups()
+        destroy_process_groups()  # frees the kept group: its store no longer answers on MASTER_PORT
+    print("re-initialized", flush=True)
+""")
+
+
+def test_two_ranks_reinitialize_on_the_same_port_after_the_release():
+    # The kept group's TCPStore server answers a new group on its port with the old group's keys; two ranks
+    # then time out in the init or the first collective (module docstring), unless the release ran.
+    port = str(free_port())
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_CHILD], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=90) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err) in zip(ranks, outs):
+        assert p.returncode == 0 and "re-initialized" in out, err[-2000:]
 
 
 def test_a_custom_destroy_is_called(gloo_group):
