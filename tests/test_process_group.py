@@ -114,7 +114,7 @@ RANK_CHILD = textwrap.dedent("""
     rank = int(os.environ["RANK"])
     for attempt in range(3):
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=10))
+                                timeout=datetime.timedelta(seconds=30))
         x = torch.full((4,), float(rank + 1 + attempt))
         dist.all_reduce(x)
         assert x.tolist() == [3.0 + 2 * attempt] * 4, x
@@ -132,7 +132,7 @@ def test_two_ranks_reinitialize_on_the_same_port_after_the_release():
     ranks = [subprocess.Popen([sys.executable, "-c", RANK_CHILD], env=dict(env, RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
-        outs = [p.communicate(timeout=90) for p in ranks]
+        outs = [p.communicate(timeout=150) for p in ranks]
     finally:
         for p in ranks:
             if p.poll() is None:
