@@ -54,6 +54,7 @@ import time
 from typing import Any, Callable
 
 from . import npu
+from .process_group import destroy_process_groups
 
 SCHEMA_VERSION = 1
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -711,8 +712,6 @@ def _section_distributed(ctx: _Context, r: SectionResult) -> None:
                 dist.all_reduce(value)
                 ok = bool((value.cpu() == 1).all())
             finally:
-                from .process_group import destroy_process_groups
-
                 destroy_process_groups()  # torch 2.5.1's gloo destructor can deadlock (process_group)
         except Exception as exc:
             r.worse("fail")

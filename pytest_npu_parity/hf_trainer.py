@@ -54,6 +54,8 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
+from .process_group import destroy_process_groups
+
 __all__ = ["TrainerLoop", "deepspeed_unavailable", "DEFAULT_STEPS"]
 
 #: The guide's smoke run: ``run_train_npu.sh --max_steps 5`` (§8.2).
@@ -141,8 +143,6 @@ def _deepspeed_process(device: torch.device) -> Iterator[None]:
     finally:
         if not already and dist.is_available() and dist.is_initialized():
             import deepspeed.comm
-
-            from .process_group import destroy_process_groups
 
             # deepspeed.comm's destroy also drops DeepSpeed's cached groups (deepspeed/comm/comm.py); through
             # destroy_process_groups because on torch 2.5.1 freeing a gloo group right after ZeRO's async

@@ -81,9 +81,7 @@ def destroy_process_groups(destroy: Callable[[], Any] | None = None) -> None:
     """
     import torch.distributed as dist
 
-    previous = list(_retired)
-    _retired.clear()
-    del previous  # idle groups of the previous call: their destructors join idle threads
+    _retired.clear()  # the previous call's groups, idle since: their destructors join idle threads
     if not (dist.is_available() and dist.is_initialized()):
         return
     _retired.extend(_live_groups())
