@@ -1005,10 +1005,12 @@ class GoldenUnavailableError(RuntimeError):
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
-    """Every floating tensor in a nested structure cast to ``dtype`` on the CPU (others moved only)."""
+    """Every floating tensor in a nested structure cast to ``dtype`` on the CPU (others moved only);
+    always copies, so a computation that changes an input in place never changes the caller's."""
     if isinstance(obj, torch.Tensor):
-        obj = obj.detach().to("cpu")
-        return obj.to(dtype) if obj.is_floating_point() else obj
+        cast = obj.detach().to("cpu")
+        cast = cast.to(dtype) if cast.is_floating_point() else cast
+        return cast.clone() if cast.data_ptr() == obj.data_ptr() else cast
     if isinstance(obj, dict):
         return {k: _cast_floats(v, dtype) for k, v in obj.items()}
     if isinstance(obj, tuple):

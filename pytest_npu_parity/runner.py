@@ -406,11 +406,20 @@ def trainable_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _move(obj: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:
-    """Move every tensor in a nested structure to ``device`` (floating ones cast to ``float_dtype``)."""
+    """Copy every tensor in a nested structure to ``device`` (floating ones cast to ``float_dtype``).
+
+    Always a new tensor, also where ``Tensor.to`` would return the caller's own (same device and
+    dtype: a CPU reference, a CPU target): each side runs on its own copy of the caller's inputs,
+    so a computation that changes an input in place (``x.sub_(mean)``, ``masked_fill_`` on a mask
+    argument) changes neither the caller's tensor nor what the next side is given. A copy of a
+    tensor that requires grad stays connected to it, as a copy to another device is.
+    """
     if isinstance(obj, torch.Tensor):
         if float_dtype is not None and obj.is_floating_point():
-            return obj.to(device=device, dtype=float_dtype)
-        return obj.to(device)
+            moved = obj.to(device=device, dtype=float_dtype)
+        else:
+            moved = obj.to(device)
+        return obj.clone() if moved is obj else moved
     if isinstance(obj, dict) or hasattr(obj, "items") and hasattr(obj, "keys"):
         return type(obj)({k: _move(v, device, float_dtype) for k, v in obj.items()}) if isinstance(obj, dict) \
             else {k: _move(v, device, float_dtype) for k, v in obj.items()}
@@ -419,6 +428,52 @@ def _move(obj: Any, device: torch.device, float_dtype: torch.dtype | None = None
     if isinstance(obj, list):
         return [_move(v, device, float_dtype) for v in obj]
     return obj
+
+
+def _changed_inputs(given: tuple[tuple, dict], ran: tuple[Any, Any]) -> list[str]:
+    """Paths (``args[0]``, ``kwargs['mask']``, ``args[1][2]``) of the tensors in ``ran`` — one side's
+    ``(args, kwargs)`` copies after its run (``_move``) — whose values differ from the caller's
+    ``given``: inputs the computation changed in place (NaN equal to NaN)."""
+    return _changed(given[0], ran[0], "args") + _changed(given[1], ran[1], "kwargs")
+
+
+def _changed(given: Any, ran: Any, path: str) -> list[str]:
+    if isinstance(given, torch.Tensor) and isinstance(ran, torch.Tensor):
+        if ran.shape != given.shape:
+            return [path]
+        before, after = given.detach().to(device=ran.device, dtype=ran.dtype), ran.detach()
+        if after.is_floating_point() or after.is_complex():
+            same = bool(torch.eq(after, before).logical_or_(after.isnan() & before.isnan()).all())
+        else:
+            same = torch.equal(after, before)
+        return [] if same else [path]
+    if isinstance(given, (tuple, list)) and isinstance(ran, (tuple, list)) and len(given) == len(ran):
+        return [p for i, (g, r) in enumerate(zip(given, ran)) for p in _changed(g, r, f"{path}[{i}]")]
+    if isinstance(given, dict) and isinstance(ran, dict):
+        return [p for k, g in given.items() if k in ran for p in _changed(g, ran[k], f"{path}[{k!r}]")]
+    return []
+
+
+def _input_change_verdict(changes: dict[str, set[str]] | None, *, live_reference: bool) -> tuple[str | None, str | None]:
+    """``(note, problem)`` for the inputs a check's runs changed in place (``_changed_inputs``).
+
+    The note says which inputs changed (each side ran on its own copy of the caller's inputs, so
+    the comparison is unaffected). The problem, when a live reference ran: the two sides changed
+    different inputs — a port that drops (or adds) an in-place update of its argument computes
+    something else, even where the outputs agree."""
+    if not changes:
+        return None, None
+    ref, tgt = changes.get("reference", set()), changes.get("target", set())
+    shown = ", ".join(sorted(ref | tgt))
+    note = (f"the computation changes its input(s) {shown} in place; each side ran on its own copy of the "
+            "caller's inputs")
+    if not live_reference or ref == tgt:
+        return note, None
+    only_ref, only_tgt = sorted(ref - tgt), sorted(tgt - ref)
+    parts = ([f"{', '.join(only_ref)} on the reference only"] if only_ref else []) + (
+        [f"{', '.join(only_tgt)} on the target only"] if only_tgt else [])
+    return note, ("Input changed in place on one side only: " + "; ".join(parts)
+                  + " — the target changes its arguments differently from the reference.")
 
 
 def _to_cpu_leaves(output: Any) -> dict[str, torch.Tensor | None]:
@@ -729,6 +784,10 @@ class ParityCase:
             ``False``/``"off"``, a relative L2 limit, ``True`` for the fp32 default; see
             ``layers.parse_layer_spec``), or None for the session's per recipe.
     """
+
+    #: Inputs each side's run changed in place (``"reference"``/``"target"`` -> paths such as
+    #: ``args[0]``) while a check's pipeline runs (``_record_or_compare`` to ``_judge``); None outside.
+    _input_changes: dict[str, set[str]] | None = None
 
     def __init__(self, session: ParitySession, test_id: str, recipe: str = "fp32", *,
                  marker_tolerance: Tolerance | None = None, patches: PatchFactory | None = None,
@@ -1050,6 +1109,7 @@ class ParityCase:
         __tracebackhide__ = True
         from .compact import apply_recorded, compact_leaves
 
+        self._input_changes = {}
         weights = hashes["config_hash"] if call.module is not None else None
         own_stream = call.sample_dim is not None and self.session.rng == "device"
         if self.session.update_baselines:
@@ -1408,6 +1468,10 @@ class ParityCase:
             output = call(*args_d, **kwargs_d)
         if layers is not None:
             layers.update(captured)  # on the CPU once the capture has ended
+        if self._input_changes is not None:  # after the audit: the comparison is not the computation's
+            changed = _changed_inputs((args, kwargs), (args_d, kwargs_d))
+            if changed:
+                self._input_changes.setdefault("target" if patched else "reference", set()).update(changed)
         return output, audit
 
     def _load_baseline(self):
@@ -1541,11 +1605,17 @@ class ParityCase:
                              reference, tol, status="pass" if result.passed else "fail", submodule=submodule,
                              group=group, result=result, reference_provenance=provenance, audit=audit,
                              duration_s=time.perf_counter() - start, golden_policy=golden_policy, weights=weights)
+        changes, self._input_changes = self._input_changes, None  # re-runs of diagnoses are not judged
+        change_note, change_problem = _input_change_verdict(changes, live_reference=reference == "cpu")
+        if change_note:
+            policy_note = f"{policy_note}; {change_note}" if policy_note else change_note
         if policy_note:
             record.extra["policy_note"] = policy_note
         self._keep(record)
         vacuous_ok = (call.vacuous_ok if call is not None else vacuous_ok) or self.vacuous_ok
         problems = _vacuity_problems(name, expected, record, vacuous_ok)
+        if change_problem:
+            problems.append(change_problem)
         layer_problem = self._judge_layers(record, layer_records)
         if layer_problem:
             problems.append(layer_problem)

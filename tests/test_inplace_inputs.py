@@ -1,0 +1,122 @@
+"""A computation that changes its input in place: every side runs on its own copy of the caller's
+inputs, the caller's tensors are never changed, and a side that changes them differently fails."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from pytest_npu_parity.baselines import SuiteStores
+from pytest_npu_parity.compare import ParityError
+from pytest_npu_parity.runner import ParityCase, ParitySession
+
+CPU = torch.device("cpu")
+TEST_ID = "parity_suites/demo/test_m.py::t"
+
+
+class Standardize(torch.nn.Module):
+    """Normalizes its argument in place with fixed statistics (not idempotent), then projects it;
+    ``Standardize.fault`` scales the std on the side that runs under the patch set."""
+
+    std_scale = 1.0
+    in_place = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.lin = torch.nn.Linear(8, 4)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.randn(4, 8, generator=g))
+            self.lin.bias.zero_()
+        self.register_buffer("mean", torch.full((8,), 0.5))
+        self.register_buffer("std", torch.full((8,), 2.0))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        std = self.std * Standardize.std_scale
+        if Standardize.in_place:
+            x.sub_(self.mean).div_(std)
+            mask.logical_not_()
+        else:
+            x, mask = (x - self.mean) / std, ~mask
+        return self.lin(x.masked_fill(mask, 0.0))
+
+
+def target(std_scale: float = 1.0, in_place: bool = True):
+    @contextlib.contextmanager
+    def patches(device: torch.device):
+        Standardize.std_scale, Standardize.in_place = std_scale, in_place
+        try:
+            yield
+        finally:
+            Standardize.std_scale, Standardize.in_place = 1.0, True
+    return patches
+
+
+def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(4, 8, generator=g), torch.rand(4, 8, generator=g) > 0.8
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+def test_a_clean_in_place_model_passes_and_the_callers_inputs_are_untouched(recipe):
+    x, mask = inputs()
+    x0, mask0 = x.clone(), mask.clone()
+    record = ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, recipe).check("std", Standardize(), x, mask)
+    assert record.status == "pass"
+    assert torch.equal(x, x0) and torch.equal(mask, mask0)
+    assert "changes its input(s) args[0], args[1] in place" in record.extra["policy_note"]
+    if recipe == "fp32":  # both sides ran on the caller's values: the same computation, bitwise
+        assert record.result.leaves[0].max_abs == 0.0
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+def test_a_planted_fault_in_the_in_place_normalization_fails(recipe):
+    x, mask = inputs()
+    case = ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, recipe, patches=target(std_scale=1.01))
+    with pytest.raises(ParityError):
+        case.check("std", Standardize(), x, mask)
+
+
+def test_a_target_that_no_longer_changes_its_input_fails_naming_the_input():
+    x, mask = inputs()
+    case = ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, "fp32", patches=target(in_place=False))
+    with pytest.raises(ParityError, match=r"args\[0\], args\[1\] on the reference only"):
+        case.check("std", Standardize(), x, mask)
+
+
+def test_a_model_that_changes_no_input_gets_no_note():
+    x, mask = inputs()
+    Standardize.in_place = False
+    try:
+        record = ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, "fp32").check("std", Standardize(), x, mask)
+    finally:
+        Standardize.in_place = True
+    assert not (record.extra.get("policy_note") or "").count("in place")
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+def test_recorded_on_the_callers_input_and_compared_clean_against_the_baseline(tmp_path, recipe):
+    store = SuiteStores(tmp_path)
+    x, mask = inputs()
+    recording = ParityCase(ParitySession(CPU, update_baselines=True, store=store), TEST_ID, recipe)
+    recording.check("std", Standardize(), x, mask)
+    assert recording.finish() == "created"
+    # the fingerprint and summary are of the caller's (unchanged) input: a fresh copy compares fresh
+    x, mask = inputs()
+    record = ParityCase(ParitySession(CPU, store=store), TEST_ID, recipe).check("std", Standardize(), x, mask)
+    assert record.status == "pass" and record.reference == "baseline"
+    with pytest.raises(ParityError):
+        ParityCase(ParitySession(CPU, store=store), TEST_ID, recipe, patches=target(std_scale=1.01)).check(
+            "std", Standardize(), *inputs())
+
+
+def test_a_train_step_on_an_in_place_model_passes_and_fails_a_fault():
+    x, mask = inputs()
+    x0 = x.clone()
+    record = ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, "fp32").train_step(
+        "step", Standardize(), (x, mask), loss_fn=lambda out: out.square().mean())
+    assert record.status == "pass" and torch.equal(x, x0)
+    with pytest.raises(ParityError):
+        ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, "fp32", patches=target(std_scale=1.01)).train_step(
+            "step", Standardize(), inputs(), loss_fn=lambda out: out.square().mean())
