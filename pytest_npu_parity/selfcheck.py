@@ -116,6 +116,41 @@ def vacuity_problem(expected: Mapping[str, torch.Tensor | None]) -> str | None:
     return "its reference output is constant: " + ", ".join(shown) + more
 
 
+class ParityVacuityWarning(UserWarning):
+    """A check's reference output is so small that its tolerance cannot see a change of the
+    output's own size (``below_tolerance``): the check passes whatever the target computes there."""
+
+
+def below_tolerance(expected: Mapping[str, torch.Tensor | None], tol: Tolerance) -> str | None:
+    """Why ``tol`` cannot see a change of ``expected``'s own size, or None.
+
+    Args:
+        expected: the reference leaves ``{path: CPU tensor or None}``.
+        tol: the check's allclose tolerance.
+
+    Returns:
+        A sentence such as ``"every element of its reference output is within atol of zero
+        (largest |'logits'| 2.7e-10, atol 1e-05): a target that returns zeros, or twice the
+        reference, passes"`` when every floating leaf with more than one element (the leaves
+        ``vacuity_problem`` judges; at least one) satisfies ``|e| <= atol + rtol·|e|`` everywhere —
+        then replacing the output by 0 or by ``2·e`` stays within ``atol + rtol·|e|`` (the allclose
+        test of ``torch.isclose``) — else None. A constant output is ``vacuity_problem``'s case.
+    """
+    judged = {path: t for path, t in expected.items() if _floating(t) and t.numel() > 1}
+    if not judged or tol.rtol >= 1.0:
+        return None
+    limit = tol.atol / (1.0 - tol.rtol)
+    largest = {}
+    for path, t in judged.items():
+        top = float(t.detach().abs().nan_to_num(nan=math.inf).max())
+        if not top <= limit:
+            return None
+        largest[path] = top
+    path, top = max(largest.items(), key=lambda kv: kv[1])
+    return (f"every element of its reference output is within atol of zero (largest |{(path or '<output>')!r}| "
+            f"{top:.2g}, atol {tol.atol:g}): a target that returns zeros, or twice the reference, passes")
+
+
 # --------------------------------------------------------------------------------------------
 # (a) output teeth
 
