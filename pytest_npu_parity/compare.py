@@ -34,6 +34,7 @@ grow with the tensor (a 64 Mi-element fp32 pair costs about four plain copies of
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -333,13 +334,18 @@ def format_table(leaves: list[LeafResult]) -> list[str]:
 def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """Yield ``(path, leaf)`` for every leaf of a nested output.
 
-    Leaves are tensors, Python numbers and ``None``. Numbers become 0-d tensors that hold them
-    exactly: ``bool`` → bool, ``int`` → int64, ``float`` → float64, ``complex`` → complex128.
-    Containers are mappings (including ``transformers`` ``ModelOutput``, whose ``None`` fields are
-    skipped as its ``to_tuple`` does), tuples, lists and Hugging Face key/value caches (see
+    Leaves are tensors, Python numbers, strings and ``None``. Numbers become 0-d tensors that hold
+    them exactly: ``bool`` → bool, ``int`` → int64, ``float`` → float64, ``complex`` → complex128;
+    a ``str`` becomes the 1-d uint8 tensor of its UTF-8 bytes (so it is compared exactly, and stored
+    in a baseline like any leaf). Containers are mappings (including ``transformers``
+    ``ModelOutput``, whose ``None`` fields are skipped as its ``to_tuple`` does), named tuples and
+    dataclass instances (by field name), tuples, lists and Hugging Face key/value caches (see
     ``cache_fields``: ``GenerateDecoderOnlyOutput.past_key_values`` gives
     ``past_key_values.layers[0].keys``, ``…layers[0].values``, … per layer). Paths join mapping keys
-    with ``.`` and sequence positions as ``[i]``: ``{"a": (x, {"b": y})}`` gives ``a[0]`` and ``a[1].b``.
+    and field names with ``.`` and sequence positions as ``[i]``: ``{"a": (x, {"b": y})}`` gives
+    ``a[0]`` and ``a[1].b``; a ``Forecast(mean, samples)`` dataclass or named tuple gives ``mean`` and
+    ``samples``. ``torch.return_types`` values (``torch.max(x, 1)``) have no field names there and
+    stay positional.
 
     Raises:
         TypeError: for any other object, naming its path and type.
@@ -348,11 +354,16 @@ def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield prefix, obj
     elif isinstance(obj, bool | int | float | complex):
         yield prefix, _number_tensor(obj, prefix)
+    elif isinstance(obj, str):
+        yield prefix, torch.tensor(list(obj.encode("utf-8")), dtype=torch.uint8)
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
             if value is None and _is_model_output(obj):
                 continue
             yield from flatten(value, f"{prefix}.{key}" if prefix else str(key))
+    elif (named := _named_fields(obj)) is not None:
+        for key, value in named:
+            yield from flatten(value, f"{prefix}.{key}" if prefix else key)
     elif isinstance(obj, Sequence) and not isinstance(obj, str | bytes):
         for i, value in enumerate(obj):
             yield from flatten(value, f"{prefix}[{i}]")
@@ -362,9 +373,20 @@ def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     else:
         where = f"at {prefix!r}" if prefix else "at the top level"
         raise TypeError(
-            f"cannot compare a {type(obj).__name__} {where}: outputs must be tensors, numbers, None, "
-            "or tuples/lists/dicts/ModelOutputs/Hugging Face caches of them"
+            f"cannot compare a {type(obj).__name__} {where}: outputs must be tensors, numbers, strings, None, "
+            "or tuples/lists/dicts/named tuples/dataclasses/ModelOutputs/Hugging Face caches of them"
         )
+
+
+def _named_fields(obj: Any) -> list[tuple[str, Any]] | None:
+    """``[(field name, value)]`` of a named tuple (``collections.namedtuple``, ``typing.NamedTuple``)
+    or a dataclass instance, in declaration order; None for anything else."""
+    fields = getattr(type(obj), "_fields", None)
+    if isinstance(obj, tuple) and isinstance(fields, tuple) and all(isinstance(f, str) for f in fields):
+        return list(zip(fields, obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    return None
 
 
 def cache_fields(obj: Any) -> dict[str, Any] | None:

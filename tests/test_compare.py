@@ -440,8 +440,8 @@ def test_python_numbers_become_exact_tensors():
 
 
 def test_unsupported_leaf_names_its_path():
-    with pytest.raises(TypeError, match=r"cannot compare a str at 'meta\.name'"):
-        compare({"meta": {"name": "x"}}, {"meta": {"name": "x"}})
+    with pytest.raises(TypeError, match=r"cannot compare a frozenset at 'meta\.name'"):
+        compare({"meta": {"name": frozenset("x")}}, {"meta": {"name": frozenset("x")}})
     with pytest.raises(TypeError, match="at the top level"):
         compare(object(), object())
 
@@ -725,3 +725,35 @@ def test_done_when_nan_in_different_positions_fails():
 
 def test_compare_result_is_a_plain_object():
     assert CompareResult(name="empty").passed  # no leaves, nothing failed
+
+
+def test_named_tuple_and_dataclass_outputs_compare_by_field_name():
+    import collections
+    import dataclasses as dc
+
+    Pair = collections.namedtuple("Pair", "mean scale")
+
+    @dc.dataclass
+    class Forecast:
+        mean: torch.Tensor
+        quantiles: tuple
+        horizon: int
+        label: str
+
+    x, y = torch.ones(3), torch.zeros(2)
+    forecast = Forecast(x, Pair(x, y), 7, "co2")
+    assert [p for p, _ in flatten(forecast)] == ["mean", "quantiles.mean", "quantiles.scale", "horizon", "label"]
+    assert compare(forecast, Forecast(x.clone(), Pair(x.clone(), y.clone()), 7, "co2")).passed
+    moved = compare(forecast, Forecast(x, Pair(x, y + 1e-3), 7, "co2"))
+    assert not moved.passed and [leaf.path for leaf in moved.leaves if not leaf.passed] == ["quantiles.scale"]
+    # torch.return_types have no field names: positional as before
+    assert [p for p, _ in flatten(torch.max(torch.eye(2), 1))] == ["[0]", "[1]"]
+
+
+def test_string_and_integer_fields_are_compared_exactly_and_named():
+    assert compare({"name": "co2", "n": 3}, {"name": "co2", "n": 3}).passed
+    other = compare({"name": "co2", "n": 3}, {"name": "co3", "n": 3})
+    assert not other.passed and [leaf.path for leaf in other.leaves if not leaf.passed] == ["name"]
+    longer = compare({"name": "co2x"}, {"name": "co2"})
+    assert not longer.passed and longer.leaves[0].path == "name"
+    assert not compare({"n": 3}, {"n": 4}).passed
