@@ -197,6 +197,19 @@ def layer_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return found
 
 
+def compiled_modules(root: torch.nn.Module) -> list[str]:
+    """Paths (``""`` for ``root`` itself) of the modules in ``root`` that ``torch.compile`` compiled:
+    an ``OptimizedModule`` wrapper (``torch.compile(module)``) or a module compiled in place
+    (``module.compile()``, which sets ``_compiled_call_impl``; torch/nn/modules/module.py,
+    ``Module.compile``, 2.5.1 and 2.14.1)."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # a torch build without dynamo compiles nothing
+        return []
+    return [name for name, m in root.named_modules()
+            if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None]
+
+
 @contextlib.contextmanager
 def capture_layers(root: torch.nn.Module | None, samples: int = DEFAULT_SAMPLES) -> Iterator[dict[str, torch.Tensor]]:
     """Record the first output of every weighted submodule of ``root`` while the block runs.

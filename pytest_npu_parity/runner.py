@@ -335,6 +335,8 @@ class CheckCall:
             memos (``ParityCase._memo_key``): the layer records' sample count (None without
             layer records); a train step's ``optimizer``, ``loss_fn``, ``max_grad_norm`` and
             ``loop`` (callables by identity, ``_Same``).
+        notes: what the check's note says besides the verdict's own (e.g. the layer check is off
+            for a compiled module, ``_layers_unless_compiled``).
     """
 
     kind: str
@@ -349,6 +351,7 @@ class CheckCall:
     sample_dim: int | None = None
     replay: Callable[[dict], dict] | None = None
     memo: tuple = ()
+    notes: list[str] = field(default_factory=list)
 
     @property
     def module(self) -> torch.nn.Module | None:
@@ -429,6 +432,23 @@ def _move(obj: Any, device: torch.device, float_dtype: torch.dtype | None = None
     if isinstance(obj, list):
         return [_move(v, device, float_dtype) for v in obj]
     return obj
+
+
+def _layers_unless_compiled(policy: Any, module: torch.nn.Module | None) -> tuple[Any, str | None]:
+    """``(layer policy, note)``: the check's layer policy, or None with a note when ``module`` is (or
+    holds) a ``torch.compile``d module (``layers.compiled_modules``). The layer check's forward hooks
+    would be traced into the compiled program — graph breaks at the record's sampling, another graph
+    than the one production runs — so a compiled module is judged by its outputs alone."""
+    if policy is None or module is None:
+        return policy, None
+    from .layers import compiled_modules
+
+    compiled = compiled_modules(module)
+    if not compiled:
+        return policy, None
+    where = f"submodule {compiled[0]!r}" if compiled[0] else f"the {type(module).__name__}"
+    return None, (f"layer check off: {where} is compiled (torch.compile), and recording its layers would "
+                  "change the compiled program (graph breaks); its outputs are judged")
 
 
 def _changed_inputs(given: tuple[tuple, dict], ran: tuple[Any, Any]) -> list[str]:
@@ -891,7 +911,7 @@ class ParityCase:
                                      dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
         golden_policy = self._verdict_policy(name, policy, training=grad or is_training(fn))
         budget = self._audit_budget(name, audit_budget)
-        layer_policy = self._layer_policy(name, layers)
+        layer_policy, layer_note = _layers_unless_compiled(self._layer_policy(name, layers), owner_module(fn))
         self._check_name(name)
         start = time.perf_counter()
         hashes = self._hashes(fn, args, kwargs)
@@ -920,7 +940,7 @@ class ParityCase:
             return self.session.golden_runner.run(fn, args, kwargs, recipe=self.recipe.name, seed=seed, grad=grad)
 
         call = CheckCall("check", fn, args, kwargs, seed, grad, rerun, vacuous_ok, fault_weight, sample_dim,
-                         memo=(getattr(layer_policy, "samples", None),))
+                         memo=(getattr(layer_policy, "samples", None),), notes=[layer_note] if layer_note else [])
         return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
                                        golden_policy, golden, budget, layer_policy=layer_policy)
 
@@ -1004,7 +1024,7 @@ class ParityCase:
                                      dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
         golden_policy = self._verdict_policy(name, policy, training=True)
         budget = self._audit_budget(name, audit_budget)
-        layer_policy = self._layer_policy(name, layers)
+        layer_policy, layer_note = _layers_unless_compiled(self._layer_policy(name, layers), module)
         from .compact import parse_train_store
 
         train_store = (parse_train_store(store, source="check") if store is not None
@@ -1088,7 +1108,7 @@ class ParityCase:
                          lambda device, patched, args, batch: run(device, patched, args=args, batch=batch)[0],
                          vacuous_ok, fault_weight, replay=replay,
                          memo=(getattr(layer_policy, "samples", None), _Same(optimizer), _Same(loss_fn),
-                               max_grad_norm, _Same(loop)))
+                               max_grad_norm, _Same(loop)), notes=[layer_note] if layer_note else [])
         return self._record_or_compare(name, run, hashes, call, tol, submodule, group, start,
                                        golden_policy, golden, budget, train_store=train_store,
                                        layer_policy=layer_policy)
@@ -1606,6 +1626,8 @@ class ParityCase:
                              reference, tol, status="pass" if result.passed else "fail", submodule=submodule,
                              group=group, result=result, reference_provenance=provenance, audit=audit,
                              duration_s=time.perf_counter() - start, golden_policy=golden_policy, weights=weights)
+        if call is not None and call.notes:
+            policy_note = "; ".join([*([policy_note] if policy_note else []), *call.notes])
         changes, self._input_changes = self._input_changes, None  # re-runs of diagnoses are not judged
         change_note, change_problem = _input_change_verdict(changes, live_reference=reference == "cpu")
         if change_note:
