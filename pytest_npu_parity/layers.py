@@ -43,6 +43,12 @@ Positions where both sides hold the same non-finite value (``-inf`` of a mask) c
 non-finite value on one side only fails its layer. A layer whose records differ in size (another
 output shape) or that only one side recorded (a fast path that fuses its submodules) is not
 judged; the verdict says how many were left out.
+
+A recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) is judged at a tenth of the limit
+(``RECURRENT_FACTOR``): its gates damp a fault of its recurrent weights below the fp32 limit at
+its output, while correct runs agree there to rounding (measured; see the constant). Its record
+carries a marker (``layer:<path>@recurrent``), so a baseline recorded before it is judged at the
+plain limit.
 """
 from __future__ import annotations
 
@@ -66,6 +72,18 @@ DEFAULT_FLOOR = 1e-9
 DEFAULT_AMPLIFICATION = 10.0
 #: Key suffix of a layer's input record.
 INPUT_SUFFIX = "@in"
+#: Key suffix of the marker a recurrent layer's record carries (``capture_layers``): judged at
+#: ``RECURRENT_FACTOR`` times the limit.
+RECURRENT_SUFFIX = "@recurrent"
+#: A recurrent layer (``nn.RNNBase``: LSTM, GRU, RNN) is judged at this fraction of the limit.
+#: Measured on a 2-layer LSTM + bidirectional GRU (tests/test_layers_recurrent.py): a 1e-4 fault of
+#: the LSTM's ``weight_hh_l0`` moves the LSTM's output by a relative L2 error of 9.5e-6 — the
+#: gates damp a recurrent weight, and the first step does not see it — just under the fp32 limit
+#: of 1e-5, while correct runs agree bitwise there across thread counts, ATen's ``default``
+#: kernel path, oneDNN capped at AVX2 and torch 2.5.1 vs 2.14.1, and within 8.8e-8 for a GRU on
+#: another kernel path (benchmarks/results/damped_faults.md, gru_eval).
+RECURRENT_FACTOR = 0.1
+_SUFFIXES = (INPUT_SUFFIX, RECURRENT_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -240,6 +258,8 @@ def capture_layers(root: torch.nn.Module | None, samples: int = DEFAULT_SAMPLES)
                         records[key + INPUT_SUFFIX] = _sampled(key + INPUT_SUFFIX, given, samples)
 
             handles.append(module.register_forward_hook(hook))
+            if isinstance(module, torch.nn.RNNBase):
+                records[key + RECURRENT_SUFFIX] = torch.ones(1)
     try:
         yield records
     finally:
@@ -321,7 +341,7 @@ def judge_layers(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tens
     """
     verdict = LayerVerdict(policy)
     for key, a in actual.items():
-        if key.endswith(INPUT_SUFFIX):
+        if key.endswith(_SUFFIXES):
             continue
         name = key[len(LAYER_PREFIX):]
         e = expected.get(key)
@@ -331,7 +351,8 @@ def judge_layers(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tens
         error, within = _rel_l2(a, e, policy.floor)
         verdict.judged += 1
         verdict.errors[name] = error
-        if within(policy.limit):
+        limit = policy.limit * (RECURRENT_FACTOR if key + RECURRENT_SUFFIX in actual else 1.0)
+        if within(limit):
             continue
         a_in, e_in = actual.get(key + INPUT_SUFFIX), expected.get(key + INPUT_SUFFIX)
         if a_in is not None and e_in is not None and a_in.shape == e_in.shape:
@@ -341,7 +362,7 @@ def judge_layers(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tens
                 continue  # the drift it received, amplified within the limit
         verdict.failing.append(name)
     verdict.unmatched.extend(k[len(LAYER_PREFIX):] for k in expected
-                             if not k.endswith(INPUT_SUFFIX) and k not in actual)
+                             if not k.endswith(_SUFFIXES) and k not in actual)
     return verdict
 
 
