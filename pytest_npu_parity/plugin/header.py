@@ -55,7 +55,7 @@ def report_header(config: pytest.Config) -> list[str]:
         flags = precision_flags()
     lines = [
         f"npu-parity: target {session.target} ({session.target_name}) · {mode} · recipes "
-        f"{','.join(list(cfg.recipes))} · baselines {session.store.root}",
+        f"{','.join(cfg.recipes)} · baselines {session.store.root}",
         f"npu-parity: torch {torch.__version__} · torch_npu {status.torch_npu_version or '-'} · "
         f"CANN {status.cann_version or '-'} · precision flags "
         + " ".join(f"{k}={v}" for k, v in flags.items()),
@@ -76,8 +76,8 @@ def report_header(config: pytest.Config) -> list[str]:
         lines.append("npu-parity: random streams: sampling checks draw from each side's own device generator and "
                      f"are judged as distributions ({session.distribution_policy.describe()}); other checks share "
                      "one seeded CPU stream")
-    lines.append("npu-parity: verdicts " + " · ".join(verdict(recipe) for recipe in list(cfg.recipes)) + (" (per-check choices in parity_policies)" if session.check_policies else ""))
-    layered = [(r, session.layer_policy(r)) for r in list(cfg.recipes)]
+    lines.append("npu-parity: verdicts " + " · ".join(verdict(recipe) for recipe in cfg.recipes) + (" (per-check choices in parity_policies)" if session.check_policies else ""))
+    layered = [(r, session.layer_policy(r)) for r in cfg.recipes]
     lines.append("npu-parity: layer check " + (" · ".join(f"{r}: {p.describe()}" for r, p in layered if p is not None)
                                                or "off") + " (--parity-layers)")
     if session.target.type != "npu" and not status.available and (status.torch_npu_version or _npu.quarantined()):

@@ -19,9 +19,9 @@ from . import header, summary
 from .markers import MARKER_HELP, marker_recipes, validate_markers
 from .options import ParityConfig, Raw, add_options, recipe_names
 from .paths import record_parity_paths
-from .xdist import is_xdist_controller, xdist_worker_id
 from .state import (CASES_KEY, COLLECTED_KEY, CONFIG_KEY, DEEPSPEED_LINT_KEY, LOCK_KEY, OUTCOME_KEY, PROFILE_KEY,
                     ROWS_KEY, SESSION_KEY, SKIP_REASON, TEMP_KEY)
+from .xdist import is_xdist_controller, xdist_worker_id
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -107,7 +107,6 @@ def _resolve_target(config: pytest.Config, raw: Raw) -> Any:
                                      raw.value("parity_worker_devices")[0] or None)
     except (ValueError, DeviceUnavailableError) as exc:
         raise pytest.UsageError(str(exc)) from None
-
 
 
 def _lint_deepspeed_config(config: pytest.Config, cfg: ParityConfig) -> None:
