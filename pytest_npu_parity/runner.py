@@ -43,32 +43,18 @@ from .baselines import (BaselineError, CorruptBaselineError, MissingBaselineErro
                         UnsafeBaselineError)
 from .compare import CompareResult, ParityError, compare, flatten
 from .modules import owner_module  # noqa: F401  (also runner.owner_module, as before)
-from .policy import Tolerance, default_for_recipe, parse_tolerance_spec
+from .policy import Tolerance
 from .recipes import RECIPES, Recipe, strict_fp32_flags
 from .audit import not_audited
+from .checks.settings import (DEFAULT_POLICIES, TRAINING_DEFAULT_POLICIES, CheckSettings,  # noqa: F401
+                              IniSettings, MarkerSettings, audit_mode as resolve_audit_mode)
 from .rng import RNG_MODES, randomness, target_seed
 
 PatchFactory = Callable[[torch.device], ContextManager[Any]]
 
-#: Verdict policy per recipe when nothing else is configured (measured: README, "Verdict accuracy").
-#: fp32 eval checks keep allclose 1e-5: no legitimate variant failed it (other torch release, other
-#: CPU kernel path, thread count, transformer slow path). bf16 is judged by the golden verdict with
-#: the user's allclose 1e-3 as a floor: against baselines of another torch release or CPU kernel
-#: path allclose 1e-3 failed 18 of 49 bf16 tests (err/tol up to 380, cosine >= 0.998), the golden
-#: floor none; in the calibration it fails 0/19 legitimate variants and 19 of the 21 faults a bf16
-#: run can resolve. The user's 1e-3 stays one option away: ``--parity-policy allclose`` or ini
-#: ``parity_bf16_policy = allclose``.
-DEFAULT_POLICIES: dict[str, str] = {"fp32": "allclose", "bf16": "golden floor", "bf16-weights": "golden floor",
-                                    "fp16": "allclose"}
+# DEFAULT_POLICIES and TRAINING_DEFAULT_POLICIES live with the settings resolver (checks/settings.py).
 #: What an audited check does with events beyond its audit budget (``ParitySession(audit_mode=...)``).
 AUDIT_JUDGEMENTS = ("off", "record", "warn", "fail")
-
-#: Training computations (``train_step``; ``check`` of a module with dropout or batch norm in training
-#: mode, see ``is_training``)
-#: amplify rounding: across torch releases and CPU kernel paths fp32 training checks moved by up to
-#: 6e-5 (err/tol 5.8 at 1e-5), and one AdamW step moves each parameter by about ±lr whatever its
-#: gradient's size. Their fp32 default is the golden verdict with the allclose floor.
-TRAINING_DEFAULT_POLICIES: dict[str, str] = {"fp32": "golden floor"}
 
 
 def is_training(fn: Any) -> bool:
@@ -583,6 +569,9 @@ class ParitySession:
             layers judged at rel-L2 1e-5, other recipes not), ``"off"``/None, or a relative L2 limit
             (a float, a spec string or a ``layers.LayerPolicy``) for the fp32 recipe; other recipes
             then record no layers unless a test asks (``ParityCase(marker_layers=...)``).
+        settings: the seven per-check settings above (``check_tolerances`` … ``layers``) already parsed
+            (``checks.settings.IniSettings``, what the pytest plugin builds at start-up); give either it
+            or those keywords (TypeError otherwise).
     """
 
     def __init__(self, target: torch.device, *, reference: str = "auto", update_baselines: bool = False,
@@ -594,11 +583,9 @@ class ParitySession:
                  recipe_policies: dict[str, Any] | None = None, check_policies: dict[str, str] | None = None,
                  golden_runner: Any = None, audit_mode: str | None = None, audit_budget: Any = None,
                  rng: str = "shared", distribution_policy: Any = None, train_store: Any = None,
-                 layers: Any = "default"):
-        from .audit import parse_audit_budget
+                 layers: Any = "default", settings: IniSettings | None = None):
         from .distribution import DistributionPolicy
-        from .compact import parse_train_store
-        from .golden import GoldenRunner, parse_policy_spec
+        from .golden import GoldenRunner
 
         if reference not in ("auto", "cpu", "baseline"):
             raise ValueError(f"--parity-reference={reference!r}: use auto, cpu or baseline")
@@ -612,8 +599,6 @@ class ParitySession:
         self.reference = reference
         self.update_baselines = update_baselines
         self.store = store
-        self.check_tolerances = dict(check_tolerances or {})
-        self.recipe_tolerances = dict(recipe_tolerances or {})
         self.seed = seed
         self.audit_factory = audit_factory
         if audit_mode is None:
@@ -621,20 +606,25 @@ class ParitySession:
         if audit_mode not in AUDIT_JUDGEMENTS:
             raise ValueError(f"audit_mode={audit_mode!r}: use one of {', '.join(AUDIT_JUDGEMENTS)}")
         self.audit_mode = audit_mode
-        self.audit_budget = parse_audit_budget(audit_budget, source="default")
+        specs = dict(check_tolerances=check_tolerances, recipe_tolerances=recipe_tolerances,
+                     recipe_policies=recipe_policies, check_policies=check_policies, audit_budget=audit_budget,
+                     train_store=train_store, layers=layers)
+        if settings is None:
+            settings = IniSettings.from_specs(**specs)
+        elif any(value is not None for key, value in specs.items() if key != "layers") or layers != "default":
+            raise TypeError("ParitySession: give settings= or the per-check settings keywords, not both")
+        self.settings = CheckSettings(settings)
+        self.check_tolerances = dict(check_tolerances if check_tolerances is not None else settings.check_tolerances)
+        self.recipe_tolerances = dict(settings.recipe_tolerances)
+        self.recipe_policies: dict[str, Any] = dict(settings.recipe_policies)
+        self.check_policies = dict(settings.check_policies)
+        self.audit_budget = settings.audit_budget
+        self.train_store = settings.train_store
+        self.layers = settings.layers
+        self.patterns_used = self.settings.patterns_used  # check_tolerances/check_policies patterns that matched
         self.failure_hooks = list(failure_hooks or [])
         self.check_hooks = list(check_hooks or [])
-        self.recipe_policies: dict[str, Any] = {}
-        for recipe, spec in (recipe_policies or {}).items():
-            self.recipe_policies[recipe] = (parse_policy_spec(spec, source="ini", recipe=recipe)
-                                            if isinstance(spec, str) else spec)
-        self.check_policies = dict(check_policies or {})
-        self.patterns_used: set[str] = set()  # check_tolerances/check_policies patterns that matched a check
         self.golden_runner = golden_runner if golden_runner is not None else GoldenRunner()
-        self.train_store = parse_train_store(train_store, source="ini")
-        from .layers import parse_layer_spec
-
-        self.layers = "default" if layers == "default" else parse_layer_spec(layers, source="option")
         self._golden_memo: dict[tuple, Any] = {}
         self.records: list[CheckRecord] = []
         self.baseline_writes: dict[str, str] = {}  # test_id -> created/changed/unchanged/not written
@@ -649,11 +639,7 @@ class ParitySession:
 
     def layer_policy(self, recipe: str) -> Any:
         """The ``layers.LayerPolicy`` of ``recipe``'s checks, or None when they record no layers."""
-        from .layers import default_layer_policy
-
-        if self.layers == "default":
-            return default_layer_policy(recipe)
-        return self.layers if recipe == "fp32" else None
+        return self.settings.layer_policy(recipe)
 
     # -- modules -------------------------------------------------------------------------------
     def place(self, module: torch.nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -727,28 +713,13 @@ class ParitySession:
         ``golden.GoldenPolicy``. Precedence: ``DEFAULT_POLICIES`` (``TRAINING_DEFAULT_POLICIES`` first
         for a ``training`` check) < ``recipe_policies`` (ini
         ``parity_<recipe>_policy``, ``--parity-policy``) < ``check_policies`` (ini ``parity_policies``)
-        < ``marker`` (``@pytest.mark.parity(policy=...)``) < ``explicit`` (``check(..., policy=...)``).
+        < ``marker`` (``@pytest.mark.parity(policy=...)``) < ``explicit`` (``check(..., policy=...)``);
+        see ``checks.settings.CheckSettings.verdict_policy``.
 
         Raises:
             ValueError: a policy spec that ``golden.parse_policy_spec`` rejects.
         """
-        import fnmatch
-
-        from .golden import parse_policy_spec
-
-        default = (TRAINING_DEFAULT_POLICIES.get(recipe) if training else None) or DEFAULT_POLICIES.get(recipe, "allclose")
-        policy = self.recipe_policies.get(recipe, parse_policy_spec(default, source="default", recipe=recipe))
-        for pattern, spec in self.check_policies.items():
-            if pattern == check or fnmatch.fnmatchcase(check, pattern):
-                policy = parse_policy_spec(spec, source="ini", recipe=recipe)
-                if check:
-                    self.patterns_used.add(pattern)
-                break
-        if marker is not None:
-            policy = parse_policy_spec(marker, source="marker", recipe=recipe)
-        if explicit is not None:
-            policy = parse_policy_spec(explicit, source="check", recipe=recipe)
-        return policy
+        return self.settings.verdict_policy(recipe, check, marker, explicit, training=training)
 
     def golden(self, key: tuple, owner: Any, run: Callable[[], dict]) -> dict[str, torch.Tensor | None]:
         """The golden leaves of one check: ``run()`` once per session per ``key`` (see
@@ -764,23 +735,9 @@ class ParitySession:
 
     def tolerance(self, recipe: str, check: str, marker: Tolerance | None = None,
                   explicit: dict[str, Any] | None = None) -> Tolerance:
-        """The tolerance for ``check`` under ``recipe``: default < ini recipe < ini per-check < marker < explicit."""
-        import fnmatch
-
-        tol = self.recipe_tolerances.get(recipe, default_for_recipe(recipe))
-        for pattern, override in self.check_tolerances.items():
-            if pattern == check or fnmatch.fnmatchcase(check, pattern):
-                tol = parse_tolerance_spec(override, source="ini", base=tol) if isinstance(override, str) else override
-                if check:
-                    self.patterns_used.add(pattern)
-                break
-        if marker is not None:
-            tol = marker
-        if explicit:
-            values = {k: v for k, v in explicit.items() if v is not None and k != "reason"}
-            if values:
-                tol = tol.replace(**values, source="check", reason=explicit.get("reason") or tol.reason)
-        return tol
+        """The tolerance for ``check`` under ``recipe``: default < ini recipe < ini per-check < marker < explicit
+        (``checks.settings.CheckSettings.tolerance``)."""
+        return self.settings.tolerance(recipe, check, marker, explicit)
 
 
 class ParityCase:
@@ -814,9 +771,6 @@ class ParityCase:
                  marker_tolerance: Tolerance | None = None, patches: PatchFactory | None = None,
                  vacuous_ok: str | None = None, marker_policy: str | None = None, audit_budget: Any = None,
                  audit_mode: str | None = None, marker_train_store: str | None = None, marker_layers: Any = None):
-        from .compact import parse_train_store
-        from .layers import parse_layer_spec
-
         if recipe not in RECIPES:
             raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
         self.session = session
@@ -826,18 +780,15 @@ class ParityCase:
         self.patches = patches
         self.vacuous_ok = vacuous_ok
         self.marker_policy = marker_policy
-        self.session.verdict_policy(recipe, "", marker_policy)  # a bad marker spec fails before any run
-        from .audit import parse_audit_budget
-
-        if audit_mode not in (None, "off", "warn", "fail"):
-            raise ValueError(f"audit={audit_mode!r}: use off, warn or fail")
+        # The marker's settings, parsed once for this test (a bad spec fails before any run).
+        self.marker: MarkerSettings = session.settings.marker(
+            recipe, tolerance=marker_tolerance, policy=marker_policy, audit_mode=audit_mode, audit_budget=audit_budget,
+            train_store=marker_train_store, layers=marker_layers)
         self.audit_mode = audit_mode
-        self.audit_budget = parse_audit_budget(audit_budget, source="marker", base=session.audit_budget)
-        self.marker_train_store = (parse_train_store(marker_train_store, source="marker")
-                                   if marker_train_store is not None else None)
+        self.audit_budget = self.marker.audit_budget
+        self.marker_train_store = self.marker.train_store
         self.marker_layers = marker_layers
-        self.layer_policy = (parse_layer_spec(marker_layers, source="marker") if marker_layers is not None
-                             else session.layer_policy(recipe))
+        self.layer_policy = self.marker.layers
         self.records: list[CheckRecord] = []
         self._pending: dict[str, Any] = {}
         self._baseline: Any = None
@@ -1514,9 +1465,10 @@ class ParityCase:
         return self._baseline
 
     def _verdict_policy(self, name: str, policy: Any, training: bool = False) -> Any:
-        """``session.verdict_policy`` for this check; a bad ``policy=`` names the check."""
+        """``session.settings.verdict_policy`` for this check; a bad ``policy=`` names the check."""
         try:
-            return self.session.verdict_policy(self.recipe.name, name, self.marker_policy, policy, training=training)
+            return self.session.settings.verdict_policy(self.recipe.name, name, explicit=policy, training=training,
+                                                        marker_parsed=self.marker)
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"parity check {name!r}: policy={policy!r}: {exc}") from None
 
@@ -1690,12 +1642,8 @@ class ParityCase:
 
     def _layer_policy(self, name: str, spec: Any) -> Any:
         """The ``layers.LayerPolicy`` of check ``name``: its own ``layers=`` over the test's; a bad spec names the check."""
-        if spec is None:
-            return self.layer_policy
-        from .layers import parse_layer_spec
-
         try:
-            return parse_layer_spec(spec, source="check")
+            return self.session.settings.layer_policy(self.recipe.name, self.marker, spec)
         except ValueError as exc:
             raise ValueError(f"parity check {name!r}: {exc}") from None
 
@@ -1727,16 +1675,12 @@ class ParityCase:
 
     def _audit_mode(self) -> str:
         """``off`` (no audit), ``record``, ``warn`` or ``fail`` for this test's checks."""
-        if self.session.audit_factory is None:
-            return "off"
-        return self.audit_mode or self.session.audit_mode
+        return resolve_audit_mode(self.session.audit_mode, self.marker, auditable=self.session.audit_factory is not None)
 
     def _audit_budget(self, name: str, spec: Any) -> Any:
         """The ``audit.AuditBudget`` of check ``name``: ``spec`` over the test's; a bad spec names the check."""
-        from .audit import parse_audit_budget
-
         try:
-            return parse_audit_budget(spec, source="check", base=self.audit_budget)
+            return self.session.settings.audit_budget(self.marker, spec)
         except ValueError as exc:
             raise ValueError(f"parity check {name!r}: {exc}") from None
 

@@ -1,0 +1,537 @@
+"""Every command-line option and ini key of the plugin: ONE declarative table, parsed once.
+
+``table()`` lists each setting with its flag, dest, ini key, default and help; ``pytest_addoption``
+(``add_options``) is generated from it, and so is the options reference (``markdown()``;
+``python -m pytest_npu_parity.plugin.options_md > docs/reference/options.md``). At ``pytest_configure``
+``ParityConfig.load`` reads every value once and validates it (a bad value is a ``pytest.UsageError``
+naming the option or ini key); the frozen result sits in ``config.stash[state.CONFIG_KEY]`` and every
+other part of the plugin reads it instead of calling ``getoption``/``getini``.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import pytest
+
+#: Keyword arguments of ``@pytest.mark.parity``.
+MARKER_KEYS = ("rtol", "atol", "budget", "reason", "recipes", "vacuous_ok", "policy", "audit", "audit_budget",
+               "train_store", "layers")
+#: Largest seed (``--parity-seed``, ini ``parity_seed``): torch generators take 64-bit seeds, numpy
+#: and the shared random stream signed 64-bit ones.
+MAX_SEED = 2**63 - 1
+#: Recipes with their own ini ``parity_<recipe>_tolerance`` / ``parity_<recipe>_policy`` keys
+#: (``bf16-weights`` follows ``bf16``).
+OVERRIDABLE_RECIPES = ("fp32", "bf16", "fp16")
+#: The command that writes the options reference from ``table()``.
+REGENERATE = "python -m pytest_npu_parity.plugin.options_md > docs/reference/options.md"
+#: The order ``pytest --help`` lists the ini keys in (the options follow ``table()``'s order).
+INI_ORDER = ("parity_device", "parity_audit", "parity_reference", "parity_dtypes", "parity_baseline_dir",
+             "parity_seed", "parity_rng", "parity_lock_timeout", "parity_worker_devices", "parity_localize_budget",
+             "parity_paths", "parity_tolerances", *(f"parity_{r}_{k}" for r in OVERRIDABLE_RECIPES
+                                                   for k in ("tolerance", "policy")),
+             "parity_deepspeed_config", "parity_layers", "parity_train_store", "parity_policies")
+GROUP = ("npu-parity", "numerical parity of a target device (NPU/CUDA/CPU) with a reference")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the table: a command-line option, an ini key, or both (the option wins).
+
+    Attributes:
+        flag: the option (``--parity-device``), or None for an ini key only.
+        dest: the option's dest (``config.getoption`` name), or None.
+        ini: the ini key, or None for an option only.
+        help: the option's help (or the ini key's, without an option).
+        ini_help: the ini key's help when it has an option too.
+        default: the option's default (``store_true`` options: False).
+        ini_default: the ini key's default (a string, or a list for ``linelist``).
+        ini_type: pytest's ini type (``linelist``), or None for a string.
+        kwargs: further ``addoption`` arguments (``action``, ``choices``, ``type``, ``metavar``).
+        parse: the validator ``(value, where) -> parsed`` of a setting parsed on its own (``where``: the
+            flag or ``ini <key>`` the value came from, as the error message names it), or None for the
+            settings ``ParityConfig.load`` combines with others (policies, tolerances, audit, paths).
+    """
+
+    flag: str | None = None
+    dest: str | None = None
+    ini: str | None = None
+    help: str = ""
+    ini_help: str | None = None
+    default: Any = None
+    ini_default: Any = None
+    ini_type: str | None = None
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    parse: Callable[[Any, str], Any] | None = None
+
+
+# -- validators of single settings (each raises pytest.UsageError with the sentence users see) -----------
+
+
+def _parse_reference(value: Any, where: str) -> str:
+    if value not in ("auto", "cpu", "baseline"):
+        raise pytest.UsageError(f"ini parity_reference={value!r}: use auto, cpu or baseline")
+    return value
+
+
+def _parse_rng(value: Any, where: str) -> str:
+    if value not in ("shared", "device"):
+        raise pytest.UsageError(f"ini parity_rng={value!r}: use shared or device")
+    return value
+
+
+def _parse_seed(value: Any, where: str) -> int:
+    try:
+        seed = int(str(value).strip())
+    except ValueError:
+        raise pytest.UsageError(f"{where}={value!r} is not an integer; use an integer from 0 to {MAX_SEED}") from None
+    if not 0 <= seed <= MAX_SEED:
+        raise pytest.UsageError(f"{where}={seed} is out of range; use an integer from 0 to 2**63-1 ({MAX_SEED})")
+    return seed
+
+
+def _parse_localize_budget(value: Any, where: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not (seconds >= 0 and seconds != float("inf")):
+        raise pytest.UsageError(f"{where}={value!r}: give the seconds localization may take in this session, a "
+                                "number >= 0 (0 turns it off); --parity-localize localizes the selected tests "
+                                "whatever the budget")
+    return seconds
+
+
+def _parse_lock_timeout(value: Any, where: str) -> float:
+    try:
+        seconds = float(value)
+        if seconds < 0:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"ini parity_lock_timeout={value!r}: give seconds, a number >= 0") from None
+    return seconds
+
+
+def _parse_audit_ini(value: Any, where: str) -> str:
+    value = str(value or "off").strip().lower()
+    if value not in ("off", "fail", "warn"):
+        raise pytest.UsageError(f"ini parity_audit={value!r}: use off, fail or warn")
+    return value
+
+
+def _parse_recipes(value: Any, where: str) -> tuple[str, ...]:
+    from ..recipes import parse_recipes  # engine modules import torch: only when a value is parsed
+
+    try:
+        return tuple(r.name for r in parse_recipes(value))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def _parse_layers(value: Any, where: str) -> Any:
+    from ..layers import parse_layer_spec
+
+    if value is None or not str(value).strip():
+        return "default"
+    try:
+        return parse_layer_spec(value, source="option" if where.startswith("--") else "ini")
+    except ValueError as exc:
+        raise pytest.UsageError(f"{where}={value!r}: {exc}") from None
+
+
+def _parse_train_store(value: Any, where: str) -> Any:
+    from ..compact import parse_train_store
+
+    try:
+        return parse_train_store(value, source="ini")
+    except ValueError as exc:
+        raise pytest.UsageError(f"ini parity_train_store={value!r}: {exc}") from None
+
+
+def _default_budget() -> float:
+    from ..localize import DEFAULT_BUDGET_S  # imports torch: the table is built when pytest asks for options
+
+    return DEFAULT_BUDGET_S
+
+
+_POLICY_HELP = (
+    "verdict policy of every recipe and check: allclose (rtol/atol/budget), golden (target and "
+    "reference errors against a higher-precision CPU golden run, ratio limits 2/10/2/2) or "
+    "golden-floor (golden, a leaf within allclose passes; the default of bf16 and of fp32 "
+    "training checks; fp32 eval checks default to allclose); "
+    "'golden msprobe op=…' in ini or the marker for msprobe 26.2.0's standard); replaces ini parity_<recipe>_policy, "
+    "while ini parity_policies lines, the marker's policy= and parity.check(policy=...) still choose per check")
+
+
+@functools.cache
+def table() -> tuple[Setting, ...]:
+    """Every option and ini key, in ``--help`` order (options first, then ini keys only).
+
+    Built on first use (the localization budget's default comes from the engine, which imports torch).
+    """
+    budget = _default_budget()
+    rows = [
+        Setting("--npu-parity", "npu_parity", None, kwargs={"action": "store_true"}, default=False,
+                help="run the parity suites (tests using the 'parity' fixture); they are skipped otherwise"),
+        Setting("--parity-device", "parity_device", "parity_device", kwargs={"metavar": "DEVICE"},
+                help="target device: auto (npu > cuda > cpu), npu, npu:N, cuda, cuda:N or cpu "
+                     "(default: ini parity_device or auto); an absent device is an error",
+                ini_help="default for --parity-device", ini_default="auto"),
+        Setting("--parity-reference", "parity_reference", "parity_reference",
+                kwargs={"choices": ("auto", "cpu", "baseline")}, parse=_parse_reference,
+                help="what the target is compared with: auto (stored baseline when one exists for the "
+                     "check, else a live CPU run), cpu (always a live CPU run) or baseline (a missing "
+                     "baseline fails). Default: ini parity_reference or auto",
+                ini_help="default for --parity-reference", ini_default="auto"),
+        Setting("--parity-dtypes", "parity_dtypes", "parity_dtypes", kwargs={"metavar": "RECIPES"},
+                parse=_parse_recipes,
+                help="comma-separated recipes to run every parity test under: fp32, bf16, bf16-weights, "
+                     "fp16 (autocast fp16; training steps with a dynamic GradScaler) "
+                     "(default: ini parity_dtypes or fp32,bf16)",
+                ini_help="default for --parity-dtypes", ini_default="fp32,bf16"),
+        Setting("--update-baselines", "update_baselines", None, kwargs={"action": "store_true"}, default=False,
+                help="record mode: run each check's reference computation on --parity-device and write "
+                     "it to the baseline store (implies --npu-parity)"),
+        Setting("--baseline-dir", "baseline_dir", "parity_baseline_dir", kwargs={"metavar": "DIR"},
+                help="baseline store root (default: ini parity_baseline_dir or <rootdir>/baselines)",
+                ini_help="default for --baseline-dir (relative to rootdir)", ini_default="baselines"),
+        Setting("--parity-report", "parity_report", None, kwargs={"metavar": "DIR"},
+                help="write results.parquet/csv, summary.md and report.html for this session to DIR"),
+        Setting("--parity-history", "parity_history", None, kwargs={"metavar": "PATH"},
+                help="append this run's results to the history file PATH (trends, new failures)"),
+        Setting("--parity-seed", "parity_seed", "parity_seed", kwargs={"type": int, "metavar": "N"},
+                parse=_parse_seed,
+                help="seed of the shared random stream of every check (default: ini parity_seed or 0)",
+                ini_help="default for --parity-seed", ini_default="0"),
+        Setting("--parity-rng", "parity_rng", "parity_rng", kwargs={"choices": ("shared", "device")},
+                parse=_parse_rng,
+                help="randomness of sampling checks (parity.check(..., sample_dim=...)): shared (one seeded "
+                     "CPU stream for both sides, samples compared one by one; the default) or device (each "
+                     "side draws from its own device's generator; the samples are judged as distributions: "
+                     "per-step mean and spread, quantiles and energy distance in one permutation test). "
+                     "Other checks always share the stream. Default: ini parity_rng or shared",
+                ini_help="default for --parity-rng (shared or device)", ini_default="shared"),
+        Setting("--parity-layers", "parity_layers", "parity_layers", kwargs={"metavar": "LIMIT"}, parse=_parse_layers,
+                help="layer check of fp32 checks: every weighted submodule's output (sampled) within this "
+                     "relative L2 error of the reference's, besides the outputs' tolerance; 'off' to judge "
+                     "outputs only (default: ini parity_layers or 1e-5). Other recipes: "
+                     "@pytest.mark.parity(layers=LIMIT)",
+                ini_help="default for --parity-layers: the layer check's relative L2 limit of fp32 checks, or "
+                         "'off' (default 1e-5)", ini_default=""),
+        Setting("--parity-worker-devices", "parity_worker_devices", "parity_worker_devices",
+                kwargs={"metavar": "INDICES"},
+                help="pytest-xdist: comma-separated device indices, worker gwK runs on entry K mod n "
+                     "(default: ini parity_worker_devices, else gwK runs on index K mod device count)",
+                ini_help="default for --parity-worker-devices", ini_default=""),
+        Setting("--parity-policy", "parity_policy", None,
+                kwargs={"choices": ("allclose", "golden", "golden-floor")}, help=_POLICY_HELP),
+        Setting("--parity-audit", "parity_audit", "parity_audit", kwargs={"action": "store_true"}, default=False,
+                help="audit device propagation of every target run (an extra run on a CPU target): events "
+                     "beyond a check's audit budget (default: no mixed-device op, host<->device copy, CPU op "
+                     "or float64 on the target; host syncs allowed) fail it, or warn with --parity-audit-mode "
+                     "warn (default: ini parity_audit, off)",
+                ini_help="device-propagation audit of every target run: off (default), fail or warn "
+                         "(see --parity-audit, --parity-audit-mode)", ini_default="off"),
+        Setting("--parity-audit-mode", "parity_audit_mode", None, kwargs={"choices": ("fail", "warn", "off")},
+                help="what the audit does with events beyond a check's budget: fail the check or warn; off "
+                     "turns the audit off (a mode other than off implies --parity-audit)"),
+        Setting("--parity-localize", "parity_localize", None, kwargs={"action": "store_true"}, default=False,
+                help="localize the first divergence of every failing check of the selected tests, whatever "
+                     "the localization budget (e.g. with -k NAME or a node id)"),
+        Setting("--parity-localize-budget", "parity_localize_budget", "parity_localize_budget",
+                kwargs={"metavar": "SECONDS"}, parse=_parse_localize_budget,
+                help="wall seconds a session may spend localizing failing checks (first-divergence tables); "
+                     "later failures say they were not localized and how to localize one; 0 turns "
+                     f"localization off (default: ini parity_localize_budget or {budget:g})",
+                ini_help="default for --parity-localize-budget (seconds)", ini_default=str(budget)),
+        Setting("--parity-selfcheck", "parity_selfcheck", None, kwargs={"action": "store_true"}, default=False,
+                help="prove every check has teeth: after it passes, perturb the target's output (and, for a "
+                     "module, one weight) beyond the tolerance and require a failure; also require the "
+                     "reference to react to its inputs (about two extra runs per check; see selfcheck)"),
+        Setting(ini="parity_lock_timeout", ini_default="1800", parse=_parse_lock_timeout,
+                help="seconds a record run waits for another record run on the same baseline store to finish "
+                     "(default 1800)"),
+        Setting(ini="parity_paths", ini_type="linelist", ini_default=["parity_suites"],
+                help="what --update-baselines runs when given no path"),
+        Setting(ini="parity_tolerances", ini_type="linelist", ini_default=[],
+                help="per-check tolerance overrides, one per line: "
+                     "'<check name or glob>: rtol=1e-4 atol=1e-4 budget=0 # reason'"),
+    ]
+    for recipe in OVERRIDABLE_RECIPES:
+        rows.append(Setting(ini=f"parity_{recipe}_tolerance", ini_default="",
+                            help=f"override of the {recipe} default tolerance, e.g. 'rtol=1e-5 atol=1e-5 # reason'"))
+        rows.append(Setting(ini=f"parity_{recipe}_policy", ini_default="",
+                            help=f"verdict policy of {recipe} checks{' (and bf16-weights)' if recipe == 'bf16' else ''}: "
+                                 "'allclose' (default) or 'golden [rmse=2 max_rel=10 mean_rel=2 small=2] [# reason]'"))
+    rows += [
+        Setting(ini="parity_deepspeed_config", ini_default="",
+                help="a DeepSpeed JSON config (relative to rootdir) to lint by the Ascend guide's rules at start-up "
+                     "(bf16 on, fp16 off, no communication_backend, no aio): a summary in the header, each "
+                     "finding a PytestConfigWarning; a missing or non-JSON file is a usage error"),
+        Setting(ini="parity_train_store", ini_default="full", parse=_parse_train_store,
+                help="how training-step baselines keep gradients and parameters: 'full' (default) or 'summary "
+                     "[min_numel=65536] [samples=4096]' (leaves with at least min_numel elements stored as that "
+                     "many sampled elements plus sum, L2 norm, max |x| and a position-weighted sum)"),
+        Setting(ini="parity_policies", ini_type="linelist", ini_default=[],
+                help="per-check verdict policy, one per line: '<check name or glob>: golden [rmse=3 …] # reason' "
+                     "or '<check name or glob>: allclose'"),
+    ]
+    return tuple(rows)
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """``pytest_addoption``: every row of ``table()`` as an option of the npu-parity group and/or an ini key."""
+    group = parser.getgroup(*GROUP)
+    rows = table()
+    for row in rows:
+        if row.flag is not None:
+            group.addoption(row.flag, dest=row.dest, default=row.default, help=row.help, **row.kwargs)
+    by_key = {row.ini: row for row in rows if row.ini is not None}
+    for row in (by_key[key] for key in INI_ORDER):
+        parser.addini(row.ini, row.ini_help if row.flag is not None else row.help,
+                      **({"type": row.ini_type} if row.ini_type else {}), default=row.ini_default)
+
+
+# -- reading and combining ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Raw:
+    """Every option's and ini key's value as pytest holds it (read once, not validated)."""
+
+    options: Mapping[str, Any]
+    ini: Mapping[str, Any]
+
+    @classmethod
+    def read(cls, config: pytest.Config) -> "Raw":
+        rows = table()
+        return cls(MappingProxyType({r.dest: config.getoption(r.dest) for r in rows if r.dest is not None}),
+                   MappingProxyType({r.ini: config.getini(r.ini) for r in rows if r.ini is not None}))
+
+    def value(self, dest: str) -> tuple[Any, str]:
+        """``(value, where)`` of a setting: the option when given, else its ini key."""
+        row = next(r for r in table() if r.dest == dest or r.ini == dest)
+        option = self.options.get(row.dest) if row.dest is not None else None
+        if row.flag is not None and option is not None and not (row.kwargs.get("action") == "store_true"):
+            return option, row.flag
+        if row.ini is None:
+            return option, row.flag
+        return self.ini[row.ini], f"ini {row.ini}"
+
+    def parsed(self, dest: str) -> Any:
+        """The value of ``dest`` through its row's validator (a usage error names where it came from)."""
+        value, where = self.value(dest)
+        row = next(r for r in table() if r.dest == dest or r.ini == dest)
+        return row.parse(value, where)
+
+
+def _tolerance_overrides(raw: Raw, config: pytest.Config) -> tuple[tuple, dict]:
+    """``(per check patches in order, per recipe Tolerance)`` from the ini keys, each parsed once."""
+    from ..checks.settings import TolerancePatch
+    from ..policy import default_for_recipe, parse_tolerance_spec
+
+    per_check: dict = {}
+    per_recipe: dict = {}
+    try:
+        for recipe in OVERRIDABLE_RECIPES:
+            spec = raw.ini[f"parity_{recipe}_tolerance"].strip()
+            if spec:
+                per_recipe[recipe] = parse_tolerance_spec(spec, source="ini", base=default_for_recipe(recipe))
+        for line in raw.ini["parity_tolerances"]:
+            pattern, sep, spec = line.partition(":")
+            if not sep:
+                raise ValueError(f"parity_tolerances line {line!r} needs '<check>: rtol=… atol=…'")
+            patch = TolerancePatch.parse(spec)  # applied per recipe, over that recipe's tolerance
+            if not pattern.strip():
+                config.issue_config_time_warning(pytest.PytestConfigWarning(
+                    f"ini parity_tolerances line {line!r} has an empty check pattern and is ignored; "
+                    "write '<check name or glob>: rtol=… atol=…'"), stacklevel=2)
+                continue
+            per_check[pattern.strip()] = patch
+    except ValueError as exc:
+        raise pytest.UsageError(f"ini: {exc}") from None
+    return tuple(per_check.items()), per_recipe
+
+
+def _policy_overrides(raw: Raw) -> tuple[dict, tuple]:
+    """``(per recipe, per check)`` verdict policies from ``--parity-policy`` and the ini keys, validated
+    now (a bad spec is a usage error naming the key)."""
+    from ..golden import parse_policy_spec
+
+    per_recipe: dict = {}
+    per_check: dict = {}
+    option = (raw.options["parity_policy"] or "").replace("golden-floor", "golden floor") or None
+    for recipe in OVERRIDABLE_RECIPES:
+        key = f"parity_{recipe}_policy"
+        spec = option or raw.ini[key].strip()
+        if spec:
+            where = "--parity-policy" if option else f"ini {key}"
+            try:
+                per_recipe[recipe] = parse_policy_spec(spec, source="ini", recipe=recipe)
+            except ValueError as exc:
+                raise pytest.UsageError(f"{where}: {exc}") from None
+    if "bf16" in per_recipe:  # bf16-weights is bf16 work too
+        per_recipe.setdefault("bf16-weights", per_recipe["bf16"])
+    for line in raw.ini["parity_policies"]:
+        pattern, sep, spec = line.partition(":")
+        try:
+            if not sep or not pattern.strip():
+                raise ValueError(f"line {line!r} needs '<check or glob>: golden …' or '<check or glob>: allclose'")
+            parse_policy_spec(spec.strip(), source="ini", recipe="fp32")  # the resolver parses it once per recipe
+        except ValueError as exc:
+            raise pytest.UsageError(f"ini parity_policies: {exc}") from None
+        per_check[pattern.strip()] = spec.strip()
+    return per_recipe, tuple(per_check.items())
+
+
+def _audit_mode(raw: Raw) -> str:
+    """The session's audit mode (off, fail, warn): ``--parity-audit-mode``; else with ``--parity-audit``
+    ini ``parity_audit`` when it names fail or warn, else fail; else ini ``parity_audit`` (default off)."""
+    value = _parse_audit_ini(raw.ini["parity_audit"], "ini parity_audit")
+    option = raw.options["parity_audit_mode"]
+    if option is not None:
+        return option
+    if raw.options["parity_audit"]:
+        return value if value != "off" else "fail"
+    return value
+
+
+def baseline_root(raw: Raw, config: pytest.Config) -> tuple[Path, str]:
+    """(the store root, the option or ini key that named it)."""
+    option = raw.options["baseline_dir"]
+    root = Path(option if option is not None else raw.ini["parity_baseline_dir"]).expanduser()
+    if not root.is_absolute():  # a command-line path is relative to where pytest runs, an ini one to rootdir
+        root = (Path(config.invocation_params.dir) if option is not None else config.rootpath) / root
+    return root, ("--baseline-dir" if option is not None else "ini parity_baseline_dir")
+
+
+def recipe_names(cfg: "ParityConfig") -> tuple[str, ...]:
+    """The session's recipes: parsed at configure in a parity session, else now (a usage error when bad)."""
+    return cfg.recipes if cfg.recipes is not None else _parse_recipes(cfg.raw.value("parity_dtypes")[0], "")
+
+
+@dataclass(frozen=True)
+class ParityConfig:
+    """The plugin's configuration, parsed once at ``pytest_configure`` (frozen).
+
+    Without ``--npu-parity``/``--update-baselines`` (``enabled`` False) only the raw values and the flags
+    are set (``unparsed``); nothing is validated (the suites are skipped).
+
+    Attributes:
+        raw: every option's and ini key's value as given.
+        enabled: a parity session (``--npu-parity`` or ``--update-baselines``).
+        update_baselines: record mode.
+        recipes: the recipe names of ``--parity-dtypes`` (None until parsed).
+        target: the ``torch.device`` under test (this xdist worker's pinned one).
+        reference, seed, rng, audit_mode, localize_budget, lock_timeout: the parsed session values.
+        settings: ``checks.settings.IniSettings``: tolerances, verdict policies, train store, layer limit.
+        baseline_root, baseline_where: the store root and the option or ini key that named it.
+        update_command, localize_hint: the commands that re-record / localize (``paths.rerun_command``).
+    """
+
+    raw: Raw
+    enabled: bool
+    update_baselines: bool
+    recipes: tuple[str, ...] | None = None
+    target: Any = None
+    reference: str = "auto"
+    seed: int = 0
+    rng: str = "shared"
+    audit_mode: str = "off"
+    localize_budget: float = 0.0
+    lock_timeout: float = 1800.0
+    settings: Any = None
+    baseline_root: Path | None = None
+    baseline_where: str = ""
+    update_command: str = ""
+    localize_hint: str = ""
+
+    def option(self, dest: str) -> Any:
+        """The raw command-line value of ``dest`` (None when not given)."""
+        return self.raw.options[dest]
+
+    def ini(self, key: str) -> Any:
+        """The raw ini value of ``key``."""
+        return self.raw.ini[key]
+
+    @classmethod
+    def unparsed(cls, raw: Raw) -> "ParityConfig":
+        """The raw values and the two flags only: what a session that runs no parity check keeps
+        (nothing is validated there), and every session's configuration until ``load``."""
+        update = bool(raw.options["update_baselines"])
+        return cls(raw=raw, enabled=bool(raw.options["npu_parity"]) or update, update_baselines=update)
+
+    @classmethod
+    def load(cls, config: pytest.Config, raw: Raw, *, prepare: Callable[[], None],
+             target: Callable[[Raw], Any]) -> "ParityConfig":
+        """Validate every value once, in the order the start-up errors have always come in.
+
+        Args:
+            config: the pytest config (rootdir, invocation directory, config-time warnings).
+            raw: its values (``Raw.read``).
+            prepare: called after the path checks, before any engine value is parsed (imports torch).
+            target: ``(raw) -> torch.device``: resolves the target device (a usage error when absent).
+
+        Raises:
+            pytest.UsageError: the first bad value, in one sentence naming its option or ini key.
+        """
+        from .paths import localize_command, rerun_command, validate_paths
+
+        root, where = validate_paths(config, raw)
+        lock_timeout = raw.parsed("parity_lock_timeout")
+        prepare()
+        from ..checks.settings import IniSettings  # imports torch: after prepare()
+
+        recipes = raw.parsed("parity_dtypes")
+        device = target(raw)
+        reference = raw.parsed("parity_reference")
+        check_tolerances, recipe_tolerances = _tolerance_overrides(raw, config)
+        recipe_policies, check_policies = _policy_overrides(raw)
+        seed, rng = raw.parsed("parity_seed"), raw.parsed("parity_rng")
+        audit_mode = _audit_mode(raw)
+        budget = raw.parsed("parity_localize_budget")
+        train_store, layers = raw.parsed("parity_train_store"), raw.parsed("parity_layers")
+        settings = IniSettings(recipe_tolerances=MappingProxyType(recipe_tolerances), check_tolerances=check_tolerances,
+                               recipe_policies=MappingProxyType(recipe_policies), check_policies=check_policies,
+                               train_store=train_store, layers=layers)
+        return cls(raw=raw, enabled=True, update_baselines=bool(raw.options["update_baselines"]), recipes=recipes,
+                   target=device, reference=reference, seed=seed, rng=rng, audit_mode=audit_mode,
+                   localize_budget=budget, lock_timeout=lock_timeout, settings=settings,
+                   baseline_root=root, baseline_where=where,
+                   update_command=rerun_command(config, "--update-baselines"), localize_hint=localize_command(config))
+
+
+# -- the options reference ------------------------------------------------------------------------------
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _shown_default(row: Setting) -> str:
+    """The default as the reference shows it: the ini key's, else off for a flag, else none."""
+    if row.ini is not None:
+        value = row.ini_default
+        if isinstance(value, list):
+            value = ", ".join(value)
+        return value if value != "" else "(none)"
+    return "off" if row.kwargs.get("action") == "store_true" else "(none)"
+
+
+def markdown() -> str:
+    """The options reference page (markdown): one row per option or ini key, from ``table()``."""
+    lines = ["# Options and ini keys", "",
+             f"<!-- generated from pytest_npu_parity/plugin/options.py; regenerate with: {REGENERATE} -->", "",
+             "Every command-line option of the npu-parity group and every ini key (`[pytest]` section, "
+             "`pyproject.toml` `[tool.pytest.ini_options]`). An option given on the command line wins over "
+             "its ini key.", "",
+             "| option | ini key | default | help |", "|---|---|---|---|"]
+    for row in table():
+        flag = f"`{row.flag}`" if row.flag else "–"
+        ini = f"`{row.ini}`" if row.ini else "–"
+        text = row.help if row.flag is not None or row.ini_help is None else row.ini_help
+        lines.append(f"| {flag} | {ini} | `{_cell(_shown_default(row))}` | {_cell(text)} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,22 @@
+"""docs/reference/options.md is generated from the options table (plugin/options.py)."""
+from pathlib import Path
+
+from pytest_npu_parity.plugin import options
+
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "options.md"
+
+
+def test_options_page_matches_the_table():
+    assert PAGE.exists() and PAGE.read_text(encoding="utf-8") == options.markdown(), (
+        f"docs/reference/options.md is out of date with the options table; regenerate it with: {options.REGENERATE}")
+
+
+def test_every_ini_key_has_its_place_in_the_help_order():
+    keys = [row.ini for row in options.table() if row.ini is not None]
+    assert sorted(keys) == sorted(options.INI_ORDER) and len(set(keys)) == len(keys)
+
+
+def test_every_row_is_an_option_or_an_ini_key_with_help():
+    for row in options.table():
+        assert (row.flag or row.ini) and row.help, row
+        assert (row.flag is None) == (row.dest is None), row
