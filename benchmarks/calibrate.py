@@ -1,6 +1,6 @@
 """Calibrate the parity verdicts: false-failure and false-pass rates of every policy on Aurora.
 
-Runs ``pytest_npu_parity.calibration.run_calibration`` (legitimate variants and real faults on the
+Runs ``calibration.run_calibration`` (``benchmarks/calibration.py``, beside this file) (legitimate variants and real faults on the
 target side of the Aurora checks, fp32 and bf16, judged by the allclose and golden policies) and
 writes ``benchmarks/results/calibration.json`` (every case) and ``calibration.md`` (the tables).
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from pytest_npu_parity import calibration
+    import calibration  # benchmarks/calibration.py (this script's folder is first on sys.path)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checks", default=",".join(calibration.DEFAULT_CHECKS),
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pytest_npu_parity import calibration
+    import calibration  # benchmarks/calibration.py (this script's folder is first on sys.path)
     from pytest_npu_parity.aurora import checks as catalogue
 
     args = parse_args(argv)

@@ -71,7 +71,7 @@ import warnings  # noqa: E402
 # nn.TransformerEncoder's fast path warns that nested tensors are a prototype, on every call.
 warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage")
 
-from pytest_npu_parity.calibration import CPU_KERNEL_PATH_ENV, OTHER_PYTHON_ENV  # noqa: E402
+from calibration import CPU_KERNEL_PATH_ENV, OTHER_PYTHON_ENV  # noqa: E402  (benchmarks/calibration.py, beside this file)
 from pytest_npu_parity.compare import ParityError, compare  # noqa: E402
 from pytest_npu_parity.golden import GoldenPolicy, default_golden_for_recipe, judge_golden  # noqa: E402
 from pytest_npu_parity.layers import LayerPolicy, judge_layers, split_layers  # noqa: E402

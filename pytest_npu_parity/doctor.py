@@ -3,22 +3,23 @@
 Half of a failed NPU port is the environment. Before any parity number is trusted, the doctor
 runs the self-check of the Aurora→Ascend adaptation guide's ``verify_npu`` script (seed
 ``000_76a3155d974abf2f.txt`` §8.1: nine sections) plus the precision flags, against the target
-device:
+device. Sections marked *adapter* come from the installed model adapters (``pytest_npu_parity.adapters``:
+the Aurora adapter's are ``pytest_npu_parity.aurora.doctor_sections``); without one they are absent:
 
 ==================  ================================================================================
 section             checks
 ==================  ================================================================================
-``environment``     Python, torch, torch_npu, CANN (``version.cfg``), transformers, aurora-model;
-                    the CANN ↔ torch ↔ torch_npu version matrix (``npu.VERSION_MATRIX``)
+``environment``     Python, torch, torch_npu, CANN (``version.cfg``), the adapters' lines (Aurora:
+                    transformers, aurora-model); the CANN ↔ torch ↔ torch_npu version matrix
+                    (``npu.VERSION_MATRIX``)
 ``devices``         the target (``--device``) and, for an NPU, the launcher steps done before any
                     import of aurora (``npu.launch``); visible NPUs / CUDA devices, ``ASCEND_RT_
                     VISIBLE_DEVICES``, ``npu-smi info`` (health, HBM), device memory
 ``required_ops``    linear, matmul, SDPA, layer_norm, softmax, … on the target vs the CPU
 ``optional_ops``    rfft/irfft, pinv, bf16 linear — the patch set can move FFT/pinv to the CPU
-``patch_set``       self-test of the patch set: a mini patch embedding (``nn.Linear`` on the target
-                    + FFT frequency masking, also with the forced CPU FFT fallback) keeps every
-                    tensor on the device; upstream is restored on exit
-``aurora_smoke``    the tiny Aurora config runs a forward on the target under the patch set
+``patch_set``       *adapter* (Aurora): self-test of the patch set on a mini patch embedding
+``aurora_smoke``    *adapter* (Aurora): the tiny Aurora config runs a forward on the target under
+                    the patch set
 ``distributed``     gloo / nccl / hccl available; a 1-process ``init_process_group`` + all_reduce
 ``deepspeed``       installed? which build; the accelerator DeepSpeed picks and whether it will use
                     HCCL; ``--deepspeed-config FILE``: lint of the config (``deepspeed_config``)
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import importlib.metadata
 import json
 import math
@@ -53,81 +53,123 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from . import npu
+from . import adapters, npu
 from .process_group import destroy_process_groups
 
 SCHEMA_VERSION = 1
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 STATUSES = ("ok", "warn", "fail", "skip")
-SECTIONS: dict[str, str] = {
+#: The engine's own sections and their titles; the adapters' sections go after :data:`_ADAPTER_SLOT`.
+ENGINE_SECTIONS: dict[str, str] = {
     "environment": "Basic environment",
     "devices": "Device status",
     "required_ops": "Required ops",
     "optional_ops": "Optional ops",
-    "patch_set": "Patch set self-test",
-    "aurora_smoke": "Aurora smoke test",
     "distributed": "Distributed backend",
     "deepspeed": "DeepSpeed",
     "precision": "Precision flags",
 }
+#: The engine section after which the adapters' sections run (the model's checks follow the op probes).
+_ADAPTER_SLOT = "optional_ops"
 
-#: JSON Schema (draft 2020-12) of ``doctor --json``.
-DOCTOR_JSON_SCHEMA: dict[str, Any] = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "title": "pytest-npu-parity doctor report",
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["schema_version", "tool", "tool_version", "requested_device", "target",
-                 "target_error", "sections", "summary"],
-    "properties": {
-        "schema_version": {"const": SCHEMA_VERSION},
-        "tool": {"const": "pytest-npu-parity doctor"},
-        "tool_version": {"type": ["string", "null"]},
-        "requested_device": {"type": "string"},
-        "target": {"type": ["string", "null"], "description": "resolved target, e.g. 'npu:0'"},
-        "target_error": {"type": ["string", "null"],
-                         "description": "why the requested device is unavailable (one sentence)"},
-        "sections": {
-            "type": "array",
-            "items": {"$ref": "#/$defs/section"},
-            "minItems": 1,
-        },
-        "summary": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["status", "exit_code", "counts", "failing_sections", "duration_s"],
-            "properties": {
-                "status": {"enum": ["ok", "warn", "fail"]},
-                "exit_code": {"enum": [EXIT_OK, EXIT_FAIL]},
-                "counts": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": list(STATUSES),
-                    "properties": {s: {"type": "integer", "minimum": 0} for s in STATUSES},
+
+def _adapter_sections() -> list[adapters.DoctorSection]:
+    found = [section for adapter in adapters.discover() for section in adapter.doctor_sections]
+    names = [s.name for s in found]
+    clash = sorted({n for n in names if n in ENGINE_SECTIONS or names.count(n) > 1})
+    if clash:
+        raise adapters.AdapterError(f"doctor section name(s) {', '.join(clash)} given twice (engine or adapters)")
+    return found
+
+
+def sections() -> dict[str, str]:
+    """``{name: title}`` of every section in run order: the engine's, with the installed adapters'
+    (``adapters.discover()``) after the op probes.
+
+    Raises:
+        adapters.AdapterError: an adapter's section name is taken.
+    """
+    ordered: dict[str, str] = {}
+    for name, title in ENGINE_SECTIONS.items():
+        ordered[name] = title
+        if name == _ADAPTER_SLOT:
+            ordered.update((s.name, s.title) for s in _adapter_sections())
+    return ordered
+
+
+def __getattr__(name: str) -> Any:
+    # SECTIONS and DOCTOR_JSON_SCHEMA depend on the installed adapters: computed when read (PEP 562),
+    # so importing this module loads no adapter.
+    if name == "SECTIONS":
+        return sections()
+    if name == "DOCTOR_JSON_SCHEMA":
+        return doctor_json_schema()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def doctor_json_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of ``doctor --json`` (also ``DOCTOR_JSON_SCHEMA``): section names
+    are those of :func:`sections`."""
+    return _json_schema(list(sections()))
+
+
+def _json_schema(names: list[str]) -> dict[str, Any]:
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "pytest-npu-parity doctor report",
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["schema_version", "tool", "tool_version", "requested_device", "target",
+                     "target_error", "sections", "summary"],
+        "properties": {
+            "schema_version": {"const": SCHEMA_VERSION},
+            "tool": {"const": "pytest-npu-parity doctor"},
+            "tool_version": {"type": ["string", "null"]},
+            "requested_device": {"type": "string"},
+            "target": {"type": ["string", "null"], "description": "resolved target, e.g. 'npu:0'"},
+            "target_error": {"type": ["string", "null"],
+                             "description": "why the requested device is unavailable (one sentence)"},
+            "sections": {
+                "type": "array",
+                "items": {"$ref": "#/$defs/section"},
+                "minItems": 1,
+            },
+            "summary": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["status", "exit_code", "counts", "failing_sections", "duration_s"],
+                "properties": {
+                    "status": {"enum": ["ok", "warn", "fail"]},
+                    "exit_code": {"enum": [EXIT_OK, EXIT_FAIL]},
+                    "counts": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": list(STATUSES),
+                        "properties": {s: {"type": "integer", "minimum": 0} for s in STATUSES},
+                    },
+                    "failing_sections": {"type": "array", "items": {"enum": list(names)}},
+                    "duration_s": {"type": "number", "minimum": 0},
                 },
-                "failing_sections": {"type": "array", "items": {"enum": list(SECTIONS)}},
-                "duration_s": {"type": "number", "minimum": 0},
             },
         },
-    },
-    "$defs": {
-        "section": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["name", "title", "status", "details", "fixes", "data", "duration_s"],
-            "properties": {
-                "name": {"enum": list(SECTIONS)},
-                "title": {"type": "string"},
-                "status": {"enum": list(STATUSES)},
-                "details": {"type": "array", "items": {"type": "string"}},
-                "fixes": {"type": "array", "items": {"type": "string"},
-                          "description": "one sentence each, naming the fix"},
-                "data": {"type": "object", "description": "machine-readable facts of the section"},
-                "duration_s": {"type": "number", "minimum": 0},
+        "$defs": {
+            "section": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "title", "status", "details", "fixes", "data", "duration_s"],
+                "properties": {
+                    "name": {"enum": list(names)},
+                    "title": {"type": "string"},
+                    "status": {"enum": list(STATUSES)},
+                    "details": {"type": "array", "items": {"type": "string"}},
+                    "fixes": {"type": "array", "items": {"type": "string"},
+                              "description": "one sentence each, naming the fix"},
+                    "data": {"type": "object", "description": "machine-readable facts of the section"},
+                    "duration_s": {"type": "number", "minimum": 0},
+                },
             },
         },
-    },
-}
+    }
 
 
 @dataclasses.dataclass
@@ -135,7 +177,7 @@ class SectionResult:
     """One doctor section.
 
     Attributes:
-        name: key from ``SECTIONS``.
+        name: key from :func:`sections`.
         status: ``ok`` | ``warn`` | ``fail`` | ``skip``.
         details: lines for people (facts found).
         fixes: one sentence each saying what to do (empty when nothing to do).
@@ -157,13 +199,19 @@ class SectionResult:
             self.status = status
 
     def as_json(self) -> dict[str, Any]:
-        return {"name": self.name, "title": SECTIONS[self.name], "status": self.status,
+        return {"name": self.name, "title": sections()[self.name], "status": self.status,
                 "details": list(self.details), "fixes": list(self.fixes),
                 "data": _jsonable(self.data), "duration_s": round(self.duration_s, 4)}
 
 
 @dataclasses.dataclass
-class _Context:
+class DoctorContext:
+    """What every section reads: the requested device, torch (or why it did not import), the NPU
+    status, the resolved target (or why there is none) and the launcher steps done for it.
+
+    A section starts with ``if ctx.no_target(result): return`` when it needs a usable target.
+    """
+
     requested: str
     torch: Any = None
     torch_error: str | None = None
@@ -194,6 +242,9 @@ class _Context:
         return None
 
 
+_Context = DoctorContext  # the name before adapters could write sections
+
+
 def _jsonable(value: Any) -> Any:
     """Plain JSON types only: non-finite floats become strings, unknown objects their ``str``."""
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
@@ -207,11 +258,15 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _version(dist: str) -> str | None:
+def version_of(dist: str) -> str | None:
+    """The installed version of distribution ``dist`` (``"aurora-model"``), or None when it is not installed."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+_version = version_of
 
 
 def _gib(n_bytes: float) -> str:
@@ -249,18 +304,7 @@ def _section_environment(ctx: _Context, r: SectionResult) -> None:
     else:
         r.details.append("CANN: not found (no version.cfg or ascend_toolkit_install.info under "
                          f"{npu._looked_in()})")
-    transformers_version = _version("transformers")
-    aurora_version = _version("aurora-model")
-    r.details.append(f"transformers {transformers_version or 'not installed'}")
-    r.details.append(f"aurora-model {aurora_version or 'not installed'}")
-    if aurora_version is None:
-        r.worse("warn")
-        r.fixes.append("aurora-model is not installed: the Aurora suite and smoke test cannot run — "
-                       "pip install 'pytest-npu-parity[aurora]'")
-    if transformers_version and int((npu.base_version(transformers_version) or "0").split(".")[0]) >= 5:
-        r.worse("warn")
-        r.fixes.append(f"transformers {transformers_version} cannot import aurora-model 0.2.0 "
-                       "(its huggingface_hub pin) — pip install 'transformers>=4.50,<5'")
+    adapter_facts = _adapter_environment(r)
 
     cann = cann_info.version if cann_info else None
     problems = npu.check_version_matrix(torch_version, npu_version, cann)
@@ -291,9 +335,23 @@ def _section_environment(ctx: _Context, r: SectionResult) -> None:
                        "build of torch that matches torch_npu")
     r.data.update(python=platform.python_version(), torch=torch_version, torch_cuda=cuda,
                   torch_npu=npu_version, cann=cann,
-                  cann_source=cann_info.source if cann_info else None,
-                  transformers=transformers_version, aurora_model=aurora_version,
-                  matrix_problems=problems, matrix_notes=notes, matrix_rows=[dataclasses.asdict(x) for x in rows])
+                  cann_source=cann_info.source if cann_info else None, **adapter_facts)
+    r.data.update(matrix_problems=problems, matrix_notes=notes, matrix_rows=[dataclasses.asdict(x) for x in rows])
+
+
+def _adapter_environment(r: SectionResult) -> dict[str, Any]:
+    """The adapters' environment lines (``Adapter.doctor_environment``) and a warning for each adapter
+    that failed to load; returns their facts for the section's data."""
+    facts: dict[str, Any] = {}
+    for where, error in adapters.load_errors().items():
+        r.worse("warn")
+        r.details.append(f"adapter ({where}): failed to load — {error}")
+        r.fixes.append(f"the adapter of {where} does not load ({error}): its doctor sections are missing — "
+                       "fix its installation or remove it")
+    for adapter in adapters.discover():
+        if adapter.doctor_environment is not None:
+            facts.update(adapter.doctor_environment(r))
+    return facts
 
 
 _NPU_SMI_ROW = re.compile(r"^\|\s*(\d+)\s+(\S+)\s*\|\s*([^|]*?)\s*\|")
@@ -480,178 +538,6 @@ def _section_optional_ops(ctx: _Context, r: SectionResult) -> None:
         if key not in seen:
             seen.add(key)
             r.fixes.append(_OPTIONAL_FIXES[key].format(target=ctx.target))
-
-
-def _mini_patch_embedding(torch: Any, patch_len: int = 8, d_model: int = 16) -> Any:
-    """A stand-in for Aurora's patch embedding: FFT frequency masking then ``nn.Linear`` patches.
-
-    Input ``(batch, length)`` fp32 with ``length % patch_len == 0``; output
-    ``(batch, length // patch_len, d_model)``. ``devices`` records where each intermediate lives.
-    """
-
-    class MiniPatchEmbedding(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = torch.nn.Linear(patch_len, d_model)
-            self.devices: dict[str, str] = {}
-
-        def forward(self, x: Any) -> Any:
-            spectrum = torch.fft.rfft(x, dim=-1)
-            keep = torch.arange(spectrum.shape[-1], device=x.device) < spectrum.shape[-1] // 2
-            smooth = torch.fft.irfft(spectrum * keep, n=x.shape[-1], dim=-1)
-            patches = smooth.unfold(-1, patch_len, patch_len)
-            out = self.proj(patches)
-            self.devices = {"rfft": str(spectrum.device), "irfft": str(smooth.device),
-                            "linear": str(out.device)}
-            return out
-
-    return MiniPatchEmbedding()
-
-
-def _section_patch_set(ctx: _Context, r: SectionResult) -> None:
-    if ctx.no_target(r):
-        return
-    torch = ctx.torch
-    try:
-        patches = importlib.import_module("pytest_npu_parity.aurora.patches")
-    except ImportError as exc:
-        r.status = "skip"
-        missing = "aurora-model" if getattr(exc, "name", "") == "aurora" else str(exc)
-        r.details.append(f"skipped: patch set not importable ({missing})")
-        return
-    torch.manual_seed(0)
-    module = _mini_patch_embedding(torch)
-    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        reference = module(x)
-    target_type = ctx.target.type
-    original = (torch.fft.rfft, torch.fft.irfft)
-    variants = {"probed FFT route": None, "forced CPU FFT fallback": True}
-    r.data["variants"] = {}
-    for label, fft_fallback in variants.items():
-        try:
-            with patches.patched(ctx.target, fft_fallback=fft_fallback) as patch_set:
-                moved = module.to(ctx.target)
-                with torch.no_grad():
-                    out = moved(x.to(ctx.target))
-                host = out.cpu()
-                applied = list(patch_set.applied)
-        except Exception as exc:
-            r.worse("fail")
-            r.details.append(f"{label}: FAILED — {npu._first_line(exc)}")
-            r.fixes.append(f"the mini patch embedding fails on {ctx.target} under the patch set "
-                           f"({label}): {npu._first_line(exc)} — see seed §5.3/§10.1")
-            r.data["variants"][label] = {"ok": False, "error": npu._first_line(exc)}
-            continue
-        finally:
-            module.to("cpu")
-        off_device = {k: v for k, v in module.devices.items()
-                      if torch.device(v).type != target_type}
-        diff = float((host - reference).abs().max())
-        close = torch.allclose(host, reference, rtol=5e-3, atol=5e-3)
-        ok = not off_device and close and torch.device(str(out.device)).type == target_type
-        r.data["variants"][label] = {"ok": ok, "devices": dict(module.devices),
-                                     "max_abs_diff": diff, "patches": applied}
-        if ok:
-            r.details.append(f"{label}: every tensor on {ctx.target} "
-                             f"({', '.join(f'{k}→{v}' for k, v in module.devices.items())}); "
-                             f"max |target - cpu| {diff:.2g}")
-        else:
-            r.worse("fail")
-            where = ", ".join(f"{k} on {v}" for k, v in off_device.items()) or "none"
-            r.details.append(f"{label}: FAILED — tensors off the target: {where}; "
-                             f"max |target - cpu| {diff:.2g}")
-            r.fixes.append(f"the patch set leaves tensors off {ctx.target} or changes values "
-                           f"({label}) — device propagation is broken; see seed §10.1")
-    restored = (torch.fft.rfft, torch.fft.irfft) == original
-    r.data["restored"] = restored
-    if restored:
-        r.details.append("patch set reverted: torch.fft.rfft/irfft are upstream's again")
-    else:
-        r.worse("fail")
-        r.details.append("patch set NOT reverted: torch.fft functions are still replaced")
-        r.fixes.append("the patch set did not restore torch.fft on exit — report this as a bug "
-                       "in pytest_npu_parity.aurora.patches")
-    if target_type == "cpu":
-        r.details.append("target is the CPU: the CPU FFT fallback is a no-op here")
-
-
-def _section_aurora_smoke(ctx: _Context, r: SectionResult) -> None:
-    if ctx.no_target(r):
-        return
-    torch = ctx.torch
-    try:
-        factory = importlib.import_module("pytest_npu_parity.aurora.factory")
-        inputs = importlib.import_module("pytest_npu_parity.aurora.inputs")
-        patches = importlib.import_module("pytest_npu_parity.aurora.patches")
-    except ImportError as exc:
-        r.status = "skip"
-        what = ("aurora-model is not installed — pip install 'pytest-npu-parity[aurora]'"
-                if getattr(exc, "name", "") == "aurora" else str(exc))
-        r.details.append(f"skipped: {what}")
-        return
-    start = time.perf_counter()
-    try:
-        model = factory.build_model("tiny", seed=0)
-        batch = inputs.make_batch(batch=2, context=96, horizons=(48,))
-    except ImportError as exc:
-        r.status = "skip"
-        r.details.append(f"skipped: {exc} — pip install 'pytest-npu-parity[aurora]'")
-        return
-    build_s = time.perf_counter() - start
-    torch.manual_seed(0)  # FlowLoss.sample draws its noise from the CPU generator
-    with torch.no_grad():
-        ref_out = _first_tensor(model(**batch.forward_kwargs(48)))
-    try:
-        with patches.patched(ctx.target):
-            model.to(ctx.target)
-            kwargs = batch.to(ctx.target).forward_kwargs(48)
-            torch.manual_seed(0)
-            start = time.perf_counter()
-            with torch.no_grad():
-                out = _first_tensor(model(**kwargs))
-            host = out.cpu()
-            forward_s = time.perf_counter() - start
-    except Exception as exc:
-        r.worse("fail")
-        r.details.append(f"tiny Aurora forward on {ctx.target}: FAILED — {npu._first_line(exc)}")
-        r.fixes.append(f"the tiny Aurora forward fails on {ctx.target} under the patch set "
-                       f"({npu._first_line(exc)}) — fix the failing ops above first, then run the "
-                       "parity suite to localize the first bad module")
-        return
-    finally:
-        model.to("cpu")
-    finite = bool(torch.isfinite(host).all())
-    diff = float((host.double() - ref_out.double()).abs().max())
-    scale = float(ref_out.double().abs().max()) or 1.0
-    r.data.update(build_s=build_s, forward_s=forward_s, output_shape=list(host.shape),
-                  output_device=str(out.device), finite=finite, max_abs_diff=diff,
-                  max_abs_reference=scale)
-    r.details.append(f"tiny Aurora (seed 0) and 2 CO2 windows (context 96, horizon 48) built in "
-                     f"{build_s:.2f} s; forward on {out.device} under the patch set in "
-                     f"{forward_s:.2f} s, output {tuple(host.shape)}")
-    r.details.append(f"max |target - cpu| {diff:.2g} (max |cpu| {scale:.2g})")
-    if out.device.type != ctx.target.type or not finite:
-        r.worse("fail")
-        r.fixes.append(f"the tiny Aurora forward on {ctx.target} gives "
-                       f"{'non-finite values' if not finite else f'output on {out.device}'} — "
-                       "run the parity suite to localize the first bad module")
-    elif diff > 5e-3 * scale + 5e-3:  # the HF32/TF32 budget of npu.probe_ops, relative to |output|
-        r.worse("warn")
-        r.fixes.append(f"the tiny Aurora forward on {ctx.target} differs from the CPU by {diff:.2g} "
-                       "— run the parity suite (fp32 recipe) to find where")
-
-
-def _first_tensor(output: Any) -> Any:
-    """The first tensor of a model output (tensor, tuple/list, dict or HF ModelOutput)."""
-    torch = sys.modules["torch"]
-    if isinstance(output, torch.Tensor):
-        return output
-    values = output.values() if hasattr(output, "values") else output
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            return value
-    raise TypeError(f"model output {type(output).__name__} holds no tensor")
 
 
 def _backend_available(dist: Any, name: str) -> bool:
@@ -866,13 +752,12 @@ def _section_precision(ctx: _Context, r: SectionResult) -> None:
                        f"duration; for your own fp32 runs set {'; '.join(fixes)}")
 
 
-_SECTION_FUNCS: dict[str, Callable[[_Context, SectionResult], None]] = {
+#: The engine's section functions (the adapters' come from ``adapters.discover()``).
+_SECTION_FUNCS: dict[str, Callable[[DoctorContext, SectionResult], None]] = {
     "environment": _section_environment,
     "devices": _section_devices,
     "required_ops": _section_required_ops,
     "optional_ops": _section_optional_ops,
-    "patch_set": _section_patch_set,
-    "aurora_smoke": _section_aurora_smoke,
     "distributed": _section_distributed,
     "deepspeed": _section_deepspeed,
     "precision": _section_precision,
@@ -941,10 +826,11 @@ def run_doctor(device: str = "auto", *, skip: tuple[str, ...] = (),
     if not _DEVICE_SPEC.match(spec) or spec.startswith("auto:"):
         raise ValueError(f"--device={device!r} is not a device: use auto, cpu, cuda, cuda:N, npu "
                          "or npu:N")
-    unknown = [s for s in skip if s not in SECTIONS]
+    known = sections()
+    unknown = [s for s in skip if s not in known]
     if unknown:
         raise ValueError(f"--skip: unknown section(s) {', '.join(unknown)}; known: "
-                         f"{', '.join(SECTIONS)}")
+                         f"{', '.join(known)}")
     findings = None
     if deepspeed_config is not None:
         from .deepspeed_config import lint_file
@@ -955,7 +841,9 @@ def run_doctor(device: str = "auto", *, skip: tuple[str, ...] = (),
     ctx.deepspeed_config, ctx.deepspeed_findings = (str(deepspeed_config) if deepspeed_config is not None
                                                     else None), findings
     results: list[SectionResult] = []
-    for name, func in _SECTION_FUNCS.items():
+    funcs = {s.name: s.run for s in _adapter_sections()}
+    for name in known:
+        func = _SECTION_FUNCS[name] if name in ENGINE_SECTIONS else funcs[name]
         result = SectionResult(name)
         start = time.perf_counter()
         if name in skip:
@@ -1017,10 +905,12 @@ def render_text(report: dict[str, Any]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    known = sections()
     parser = argparse.ArgumentParser(
         prog="python -m pytest_npu_parity doctor",
-        description="Check torch / torch_npu / CANN, the target device, ops, the Aurora patch set, "
-                    "distributed backends and precision flags before trusting a parity number.",
+        description="Check torch / torch_npu / CANN, the target device, ops, the installed model adapters' "
+                    "sections (Aurora: its patch set and a smoke test), distributed backends and precision "
+                    "flags before trusting a parity number.",
         epilog="exit codes: 0 no section failed (warn/skip allowed), 1 a section failed, "
                "2 usage error",
     )
@@ -1030,9 +920,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true",
                         help="print the report as JSON (schema: pytest_npu_parity.doctor."
                              "DOCTOR_JSON_SCHEMA)")
-    parser.add_argument("--skip", action="append", default=[], choices=list(SECTIONS),
+    parser.add_argument("--skip", action="append", default=[], choices=list(known),
                         metavar="SECTION",
-                        help=f"leave a section out (repeatable): {', '.join(SECTIONS)}")
+                        help=f"leave a section out (repeatable): {', '.join(known)}")
     parser.add_argument("--deepspeed-config", metavar="FILE", default=None,
                         help="lint this DeepSpeed JSON config by the Ascend guide's rules (bf16 on, fp16 off, "
                              "no communication_backend, no aio); findings go into the DeepSpeed section. "

@@ -87,7 +87,7 @@ Which Aurora checks get an fp64 golden (aurora-model 0.2.0, all 47 of ``aurora.c
 measured): 38 as they are. The 8 through the flow head (``simple_mlp_adaln``, ``flow_loss_*``,
 ``forward_*``, ``generate_*``) raise "mat1 and mat2 must have the same dtype" in float64, because
 ``TimestepEmbedder.timestep_embedding`` hard-codes float32; with the golden shim
-``calibration.aurora_golden_shims`` (the same embedding computed in float64) they get one too.
+``pytest_npu_parity.aurora.golden_shims.aurora_golden_shims`` (the same embedding computed in float64) they get one too.
 ``sinusoidal_position_embedding`` builds its table in float32 whatever the input, so its output is
 float32 and ``GoldenRunner`` refuses it (``GoldenUnavailableError``) for fp32 work; for bf16 work it
 gets an fp32 golden, the others the same fp64 one.

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_npu_parity import calibration, hf_trainer
+from pytest_npu_parity import hf_trainer
 from pytest_npu_parity.aurora import checks, factory, patches
+from pytest_npu_parity.aurora.golden_shims import aurora_golden_shims
 from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.deepspeed_config import lint_file
 from pytest_npu_parity.runner import ParityCase, ParitySession
@@ -64,7 +65,7 @@ class ScaledWeightLoop:
 
 def _session() -> ParitySession:
     session = ParitySession(torch.device("cpu"), reference="cpu")
-    session.golden_runner.shims = calibration.aurora_golden_shims  # as the suite's aurora_tiny fixture
+    session.golden_runner.shims = aurora_golden_shims  # as the suite's aurora_tiny fixture
     return session
 
 

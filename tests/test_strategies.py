@@ -10,9 +10,10 @@ from hypothesis.errors import NoSuchExample
 
 import pytest_npu_parity.npu  # noqa: F401 - imported once here: pytester forgets modules first imported
 import pytest_npu_parity.runner  # noqa: F401 - during an in-process run, and torch extensions do not re-import
-from pytest_npu_parity import strategies as aurora_st
-from pytest_npu_parity.strategies import (CI_MAX_EXAMPLES, CI_PROFILE, MAX_CONTEXT, MAX_PREDICT_TOKENS, MIN_CONTEXT,
-                                          NIGHTLY_MAX_EXAMPLES, NIGHTLY_PROFILE, TOKEN_LEN, AuroraShapes)
+from pytest_npu_parity import hypothesis_profiles as profiles
+from pytest_npu_parity.aurora import strategies as aurora_st
+from pytest_npu_parity.aurora.strategies import MAX_CONTEXT, MAX_PREDICT_TOKENS, MIN_CONTEXT, TOKEN_LEN, AuroraShapes
+from pytest_npu_parity.hypothesis_profiles import CI_MAX_EXAMPLES, CI_PROFILE, NIGHTLY_MAX_EXAMPLES, NIGHTLY_PROFILE
 
 CO2_WEEKS = 2284  # statsmodels' Mauna Loa record: every drawn context + horizon must fit in it
 
@@ -116,8 +117,8 @@ def test_a_one_point_context_is_never_drawn():
     lambda: aurora_st.horizons(0),
     lambda: aurora_st.horizons(train=True, min_train_tokens=5),
     lambda: aurora_st.token_counts(0),
-    lambda: aurora_st.examples_for(0),
-    lambda: aurora_st.examples_for(1.5),
+    lambda: profiles.examples_for(0),
+    lambda: profiles.examples_for(1.5),
 ])
 def test_bad_bounds_are_rejected(call):
     with pytest.raises(ValueError):
@@ -134,7 +135,7 @@ def test_bad_text_bounds_are_rejected_when_drawn():
 # ---------------------------------------------------------------------------------------------
 
 def test_profiles_extend_the_builtin_ci_profile():
-    aurora_st.register_profiles()
+    profiles.register_profiles()
     ci = settings.get_profile(CI_PROFILE)
     assert ci.max_examples == CI_MAX_EXAMPLES and 10 <= CI_MAX_EXAMPLES <= 20
     assert ci.derandomize and ci.deadline is None and ci.print_blob and ci.database is None
@@ -147,14 +148,14 @@ def test_profiles_extend_the_builtin_ci_profile():
 
 
 def test_register_profiles_is_idempotent_and_keeps_a_users_nightly(monkeypatch):
-    first = aurora_st.register_profiles()
-    assert aurora_st.register_profiles() == first
+    first = profiles.register_profiles()
+    assert profiles.register_profiles() == first
     mine = settings(max_examples=7)
     saved = settings.get_profile(NIGHTLY_PROFILE)
-    monkeypatch.setattr(aurora_st, "_REGISTERED", {})
+    monkeypatch.setattr(profiles, "_REGISTERED", {})
     settings.register_profile(NIGHTLY_PROFILE, mine)
     try:
-        registered = aurora_st.register_profiles()
+        registered = profiles.register_profiles()
         assert NIGHTLY_PROFILE not in registered and settings.get_profile(NIGHTLY_PROFILE).max_examples == 7
     finally:
         settings.register_profile(NIGHTLY_PROFILE, saved)
@@ -164,10 +165,10 @@ def test_current_profile_name_without_the_getter(monkeypatch):
     """Hypothesis releases without ``get_current_profile_name``: read its record of the loaded profile."""
     import types
 
-    monkeypatch.setattr(aurora_st, "settings", types.SimpleNamespace(_current_profile="dev"))
-    assert aurora_st.current_profile_name() == "dev"
-    monkeypatch.setattr(aurora_st, "settings", types.SimpleNamespace())
-    assert aurora_st.current_profile_name() == "default"
+    monkeypatch.setattr(profiles, "settings", types.SimpleNamespace(_current_profile="dev"))
+    assert profiles.current_profile_name() == "dev"
+    monkeypatch.setattr(profiles, "settings", types.SimpleNamespace())
+    assert profiles.current_profile_name() == "default"
 
 
 @pytest.mark.parametrize("explicit, current, expected", [
@@ -179,15 +180,15 @@ def test_current_profile_name_without_the_getter(monkeypatch):
     (None, "dev", None),            # a conftest loaded its own profile
 ])
 def test_profile_to_load(explicit, current, expected):
-    assert aurora_st.profile_to_load(explicit, current) == expected
+    assert profiles.profile_to_load(explicit, current) == expected
 
 
 def test_examples_for_scales_the_active_profile():
     with _profile(max_examples=40):
-        assert aurora_st.examples_for(0.25) == 10
-        assert aurora_st.examples_for(0.01) == 2
-        assert aurora_st.examples_for(0.01, minimum=3) == 3
-        assert aurora_st.examples_for(1.0) == 40
+        assert profiles.examples_for(0.25) == 10
+        assert profiles.examples_for(0.01) == 2
+        assert profiles.examples_for(0.01, minimum=3) == 3
+        assert profiles.examples_for(1.0) == 40
 
 
 def _profile(**kwargs):
@@ -196,7 +197,7 @@ def _profile(**kwargs):
 
     @contextlib.contextmanager
     def block():
-        previous = aurora_st.current_profile_name()
+        previous = profiles.current_profile_name()
         settings.register_profile("npu-parity-test-scratch", **kwargs)
         settings.load_profile("npu-parity-test-scratch")
         try:
@@ -210,7 +211,7 @@ def _profile(**kwargs):
 PROFILE_PROBE = """
 from hypothesis import settings
 
-from pytest_npu_parity.strategies import current_profile_name
+from pytest_npu_parity.hypothesis_profiles import current_profile_name
 
 def test_profile():
     print("PROFILE", current_profile_name(), settings.default.max_examples)
@@ -225,11 +226,11 @@ def test_profile():
 ])
 def test_parity_session_loads_the_bounded_profile_unless_the_user_chose(pytester, args, expected):
     pytester.makepyfile(PROFILE_PROBE)
-    before = aurora_st.current_profile_name()
+    before = profiles.current_profile_name()
     settings.load_profile("default")  # what a session without CI environment variables starts from
     try:
         result = pytester.runpytest("-s", "-p", "no:cacheprovider", "--parity-device", "cpu", *args)
-        after = aurora_st.current_profile_name()
+        after = profiles.current_profile_name()
     finally:
         settings.load_profile(before)
     result.assert_outcomes(passed=1)

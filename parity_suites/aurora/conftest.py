@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from pytest_npu_parity import calibration
 from pytest_npu_parity.aurora import checks, factory, patches
+from pytest_npu_parity.aurora.golden_shims import aurora_golden_shims
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +28,7 @@ def aurora(parity_session) -> checks.AuroraContext:
     # Golden verdicts (--parity-policy golden): one golden copy of the model serves every submodule,
     # and the flow head's hard-coded float32 timestep embedding follows a float64 golden.
     parity_session.golden_runner.root = model
-    parity_session.golden_runner.shims = calibration.aurora_golden_shims
+    parity_session.golden_runner.shims = aurora_golden_shims
     return checks.build_context(model, checks.suite_batch())
 
 
@@ -39,7 +39,7 @@ def aurora_tiny(parity_session):
     The golden shims are set here too, so that a training check's fp64 golden runs whether or not the
     full model's fixture ran first in the session.
     """
-    parity_session.golden_runner.shims = calibration.aurora_golden_shims
+    parity_session.golden_runner.shims = aurora_golden_shims
     return factory.get_model("tiny", seed=0)
 
 

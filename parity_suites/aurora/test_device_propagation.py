@@ -1,6 +1,6 @@
 """Device propagation of every Aurora submodule and the whole model, over hypothesis-drawn shapes.
 
-For each drawn example (``pytest_npu_parity.strategies``: batch sizes, context lengths including
+For each drawn example (``pytest_npu_parity.aurora.strategies``: batch sizes, context lengths including
 non-multiples of the patch length, ``inference_token_len``, horizons, token counts, with and
 without text, text lengths) the submodule runs once on the target under the NPU patch set and
 under a device-propagation audit (``pytest_npu_parity.audit``), and the test asserts that
@@ -65,9 +65,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_npu_parity import strategies as aurora_st
 from pytest_npu_parity.audit import DEFAULT_LOGICAL_TARGET, KINDS, AuditRecord, DeviceAudit
 from pytest_npu_parity.aurora import factory, inputs, patches
+from pytest_npu_parity.aurora import strategies as aurora_st
+from pytest_npu_parity.hypothesis_profiles import examples_for
 
 #: Flow-head channels and ``num_distill`` come from the package config (same for tiny and full).
 TOKEN_LEN = aurora_st.TOKEN_LEN
@@ -435,7 +436,7 @@ def test_vision_encoder_real_images(audit_target, tiny, batch, crop):
         "features": (out, (batch, tiny.config.num_distill, tiny.config.hidden_size), F32)}, REAL_IMAGE_UPLOAD)
 
 
-@settings(max_examples=aurora_st.examples_for(0.5))
+@settings(max_examples=examples_for(0.5))
 @given(batch=aurora_st.batch_sizes(3), crop=st.integers(16, 427))
 def test_without_the_patch_set_real_images_reach_the_vit_on_the_host(audit_target, logical_only, tiny, batch, crop):
     """Upstream as shipped: ``process_real_image`` returns the processor's host tensor and the ViT's
@@ -512,7 +513,7 @@ def test_flow_loss_train(audit_target, tiny_train, ex, prototype, padded):
 # The whole tiny model
 # ------------------------------------------------------------------------------------------------
 
-@settings(max_examples=aurora_st.examples_for(0.5))
+@settings(max_examples=examples_for(0.5))
 @given(ex=aurora_st.aurora_shapes())
 def test_forward_eval(audit_target, tiny, ex):
     batch = series(ex)
@@ -526,7 +527,7 @@ def test_forward_eval(audit_target, tiny, ex):
                        {"forecast": (out.logits, (ex.batch, ex.num_samples, ex.horizon), F32)}, cost)
 
 
-@settings(max_examples=aurora_st.examples_for(0.5))
+@settings(max_examples=examples_for(0.5))
 @given(ex=aurora_st.aurora_shapes())
 def test_generate(audit_target, tiny, ex):
     batch = series(ex)
@@ -538,7 +539,7 @@ def test_generate(audit_target, tiny, ex):
                        {"forecast": (out, (ex.batch, ex.num_samples, ex.horizon), F32)}, cost)
 
 
-@settings(max_examples=aurora_st.examples_for(0.5))
+@settings(max_examples=examples_for(0.5))
 @given(ex=aurora_st.aurora_shapes(), crop=st.integers(16, 427))
 def test_generate_real_images(audit_target, tiny, ex, crop):
     """``generate(vision_inputs=<photographs>)``: the vision branch costs the one image upload instead
@@ -554,7 +555,7 @@ def test_generate_real_images(audit_target, tiny, ex, crop):
                        {"forecast": (out, (ex.batch, ex.num_samples, ex.horizon), F32)}, cost)
 
 
-@settings(max_examples=aurora_st.examples_for(0.5))
+@settings(max_examples=examples_for(0.5))
 @given(ex=aurora_st.training_shapes())
 def test_forward_train(audit_target, tiny_train, ex):
     batch = series(ex)
@@ -576,7 +577,7 @@ def logical_only(audit_target) -> None:
         pytest.skip("unpatched upstream runs are audited on a CPU target (logical device) only")
 
 
-@settings(max_examples=aurora_st.examples_for(0.5))
+@settings(max_examples=examples_for(0.5))
 @given(ex=aurora_st.aurora_shapes(text=False))
 def test_without_the_patch_set_masks_are_built_on_the_host(audit_target, logical_only, tiny, ex):
     """Upstream as shipped: every causal mask (decoder layers, retriever encoder and decoder) and the
@@ -638,7 +639,7 @@ def test_parity_check_records_the_audit(parity_session, audit_target):
 # The full model's cheap parts (a few examples; nightly scales them with the profile)
 # ------------------------------------------------------------------------------------------------
 
-@settings(max_examples=aurora_st.examples_for(0.2))
+@settings(max_examples=examples_for(0.2))
 @given(ex=aurora_st.aurora_shapes(max_batch=2, max_context=512, text=True, max_text_seq_len=64))
 def test_full_model_parts(audit_target, full, ex):
     hidden, distill = full.config.hidden_size, full.config.num_distill

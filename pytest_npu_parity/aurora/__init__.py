@@ -6,6 +6,14 @@ Importing this package does not import ``aurora`` itself; each function imports 
 * :mod:`.factory` — deterministic ``full``/``tiny`` models (``build_model``, ``get_model``,
   ``model_fingerprint``).
 * :mod:`.inputs` — Mauna Loa CO2 windows, text tokens and submodule inputs (``make_batch``).
+* :mod:`.checks` — the catalogue of checks the suite and the calibration benchmark run.
+* :mod:`.strategies` — hypothesis strategies of valid Aurora input shapes.
+* :mod:`.golden_shims` — what a float64 golden run of aurora-model needs changed.
+* :mod:`.adapter` — the adapter object the engine's seam loads (``pytest_npu_parity.adapters``):
+  the doctor's Aurora lines and sections (:mod:`.doctor_sections`).
+
+The engine never imports this package (an import contract in pyproject.toml says so); the Aurora
+suite imports it from its conftest and test modules.
 """
 from pytest_npu_parity.npu import prepare_torch
 

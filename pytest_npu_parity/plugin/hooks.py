@@ -34,7 +34,7 @@ def parity_enabled(config: pytest.Config) -> bool:
 
 
 def _hypothesis_profiles(config: pytest.Config) -> None:
-    """Register the ``npu-parity-ci`` and ``nightly`` hypothesis profiles (``strategies.register_profiles``)
+    """Register the ``npu-parity-ci`` and ``nightly`` hypothesis profiles (``hypothesis_profiles.register_profiles``)
     and, in a parity session whose user chose no profile, load ``npu-parity-ci`` (bounded, derandomized).
 
     Runs before hypothesis' own ``pytest_configure`` (``tryfirst`` below), which loads
@@ -44,13 +44,13 @@ def _hypothesis_profiles(config: pytest.Config) -> None:
     try:
         from hypothesis import settings
 
-        from .. import strategies
+        from .. import hypothesis_profiles
     except ImportError:  # hypothesis missing: nothing to configure (the property tests cannot run)
         return
-    strategies.register_profiles()
+    hypothesis_profiles.register_profiles()
     if parity_enabled(config):
-        current = strategies.current_profile_name()
-        name = strategies.profile_to_load(config.getoption("hypothesis_profile", default=None), current)
+        current = hypothesis_profiles.current_profile_name()
+        name = hypothesis_profiles.profile_to_load(config.getoption("hypothesis_profile", default=None), current)
         if name:
             config.stash[PROFILE_KEY] = current  # restored at unconfigure (in-process pytester runs)
             settings.load_profile(name)

@@ -98,12 +98,12 @@ GOLDEN_CASES = [
 
 @pytest.mark.parametrize("recipe, name, fault", GOLDEN_CASES, ids=["-".join(c) for c in GOLDEN_CASES])
 def test_golden_verdict_passes_the_clean_port_and_fails_faults(ctx, recipe, name, fault):
-    from pytest_npu_parity import calibration
+    from pytest_npu_parity.aurora.golden_shims import aurora_golden_shims
 
     check = next(c for c in checks.CHECKS if c.name == name)
     fn, args, kwargs = check.build(ctx)
     session = ParitySession(torch.device("cpu"), reference="cpu", recipe_policies={recipe: "golden"})
-    session.golden_runner.root, session.golden_runner.shims = ctx.model, calibration.aurora_golden_shims
+    session.golden_runner.root, session.golden_runner.shims = ctx.model, aurora_golden_shims
     clean = ParityCase(session, "clean", recipe, patches=_faulty()).check(check.name, fn, *args, **kwargs)
     assert clean.status == "pass" and clean.policy == "golden"
     module = _perturbed_module(ctx, check, fn)

@@ -29,6 +29,11 @@ rate** (effective faults that pass).
 
 ``run_calibration`` is the engine; ``benchmarks/calibrate.py`` is its command line and writes
 ``benchmarks/results/calibration.json`` and ``.md``. No pytest here.
+
+This harness is a benchmark of the repository, not part of the installed package (it used to be
+``pytest_npu_parity.calibration``): import it with ``benchmarks/`` on ``sys.path`` (``calibrate.py``
+runs from there; ``tests/test_calibration.py`` puts it there). The golden shim it shares with the
+Aurora suite lives in the adapter: ``pytest_npu_parity.aurora.golden_shims``.
 """
 from __future__ import annotations
 
@@ -39,14 +44,19 @@ import os
 import platform
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 
-from .compare import compare
-from .golden import MSPROBE_GOLDEN, WORK_DTYPES, GoldenPolicy, GoldenRunner, GoldenUnavailableError, default_golden_for_recipe, \
+from pytest_npu_parity.aurora.golden_shims import aurora_golden_shims
+from pytest_npu_parity.compare import compare
+from pytest_npu_parity.golden import MSPROBE_GOLDEN, WORK_DTYPES, GoldenPolicy, GoldenRunner, GoldenUnavailableError, default_golden_for_recipe, \
     golden_dtype, judge_golden
-from .policy import FP32, LOW_PRECISION, Tolerance
+from pytest_npu_parity.policy import FP32, LOW_PRECISION, Tolerance
+
+#: The repository root (this file is ``<root>/benchmarks/calibration.py``).
+_REPO_ROOT = Path(__file__).resolve().parent.parent
 
 #: Checks of the default run (≈ 10 min on 2 shared cores): attention, a decoder layer in eval and
 #: training mode, the retriever (nn.TransformerEncoder: fast path), the vision encoder (ViT conv
@@ -288,7 +298,7 @@ def fault_weight(sc: ScenarioContext) -> str:
     Raises:
         ValueError: the check has no module with a weight matrix.
     """
-    from .aurora import checks
+    from pytest_npu_parity.aurora import checks
 
     if sc.module is None:
         raise ValueError(f"check {sc.check.name!r} has no module to perturb")
@@ -323,7 +333,7 @@ def fault_bias(sc: ScenarioContext) -> str:
 def scaled_weight(factor: float) -> Callable[[ScenarioContext], ContextManager[Any]]:
     """Fault: ``fault_weight`` multiplied by ``factor`` on the target side."""
     def apply(sc: ScenarioContext) -> ContextManager[Any]:
-        from .aurora import checks
+        from pytest_npu_parity.aurora import checks
 
         return checks.scaled_parameter(sc.module, fault_weight(sc), factor)
     return apply
@@ -331,7 +341,7 @@ def scaled_weight(factor: float) -> Callable[[ScenarioContext], ContextManager[A
 
 def dropped_bias(sc: ScenarioContext) -> ContextManager[Any]:
     """Fault: ``fault_bias`` zeroed on the target side (a kernel that ignores the bias)."""
-    from .aurora import checks
+    from pytest_npu_parity.aurora import checks
 
     return checks.scaled_parameter(sc.module, fault_bias(sc), 0.0)
 
@@ -362,7 +372,7 @@ def causal_mask_off_by_one(_: ScenarioContext | None = None) -> Iterator[None]:
 @contextlib.contextmanager
 def causal_mask_dropped(_: ScenarioContext | None = None) -> Iterator[None]:
     """Fault: the causal mask replaced by zeros (``checks.dropped_causal_mask``)."""
-    from .aurora import checks
+    from pytest_npu_parity.aurora import checks
 
     with checks.dropped_causal_mask():
         yield
@@ -417,7 +427,7 @@ def norm_softmax_in_bf16(_: ScenarioContext | None = None) -> Iterator[None]:
 def device_rng_dropout(_: ScenarioContext | None = None) -> Iterator[None]:
     """Fault: dropout draws its mask from torch's default (device) generator instead of the shared
     seeded CPU stream of ``rng.same_randomness`` (as a port that bypasses the shared stream does)."""
-    from . import rng
+    from pytest_npu_parity import rng
 
     device_dropout = rng._ORIGINALS[(torch.nn.functional, "dropout")]
 
@@ -431,7 +441,7 @@ def device_rng_dropout(_: ScenarioContext | None = None) -> Iterator[None]:
 
 
 def _rng_unavailable() -> str | None:
-    from . import rng
+    from pytest_npu_parity import rng
 
     if not hasattr(getattr(rng, "_CpuDraws", None), "dropout") or not hasattr(rng, "_ORIGINALS"):
         return "rng.same_randomness has no shared dropout stream to bypass"
@@ -472,7 +482,7 @@ def child_targets(scenario: "Scenario", checks: Sequence[str], recipes: Sequence
                   timeout_s: float = 3600) -> dict[tuple[str, str], Any]:
     """Target outputs of every (check, recipe) computed in a child process with ``scenario.env``.
 
-    The child (``python -m pytest_npu_parity.calibration --child-targets FILE …``) builds the seeded
+    The child (``python benchmarks/calibration.py --child-targets FILE …``) builds the seeded
     full model and the CO2 batch, captures the submodule inputs on its own kernels (as a target
     machine does), and runs each check's target side under the recipe and the patch set. Leaves
     come back through one safetensors file (no pickle).
@@ -493,9 +503,12 @@ def child_targets(scenario: "Scenario", checks: Sequence[str], recipes: Sequence
     python = (scenario.python() if scenario.python else None) or sys.executable
     env = {**os.environ, **dict(scenario.env)}
     env.pop("NPU_PARITY_TORCH_NPU_UNUSABLE", None)
+    # This file runs as a script there: the repository root goes first on its path, as the root was with
+    # ``python -m`` from it.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory(prefix="npu-parity-cal-") as tmp:
         out = os.path.join(tmp, "targets.safetensors")
-        proc = subprocess.run([python, "-m", "pytest_npu_parity.calibration", "--child-targets", out,
+        proc = subprocess.run([python, str(Path(__file__).resolve()), "--child-targets", out,
                                "--checks", ",".join(checks), "--recipes", ",".join(recipes), "--seed", str(seed)],
                               env=env, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0:
@@ -521,11 +534,11 @@ def _child_main(argv: Sequence[str]) -> int:
 
     from safetensors.torch import save_file
 
-    from .aurora import checks as catalogue
-    from .aurora import factory, inputs, patches
-    from .runner import ParityCase, ParitySession
+    from pytest_npu_parity.aurora import checks as catalogue
+    from pytest_npu_parity.aurora import factory, inputs, patches
+    from pytest_npu_parity.runner import ParityCase, ParitySession
 
-    parser = argparse.ArgumentParser(prog="python -m pytest_npu_parity.calibration")
+    parser = argparse.ArgumentParser(prog="python benchmarks/calibration.py")
     parser.add_argument("--child-targets", required=True)
     parser.add_argument("--checks", required=True)
     parser.add_argument("--recipes", required=True)
@@ -890,38 +903,6 @@ def format_markdown(report: CalibrationReport) -> str:
 # the harness
 
 
-@contextlib.contextmanager
-def aurora_golden_shims(dtype: torch.dtype) -> Iterator[None]:
-    """Golden shim for aurora-model 0.2.0: ``TimestepEmbedder.timestep_embedding`` builds its
-    frequencies in float32 whatever the input; in a float64 golden run it is computed in float64
-    instead — the sinusoidal timestep embedding of GLIDE/DiT that upstream cites:
-    ``[cos(t·f_k), sin(t·f_k)]`` with ``f_k = exp(−ln(max_period)·k/half)``, ``k = 0…half−1``
-    (plus a zero column for odd ``dim``). Other dtypes run upstream unchanged.
-    """
-    from aurora.flow_loss import TimestepEmbedder
-
-    if dtype != torch.float64:
-        yield
-        return
-
-    def timestep_embedding(t: torch.Tensor, dim: int, max_period: int = 10000) -> torch.Tensor:
-        half = dim // 2
-        k = torch.arange(half, dtype=torch.float64, device=t.device)
-        freqs = torch.exp(k * (-math.log(max_period) / half))
-        phase = t.to(torch.float64)[:, None] * freqs[None]
-        parts = [torch.cos(phase), torch.sin(phase)]
-        if dim % 2:
-            parts.append(torch.zeros_like(phase[:, :1]))
-        return torch.cat(parts, dim=-1)
-
-    original = TimestepEmbedder.__dict__["timestep_embedding"]
-    TimestepEmbedder.timestep_embedding = staticmethod(timestep_embedding)
-    try:
-        yield
-    finally:
-        TimestepEmbedder.timestep_embedding = original
-
-
 def _leaves_equal(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> bool:
     if a.keys() != b.keys():
         return False
@@ -1051,10 +1032,10 @@ def run_calibration(checks: Sequence[str] = DEFAULT_CHECKS, recipes: Sequence[st
         KeyError: an unknown check name (the message lists the known ones).
         ValueError: an unknown recipe.
     """
-    from .aurora import checks as catalogue
-    from .aurora import factory, inputs, patches
-    from .recipes import RECIPES
-    from .runner import ParityCase, ParitySession, owner_module
+    from pytest_npu_parity.aurora import checks as catalogue
+    from pytest_npu_parity.aurora import factory, inputs, patches
+    from pytest_npu_parity.recipes import RECIPES
+    from pytest_npu_parity.runner import ParityCase, ParitySession, owner_module
 
     unknown = [c for c in checks if c not in catalogue.BY_NAME]
     if unknown:
@@ -1122,7 +1103,7 @@ def run_calibration(checks: Sequence[str] = DEFAULT_CHECKS, recipes: Sequence[st
 def _run_case(session, sc: ScenarioContext, scenario: Scenario, fn, args, kwargs, reference, golden,
               policies, seed: int, patch_set: Callable[[torch.device], ContextManager[Any]],
               precomputed: dict[tuple[str, str], Any] | None = None) -> CaseOutcome:
-    from .runner import ParityCase
+    from pytest_npu_parity.runner import ParityCase
 
     outcome = CaseOutcome(check=sc.check.name, recipe=sc.recipe, scenario=scenario.name, kind=scenario.kind,
                           status="judged")
