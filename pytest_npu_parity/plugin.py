@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import pytest
 
 from . import npu as _npu
+from .report import columns as col
 
 # The pytest11 entry point is imported before any conftest: with torch_npu installed but unusable
 # (no CANN), `import torch` itself would fail there (device-backend autoload). Import torch and
@@ -1077,7 +1078,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     workeroutput = getattr(config, "workeroutput", None)
     if workeroutput is not None:  # pytest-xdist worker: ship rows to the controller
         for row in rows:
-            row["worker"] = _xdist_worker_id(config)
+            row[col.WORKER] = _xdist_worker_id(config)
         workeroutput["parity_rows"] = json.dumps(rows, default=str)
         workeroutput["parity_writes"] = json.dumps(config.stash[SESSION_KEY].baseline_writes)
         workeroutput["parity_not_written"] = json.dumps(config.stash[SESSION_KEY].not_written)
