@@ -88,6 +88,7 @@ import torch
 
 from .compare import CompareResult, LeafResult, compare
 from .policy import Tolerance
+from .report import columns as col
 from .rng import same_randomness
 
 #: Deepest scope the descent enters (a safety bound; Aurora's deepest module path has 8 parts).
@@ -1080,7 +1081,7 @@ def failure_hook(case: Any, record: Any, call: Any, result: CompareResult) -> st
     loc = localize(case, record, call, result)
     if loc is None:
         return None
-    record.extra["localization"] = loc.to_rows()
+    record.extra[col.LOCALIZATION] = loc.to_rows()
     return loc.format()
 
 
@@ -1147,7 +1148,7 @@ class Localizer:
             return None
         problem = structural_problem(result)
         if problem is not None:
-            record.extra["localization_skipped"] = "structure"
+            record.extra[col.LOCALIZATION_SKIPPED] = "structure"
             self.skipped["structure"] += 1
             return (f"(First-divergence localization not run: the outputs differ in structure, shape or dtype "
                     f"({problem}); that difference is the finding, no submodule run would add to it.)")
@@ -1159,11 +1160,11 @@ class Localizer:
         finally:
             elapsed = time.perf_counter() - start
             self.spent_s += elapsed
-            record.extra["localization_s"] = elapsed
+            record.extra[col.LOCALIZATION_S] = elapsed
         if loc is None:
             if not over:
                 return None
-            record.extra["localization_skipped"] = "budget"
+            record.extra[col.LOCALIZATION_SKIPPED] = "budget"
             self.skipped["budget"] += 1
             command = (self.hint.format(test_id=shlex.quote(record.test_id)) if self.hint
                        else "a Localizer with forced=True")
@@ -1172,13 +1173,13 @@ class Localizer:
                     f"{COST_FACTOR * record.duration_s:.2g} s, more than the {left:.2g} s left of this session's "
                     f"localization budget of {self.budget_s:g} s ({self.spent_s:.2g} s went to earlier failures). "
                     f"To localize this check: {command})")
-        record.extra["localization"] = loc.to_rows()
+        record.extra[col.LOCALIZATION] = loc.to_rows()
         if loc.reused_from is not None:
-            record.extra["localization_reused"] = loc.reused_from
+            record.extra[col.LOCALIZATION_REUSED] = loc.reused_from
         if loc.levels:
             self.localized += 1
         else:
             self.reused += 1
         if loc.stopped is not None:
-            record.extra["localization_stopped"] = loc.stopped
+            record.extra[col.LOCALIZATION_STOPPED] = loc.stopped
         return loc.format()

@@ -49,6 +49,7 @@ from .audit import not_audited
 from .checks.settings import (DEFAULT_POLICIES, TRAINING_DEFAULT_POLICIES, CheckSettings,  # noqa: F401
                               IniSettings, MarkerSettings, audit_mode as resolve_audit_mode)
 from .rng import RNG_MODES, randomness, target_seed
+from .report import columns as col
 
 PatchFactory = Callable[[torch.device], ContextManager[Any]]
 
@@ -1523,9 +1524,9 @@ class ParityCase:
         kinds = ((MissingBaselineError, "missing"), (StaleBaselineError, "stale"),
                  (CorruptBaselineError, "corrupt"), (UnsafeBaselineError, "unsafe"))
         kind = next((label for cls, label in kinds if isinstance(exc, cls)), "unreadable")
-        extra = {"baseline_error": kind, "baseline_file": str(exc.path) if exc.path else None}
+        extra = {col.BASELINE_ERROR: kind, col.BASELINE_FILE: str(exc.path) if exc.path else None}
         if getattr(exc, "stale_cause", None):
-            extra["stale_cause"] = exc.stale_cause
+            extra[col.STALE_CAUSE] = exc.stale_cause
         record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
                              "baseline", tol, status="error", submodule=submodule, group=group,
                              message=str(exc), duration_s=time.perf_counter() - start,
@@ -1585,7 +1586,7 @@ class ParityCase:
         if change_note:
             policy_note = f"{policy_note}; {change_note}" if policy_note else change_note
         if policy_note:
-            record.extra["policy_note"] = policy_note
+            record.extra[col.POLICY_NOTE] = policy_note
         self._keep(record)
         vacuous_ok = (call.vacuous_ok if call is not None else vacuous_ok) or self.vacuous_ok
         problems = _vacuity_problems(name, expected, record, vacuous_ok)
@@ -1657,20 +1658,20 @@ class ParityCase:
 
         actual, expected, policy = layer_records
         record.layer_records = (actual, expected)
-        record.extra["layer_policy"] = policy.describe()
+        record.extra[col.LAYER_POLICY] = policy.describe()
         if actual and not expected:
             note = ("layer check not run: the reference has no layer records (re-record the baseline with "
                     "--update-baselines to judge every weighted layer)")
-            record.extra["policy_note"] = "; ".join(filter(None, [record.extra.get("policy_note"), note]))
+            record.extra[col.POLICY_NOTE] = "; ".join(filter(None, [record.extra.get(col.POLICY_NOTE), note]))
             return None
         verdict = judge_layers(actual, expected, policy)
-        record.extra["layers_judged"] = verdict.judged
+        record.extra[col.LAYERS_JUDGED] = verdict.judged
         worst = verdict.worst()
         if worst is not None:
-            record.extra["layer_worst"], record.extra["layer_worst_rel_l2"] = worst
+            record.extra[col.LAYER_WORST], record.extra[col.LAYER_WORST_REL_L2] = worst
         if verdict.passed:
             return None
-        record.extra["layers_failing"] = ", ".join(verdict.failing)
+        record.extra[col.LAYERS_FAILING] = ", ".join(verdict.failing)
         return verdict.format()
 
     def _audit_mode(self) -> str:
@@ -1694,13 +1695,13 @@ class ParityCase:
         from .audit import AuditRecord, ParityAuditWarning
 
         budget = budget if budget is not None else self.audit_budget
-        record.extra["audit_budget"] = budget.describe()
+        record.extra[col.AUDIT_BUDGET] = budget.describe()
         audit = AuditRecord.from_dict(record.audit)
         text = budget.judge(audit, record.check, failing=mode == "fail")
         if not text:
             return None
-        record.extra["audit_problem"] = text
-        record.extra["audit_verdict"] = mode
+        record.extra[col.AUDIT_PROBLEM] = text
+        record.extra[col.AUDIT_VERDICT] = mode
         if mode == "fail":
             return text
         import warnings
@@ -1733,7 +1734,7 @@ class ParityCase:
         reference_stream = (f"a live CPU run from {reference_stream}" if reference == "cpu"
                             else f"a baseline recorded from {reference_stream}")
         streams = f"target samples from {target_stream}; reference: {reference_stream}"
-        record.extra["policy_note"] = f"samples compared as distributions along axis {call.sample_dim} ({streams})"
+        record.extra[col.POLICY_NOTE] = f"samples compared as distributions along axis {call.sample_dim} ({streams})"
         self._keep(record)
         problems = _vacuity_problems(name, expected, record, call.vacuous_ok or self.vacuous_ok)
         if result.passed and not problems:
@@ -1950,9 +1951,9 @@ def _vacuity_problems(name: str, expected: dict, record: "CheckRecord", vacuous_
                           "Give it inputs/weights whose outputs exceed atol (pretrained or stable_init_ weights), "
                           "a smaller atol, or vacuous_ok='<reason>'.", ParityVacuityWarning, stacklevel=4)
         return []
-    record.extra["vacuous"] = vacuous
+    record.extra[col.VACUOUS] = vacuous
     if vacuous_ok:
-        record.extra["vacuous_ok"] = vacuous_ok
+        record.extra[col.VACUOUS_OK] = vacuous_ok
         return []
     return [f"Parity check {name!r} is vacuous: {vacuous}, so no fault on the target could make it fail. "
             "Give it inputs/weights that reach the output, or allow it with vacuous_ok='<reason>' (check "

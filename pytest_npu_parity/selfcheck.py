@@ -50,6 +50,7 @@ import torch
 
 from .compare import compare
 from .policy import Tolerance, default_for_dtype
+from .report import columns as col
 
 #: The weight is scaled by 1 + WEIGHT_RTOLS·rtol of the check (1 + 1e-4 under fp32's rtol 1e-5:
 #: the fault the Aurora sensitivity tests prove every fp32 check catches).
@@ -462,24 +463,24 @@ class SelfCheck:
             live = dict(expected) if record.reference == "cpu" else None
             sensitive = input_sensitivity(case, call, live, self.input_noise)
             report["input_sensitive"] = sensitive
-        record.extra["teeth"] = not problems
+        record.extra[col.TEETH] = not problems
         record.extra["selfcheck"] = report
         messages = []
         if problems:
-            record.extra["teeth_problem"] = "; ".join(problems)
+            record.extra[col.TEETH_PROBLEM] = "; ".join(problems)
             messages.append(f"Self-check: parity check {record.check!r} has no teeth: " + "; ".join(problems) + ".")
         if sensitive is False:
             if call.module is not None:
-                record.extra["vacuous"] = (f"its reference output does not change when its floating inputs move by "
-                                           f"{self.input_noise:g} of their RMS")
+                record.extra[col.VACUOUS] = (f"its reference output does not change when its floating inputs move by "
+                                             f"{self.input_noise:g} of their RMS")
                 messages.append(f"Self-check: parity check {record.check!r} is vacuous: "
-                                f"{record.extra['vacuous']} (the module ignores its data).")
+                                f"{record.extra[col.VACUOUS]} (the module ignores its data).")
             else:
                 report["note"] = "the output does not depend on the input values (a fixed table or mask)"
         if not messages:
             return None
         if call.vacuous_ok:
-            record.extra["vacuous_ok"] = call.vacuous_ok
+            record.extra[col.VACUOUS_OK] = call.vacuous_ok
             return None
         return "\n".join(messages) + " Allow it with vacuous_ok='<reason>' if that is intended."
 

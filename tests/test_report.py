@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from pytest_npu_parity import report
+from pytest_npu_parity.report import columns as report_columns
+from pytest_npu_parity.report import history as report_history
 from pytest_npu_parity.compare import compare
 from pytest_npu_parity.policy import FP32, LOW_PRECISION
 
@@ -111,6 +113,16 @@ def test_columns_are_the_documented_contract():
     assert set(_known_rows()[0]) <= set(report.COLUMNS)
 
 
+def test_the_columns_reference_page_is_generated_from_the_column_tables():
+    page = ROOT / "docs" / "reference" / "report-columns.md"
+    assert page.exists() and page.read_text(encoding="utf-8") == report_columns.reference_markdown(), (
+        f"{page.relative_to(ROOT)} differs from the column tables of pytest_npu_parity/report/columns.py; "
+        "regenerate it with: python -m pytest_npu_parity.report.columns > docs/reference/report-columns.md")
+    for table in (report_columns.ROW_TABLE, report_columns.META_TABLE, report_columns.EXTRA_TABLE):
+        for column in table:
+            assert f"| `{column.name}` |" in page.read_text(encoding="utf-8"), column.name
+
+
 def test_to_frame_names_missing_required_columns_and_bad_verdicts():
     with pytest.raises(ValueError, match=r"\['verdict'\]"):
         report.to_frame([{"test_id": "t", "check": "c", "leaf": ""}])
@@ -165,7 +177,7 @@ def test_results_table_holds_known_comparisons_and_run_metadata(tmp_path, fmt):
 
 
 def test_parquet_is_skipped_with_a_warning_without_pyarrow(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(report, "_have_pyarrow", lambda: False)
+    monkeypatch.setattr(report_history, "_have_pyarrow", lambda: False)  # looked up there by write and append
     paths = report.write_report(_known_rows(), _meta(), tmp_path)
     assert "parquet" not in paths and not (tmp_path / "results.parquet").exists()
     assert paths["csv"].exists()

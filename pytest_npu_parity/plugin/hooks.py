@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import pytest
 
 from . import header, summary
+from ..report import columns as col
 from .markers import MARKER_HELP, marker_recipes, validate_markers
 from .options import ParityConfig, Raw, add_options, recipe_names
 from .paths import record_parity_paths
@@ -300,7 +301,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     workeroutput = getattr(config, "workeroutput", None)
     if workeroutput is not None:  # pytest-xdist worker: ship rows to the controller
         for row in rows:
-            row["worker"] = xdist_worker_id(config)
+            row[col.WORKER] = xdist_worker_id(config)
         workeroutput["parity_rows"] = json.dumps(rows, default=str)
         workeroutput["parity_writes"] = json.dumps(config.stash[SESSION_KEY].baseline_writes)
         workeroutput["parity_not_written"] = json.dumps(config.stash[SESSION_KEY].not_written)
