@@ -32,7 +32,7 @@ import copy
 import time
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -45,6 +45,7 @@ from .modules import owner_module  # noqa: F401  (also runner.owner_module, as b
 from .policy import Tolerance, default_for_recipe, parse_tolerance_spec
 from .recipes import RECIPES, Recipe, strict_fp32_flags
 from .audit import not_audited
+from .checks.record import BaselineProblem, CheckRecord
 from .rng import RNG_MODES, randomness, target_seed
 
 PatchFactory = Callable[[torch.device], ContextManager[Any]]
@@ -84,126 +85,6 @@ def is_training(fn: Any) -> bool:
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
             return True
     return False
-
-
-@dataclass
-class CheckRecord:
-    """What happened in one check, for the terminal summary and the report.
-
-    ``status`` is ``pass``, ``fail``, ``error`` or ``recorded``. ``reference`` is ``cpu`` (live run),
-    ``baseline`` or ``recorded``; ``reference_provenance`` is the baseline's file and one-line
-    provenance (``Baseline.describe()``: ``"<file> — <device> · <date> · torch <version> …"``).
-    ``audit`` is the device-propagation record (a dict) when the audit ran; judged by an audit
-    budget (audit modes ``warn``/``fail``), ``extra["audit_budget"]`` is the budget's description,
-    ``extra["audit_problem"]`` the events beyond it (``audit.AuditBudget.judge``) and
-    ``extra["audit_verdict"]`` what they did (``fail`` or ``warn``); all go into every row of the check. A check whose baseline
-    could not be used has status ``error`` and ``extra`` holding ``baseline_error`` (``missing``,
-    ``stale``, ``corrupt``, ``unsafe`` or ``unreadable``) and ``baseline_file``; both also go into its row.
-    Checks that fail as a whole (every leaf within tolerance) hold the reason in ``extra["check_problem"]``:
-    ``extra["vacuous"]`` (``selfcheck.vacuity_problem``), ``extra["teeth"]``/``teeth_problem``
-    (``--parity-selfcheck``); a failing check's first-divergence table is ``extra["localization"]``
-    (``localize.Localization.to_rows()``, a JSON-able list of dicts).
-    ``weights`` is the fingerprint of the module the check ran (``provenance.fingerprint_module``;
-    None for a free function or a ``compare``); a stale baseline's record also holds
-    ``extra["stale_cause"]``: what the recorded fingerprints say changed, ``weights``, ``input`` or
-    ``weights+input`` (``other`` when neither hash differs). Localization (``localize.Localizer``)
-    adds ``extra`` keys ``localization_s``, ``localization_reused``, ``localization_skipped`` and
-    ``localization_stopped``; these and ``stale_cause`` also go into the check's rows.
-    ``distribution_policy`` is the ``distribution.DistributionPolicy`` of a sampling check judged
-    as distributions (``result`` is then a ``distribution.DistributionResult``), else None.
-    ``layer_records`` is ``(target's, reference's)`` layer records (``layers.capture_layers``) of a
-    check judged by a layer policy, else None; ``extra`` then holds ``layer_policy``,
-    ``layers_judged``, ``layer_worst``/``layer_worst_rel_l2`` and (failing) ``layers_failing``, which
-    also go into every row of the check.
-    ``golden_policy`` is the ``golden.GoldenPolicy`` the check was judged by, or None for the
-    allclose tolerance; a check that asked for the golden but could not get one (``GoldenRunner``
-    raised ``GoldenUnavailableError``) is judged by allclose and says why in ``extra["policy_note"]``.
-    """
-
-    test_id: str
-    check: str
-    recipe: str
-    target: str
-    target_name: str
-    reference: str
-    tolerance: Tolerance
-    status: str = "pass"
-    submodule: str | None = None
-    group: str | None = None
-    result: CompareResult | None = None
-    reference_provenance: str | None = None
-    audit: dict | None = None
-    duration_s: float = 0.0
-    message: str | None = None
-    extra: dict = field(default_factory=dict)
-    golden_policy: Any = None
-    weights: str | None = None
-    distribution_policy: Any = None
-    layer_records: tuple | None = None
-
-    @property
-    def policy(self) -> str:
-        """The verdict policy the check was judged by: ``allclose``, ``golden`` or ``distribution``
-        (a sampling check whose sides drew from their own streams, ``distribution.DistributionPolicy``)."""
-        if self.distribution_policy is not None:
-            return "distribution"
-        return "allclose" if self.golden_policy is None else "golden"
-
-    def rows(self) -> list[dict[str, Any]]:
-        """One dict per compared leaf (the report's row schema); one row with no metrics otherwise."""
-        base = {
-            "test_id": self.test_id, "check": self.check, "submodule": self.submodule,
-            "group": self.group or self.submodule or self.check,
-            "recipe": self.recipe, "target": self.target, "target_name": self.target_name,
-            "reference": self.reference, "reference_provenance": self.reference_provenance,
-            "duration_s": self.duration_s, "policy": self.policy,
-            "golden_policy": self.golden_policy.describe() if self.golden_policy is not None else None,
-            "distribution_policy": (self.distribution_policy.describe()
-                                    if self.distribution_policy is not None else None),
-            "policy_note": self.extra.get("policy_note"),
-            "weights": self.weights[:16] if self.weights else None,
-        }
-        counts = (self.audit or {}).get("counts", {})
-        for kind in ("mixed_device", "h2d", "d2h", "host_sync", "cpu_fallback", "fp64"):
-            base[f"audit_{kind}"] = counts.get(kind)
-        for key in ("audit_budget", "audit_problem", "audit_verdict", "layer_policy", "layers_judged",
-                    "layer_worst", "layer_worst_rel_l2", "layers_failing"):
-            base[key] = self.extra.get(key)
-        leaves = self.result.leaves if self.result is not None else []
-        if not leaves:
-            row = dict(base, leaf=None, verdict=self.status, problem=self.message,
-                       rtol=self.tolerance.rtol, atol=self.tolerance.atol, budget=self.tolerance.budget,
-                       tolerance_source=self.tolerance.source, tolerance_reason=self.tolerance.reason)
-            for key in ("baseline_error", "baseline_file", "stale_cause"):
-                if key in self.extra:
-                    row[key] = self.extra[key]
-            return [dict(row, **self._extra_columns(first=True))]
-        rows = []
-        for i, leaf in enumerate(leaves):
-            row = dict(base, **leaf.to_row())
-            if self.status == "error":
-                row["verdict"] = "error"
-            elif self.status == "fail" and self.extra.get("check_problem") and row["verdict"] == "pass":
-                # Every leaf within tolerance, but the check failed as a whole (vacuous, no teeth).
-                row["verdict"], row["problem"] = "fail", self.extra["check_problem"]
-            rows.append(dict(row, **self._extra_columns(first=i == 0)))
-        return rows
-
-    def _extra_columns(self, first: bool) -> dict[str, Any]:
-        """Row columns from ``extra``: ``vacuous``/``vacuous_ok``/``teeth``/``teeth_problem`` on every
-        row, the first-divergence table ``localization`` (JSON text) on the check's first row only."""
-        columns = {k: self.extra[k] for k in ("vacuous", "vacuous_ok", "teeth", "teeth_problem") if k in self.extra}
-        if first:
-            columns.update({k: self.extra[k] for k in _LOCALIZATION_COLUMNS if k in self.extra})
-        if first and self.extra.get("localization") is not None:
-            import json
-
-            columns["localization"] = json.dumps(self.extra["localization"], default=str)
-        return columns
-
-
-#: ``CheckRecord.extra`` keys ``localize.Localizer`` sets, exported on a check's first row.
-_LOCALIZATION_COLUMNS = ("localization_s", "localization_reused", "localization_skipped", "localization_stopped")
 
 
 def stale_cause(recorded_meta: dict, hashes: dict[str, Any], structure_changed: bool = False) -> str:
@@ -1486,13 +1367,12 @@ class ParityCase:
         kinds = ((MissingBaselineError, "missing"), (StaleBaselineError, "stale"),
                  (CorruptBaselineError, "corrupt"), (UnsafeBaselineError, "unsafe"))
         kind = next((label for cls, label in kinds if isinstance(exc, cls)), "unreadable")
-        extra = {"baseline_error": kind, "baseline_file": str(exc.path) if exc.path else None}
-        if getattr(exc, "stale_cause", None):
-            extra["stale_cause"] = exc.stale_cause
+        problem = BaselineProblem(kind, str(exc.path) if exc.path else None, getattr(exc, "stale_cause", None) or None)
         record = CheckRecord(self.test_id, name, self.recipe.name, str(self.target), self.session.target_name,
                              "baseline", tol, status="error", submodule=submodule, group=group,
                              message=str(exc), duration_s=time.perf_counter() - start,
-                             reference_provenance=getattr(exc, "provenance", None), extra=extra, weights=weights)
+                             reference_provenance=getattr(exc, "provenance", None), weights=weights,
+                             baseline_problem=problem)
         self._keep(record)
         return record
 
@@ -1542,7 +1422,7 @@ class ParityCase:
                              group=group, result=result, reference_provenance=provenance, audit=audit,
                              duration_s=time.perf_counter() - start, golden_policy=golden_policy, weights=weights)
         if policy_note:
-            record.extra["policy_note"] = policy_note
+            record.notes.policy_note = policy_note
         self._keep(record)
         vacuous_ok = (call.vacuous_ok if call is not None else vacuous_ok) or self.vacuous_ok
         problems = _vacuity_problems(name, expected, record, vacuous_ok)
@@ -1565,7 +1445,7 @@ class ParityCase:
             reference, f"baseline {provenance}")
         context = f"recipe {self.recipe.name}, target {self.target} ({self.session.target_name}) vs {ref_text}"
         if result.passed:
-            record.extra["check_problem"] = " ".join(problems)
+            record.notes.check_problem = " ".join(problems)
             message = "\n\n".join([f"Parity check {name!r} failed ({context}) with every output leaf within "
                                     "tolerance:"] + problems)
         else:
@@ -1573,7 +1453,7 @@ class ParityCase:
             baseline = self._load_baseline() if reference == "baseline" else None
             mismatch = torch_version_mismatch(baseline.provenance if baseline is not None else None)
             if mismatch:
-                record.extra["torch_mismatch"] = mismatch
+                record.notes.torch_mismatch = mismatch
                 message += "\n\n" + mismatch
             threads = thread_count_mismatch(baseline.provenance if baseline is not None else None, self.target)
             if threads:
@@ -1616,20 +1496,20 @@ class ParityCase:
 
         actual, expected, policy = layer_records
         record.layer_records = (actual, expected)
-        record.extra["layer_policy"] = policy.describe()
+        record.layer_check.layer_policy = policy.describe()
         if actual and not expected:
             note = ("layer check not run: the reference has no layer records (re-record the baseline with "
                     "--update-baselines to judge every weighted layer)")
-            record.extra["policy_note"] = "; ".join(filter(None, [record.extra.get("policy_note"), note]))
+            record.notes.policy_note = "; ".join(filter(None, [record.notes.policy_note, note]))
             return None
         verdict = judge_layers(actual, expected, policy)
-        record.extra["layers_judged"] = verdict.judged
+        record.layer_check.layers_judged = verdict.judged
         worst = verdict.worst()
         if worst is not None:
-            record.extra["layer_worst"], record.extra["layer_worst_rel_l2"] = worst
+            record.layer_check.layer_worst, record.layer_check.layer_worst_rel_l2 = worst
         if verdict.passed:
             return None
-        record.extra["layers_failing"] = ", ".join(verdict.failing)
+        record.layer_check.layers_failing = ", ".join(verdict.failing)
         return verdict.format()
 
     def _audit_mode(self) -> str:
@@ -1657,13 +1537,13 @@ class ParityCase:
         from .audit import AuditRecord, ParityAuditWarning
 
         budget = budget if budget is not None else self.audit_budget
-        record.extra["audit_budget"] = budget.describe()
+        record.audit_check.audit_budget = budget.describe()
         audit = AuditRecord.from_dict(record.audit)
         text = budget.judge(audit, record.check, failing=mode == "fail")
         if not text:
             return None
-        record.extra["audit_problem"] = text
-        record.extra["audit_verdict"] = mode
+        record.audit_check.audit_problem = text
+        record.audit_check.audit_verdict = mode
         if mode == "fail":
             return text
         import warnings
@@ -1696,7 +1576,7 @@ class ParityCase:
         reference_stream = (f"a live CPU run from {reference_stream}" if reference == "cpu"
                             else f"a baseline recorded from {reference_stream}")
         streams = f"target samples from {target_stream}; reference: {reference_stream}"
-        record.extra["policy_note"] = f"samples compared as distributions along axis {call.sample_dim} ({streams})"
+        record.notes.policy_note = f"samples compared as distributions along axis {call.sample_dim} ({streams})"
         self._keep(record)
         problems = _vacuity_problems(name, expected, record, call.vacuous_ok or self.vacuous_ok)
         if result.passed and not problems:
@@ -1906,9 +1786,9 @@ def _vacuity_problems(name: str, expected: dict, record: "CheckRecord", vacuous_
     vacuous = vacuity_problem(expected)
     if not vacuous:
         return []
-    record.extra["vacuous"] = vacuous
+    record.vacuity.vacuous = vacuous
     if vacuous_ok:
-        record.extra["vacuous_ok"] = vacuous_ok
+        record.vacuity.vacuous_ok = vacuous_ok
         return []
     return [f"Parity check {name!r} is vacuous: {vacuous}, so no fault on the target could make it fail. "
             "Give it inputs/weights that reach the output, or allow it with vacuous_ok='<reason>' (check "

@@ -1,0 +1,1 @@
+"""One check's pipeline: where its reference comes from, how it is judged, and what it records."""
