@@ -89,6 +89,7 @@ import torch
 from .compare import CompareResult, LeafResult, compare
 from .policy import Tolerance
 from .rng import same_randomness
+from .runtime.side import _move
 
 #: Deepest scope the descent enters (a safety bound; Aurora's deepest module path has 8 parts).
 MAX_LEVELS = 16
@@ -544,8 +545,6 @@ class _Side:
     def entry(self) -> tuple[tuple[tuple, dict], tuple, tuple]:
         """``(inputs, random state, mode state)`` the check's own module call starts from on this
         side, in the form a ``_Recorder`` records a scope's call (for ``LocalizationCache.key``)."""
-        from .runner import _move
-
         dtype = self.case.recipe.weights_dtype
         with self.running():
             inputs = (_cpu_copy(_move(tuple(self.call.args), self.device, dtype)),
@@ -553,9 +552,7 @@ class _Side:
             return inputs, _rng_state(), _mode_state(self.device.type)
 
     def run_root(self, root: torch.nn.Module) -> Any:
-        """The check's own call on this side (inputs placed as ``ParityCase._run`` places them)."""
-        from .runner import _move
-
+        """The check's own call on this side (inputs placed as ``runtime.side.run_side`` places them)."""
         dtype = self.case.recipe.weights_dtype
         args, kwargs = _move(self.call.args, self.device, dtype), _move(self.call.kwargs, self.device, dtype)
         if self.call.kind == "train_step":
