@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import time
 import weakref
+from functools import partial
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -42,9 +43,9 @@ from .checks.record import _LOCALIZATION_COLUMNS, CheckRecord  # noqa: F401
 from .checks.reference import (STALE_CAUSES, Expected, ReferenceSource, StaleSuite,  # noqa: F401
                                baseline_error_record, check_hashes, expected_for, golden_for, load_baseline,
                                memo_key, recording, recording_provenance, stale_cause, stale_suites,
-                               thread_count_mismatch, torch_version_mismatch)
-from .checks.verdict import (Sides, check_golden_precision, check_problems, compared_sides, distribution_failure,
-                             failure_message, measure, measure_distribution, optimizer_replay, split_layer_records)
+                               thread_count_mismatch, torch_version_mismatch, write_recording)
+from .checks.verdict import (LEAVES, DistributionVerdict, LeafVerdict, Sides, compared_sides, given_sides,
+                             optimizer_replay, split_layer_records, verdict_for)
 from .checks.verdict import vacuity_problems as _vacuity_problems  # the name runner had
 from .compare import CompareResult, ParityError, compare, flatten  # noqa: F401  (also runner.compare, as before)
 from .modules import owner_module  # noqa: F401  (also runner.owner_module, as before)
@@ -462,10 +463,8 @@ class ParityCase:
             raise TypeError(f"parity check {name!r}: sample_dim must be an int (the sample axis), got {sample_dim!r}")
 
         run, rerun = check_runs(self._side(), RunSpec(fn, args, kwargs, seed, grad, layers=plan.layer_policy), own)
-
-        def golden() -> dict:
-            return self.session.golden_runner.run(fn, args, kwargs, recipe=self.recipe.name, seed=seed, grad=grad)
-
+        golden = partial(self.session.golden_runner.run, fn, args, kwargs, recipe=self.recipe.name, seed=seed,
+                         grad=grad)
         call = CheckCall("check", fn, args, kwargs, seed, grad, rerun, vacuous_ok, fault_weight, sample_dim,
                          memo=(getattr(plan.layer_policy, "samples", None),))
         return self._record_or_compare(plan, run, hashes, call, golden)
@@ -555,20 +554,14 @@ class ParityCase:
         hashes["train_recipe"] = lambda: train_recipe_of(module, optimizer, max_grad_norm, loss_fn, loop)
         step = training_step(TrainSpec(optimizer, loss_fn, labels is not None, max_grad_norm, loop))
 
-        run, rerun = train_runs(self._side(), module, step, (positional, keywords, labels), seed, plan.layer_policy)
-
-        def golden() -> dict:
-            return golden_step(self.session.golden_runner, step, module, self.recipe, (positional, keywords, labels),
-                               seed)
-
-        replay = None
-        if loop is None and not self.recipe.loss_scaling:
-            def replay(leaves: dict) -> dict:
-                return replay_optimizer_step(module, leaves, optimizer, self.recipe.weights_dtype)
-
-        call = CheckCall("train_step", module, positional, keywords, seed, True, rerun, vacuous_ok, fault_weight, replay=replay,
-                         memo=(getattr(plan.layer_policy, "samples", None), _Same(optimizer), _Same(loss_fn),
-                               max_grad_norm, _Same(loop)))
+        forward = (positional, keywords, labels)
+        run, rerun = train_runs(self._side(), module, step, forward, seed, plan.layer_policy)
+        golden = partial(golden_step, self.session.golden_runner, step, module, self.recipe, forward, seed)
+        replay = (partial(replay_optimizer_step, module, optimizer=optimizer, weights_dtype=self.recipe.weights_dtype)
+                  if loop is None and not self.recipe.loss_scaling else None)
+        call = CheckCall("train_step", module, positional, keywords, seed, True, rerun, vacuous_ok, fault_weight,
+                         replay=replay, memo=(getattr(plan.layer_policy, "samples", None), _Same(optimizer),
+                                              _Same(loss_fn), max_grad_norm, _Same(loop)))
         return self._record_or_compare(plan, run, hashes, call, golden)
 
     def compare(self, name: str, actual: Any, expected: Any, *, rtol: float | None = None,
@@ -590,16 +583,7 @@ class ParityCase:
         golden_policy = self._verdict_policy(name, policy)
         self._check_name(name)
         plan = CheckPlan(name, tol, time.perf_counter(), submodule, group, vacuous_ok=vacuous_ok)
-        note = None
-        if golden_policy is not None and golden is None:
-            golden_policy, note = None, "golden unavailable, judged by allclose: parity.compare was given no golden="
-        expected_leaves = _to_cpu_leaves(expected)
-        if golden_policy is not None:
-            golden = _to_cpu_leaves(golden)
-            check_golden_precision(name, golden, expected_leaves)
-        sides = Sides(_to_cpu_leaves(actual), Expected(expected_leaves, "given"),
-                      golden=golden if golden_policy is not None else None, golden_policy=golden_policy, note=note)
-        return self._settle(plan, sides, None)
+        return self._settle(plan, given_sides(name, actual, expected, golden, golden_policy), None, LEAVES)
 
     def finish(self, *, failed: bool = False, outcome: str = "passed") -> str | None:
         """End of the test: in record mode write the baseline file, with every check the test
@@ -622,49 +606,37 @@ class ParityCase:
         """
         if not (self.session.update_baselines and self._pending):
             return None
-        if failed:
-            outcome = "failed"
+        outcome = "failed" if failed else outcome
         if outcome != "passed":
             self.not_written = outcome
-            self.session.baseline_writes[self.test_id] = "not written"
-            self.session.not_written[self.test_id] = outcome
-            self.session.baselines_used.add(self.session.store.path_for(self.test_id))
-            return "not written"
-        provenance = recording_provenance(self.target, self.recipe.name, self.session.seed, self.session.rng)
-        status = self.session.store.write(self.test_id, self._pending, provenance)
-        self.session.baseline_writes[self.test_id] = status
-        self.session.baselines_used.add(self.session.store.path_for(self.test_id))
-        return status
+        return write_recording(self.session, self.test_id, self.recipe.name, self._pending, outcome)
 
     # -- the check's pipeline: settings -> reference (record mode stops there) -> target -> verdict ------
     def _record_or_compare(self, plan: CheckPlan, run: Callable, hashes: dict[str, Any], call: CheckCall,
                            golden_run: Callable[[], dict]) -> CheckRecord:
-        """The tail shared by ``check`` and ``train_step``: record the reference run in record mode
-        (``_record``); else get the reference (baseline or live CPU, ``checks.reference``), run the
-        target under the patch set (audited when the session audits and the test does not turn it
-        off), and judge (``_settle``; a sampling check whose sides drew from their own streams by
-        ``_settle_distribution``). The target's (and the golden's) leaves are reduced the way a
-        compact baseline recorded them; a train step's expected ``param.*`` leaves come from the
-        optimizer replay when ``checks.verdict.optimizer_replay`` trusts it (``compared_sides``).
-        Layer records (``layers``) are stored with the leaves and judged beside them."""
+        """The tail shared by ``check`` and ``train_step``: in record mode record the reference run
+        (``_record``); else the reference (``checks.reference``), the target's run under the patch set
+        (audited unless the audit is off), the leaves to compare (``checks.verdict.compared_sides``:
+        compact leaves, optimizer replay, golden) and the verdict that applies (``_settle``)."""
         __tracebackhide__ = True
         if self.session.update_baselines:
             return self._record(plan, run, hashes, call)
         weights = hashes["config_hash"] if call.module is not None else None
         try:
-            expected = self._expected(plan.name, run, hashes, call)
+            baseline = self._load_baseline() if self.session.reference in ("auto", "baseline") else None
+            expected = expected_for(self._source(), baseline, plan.name, run, hashes, call)
         except BaselineError as exc:
             self._keep(baseline_error_record(self._facts(), plan, exc, weights))
             raise
         actual, audit = run(self.target, patched=True, audited=self._audit_mode() != "off")
         sides = split_layer_records(Sides(actual, expected, audit, weights), plan.layer_policy)
-        own_stream = call.sample_dim is not None and self.session.rng == "device"
-        if call.sample_dim is not None and (own_stream or expected.rng == "device"):
-            return self._settle_distribution(plan, sides, call, own_stream)
-        replay = optimizer_replay(call, sides.actual, sides.expected.leaves, plan.tolerance, expected.compact)
-        golden = golden_for(self.session.golden, memo_key(plan.name, self.recipe.name, hashes, call), plan, call.fn,
-                            golden_run)
-        return self._settle(plan, compared_sides(sides, call, replay, golden, plan.golden_policy), call)
+        judge = verdict_for(call.sample_dim, call.sample_dim is not None and self.session.rng == "device", expected.rng)
+        if judge is LEAVES:  # samples judged as distributions are compared as they are
+            replay = optimizer_replay(call, sides.actual, sides.expected.leaves, plan.tolerance, expected.compact)
+            golden = golden_for(self.session.golden, memo_key(plan.name, self.recipe.name, hashes, call), plan,
+                                call.fn, golden_run)
+            sides = compared_sides(sides, call, replay, golden, plan.golden_policy)
+        return self._settle(plan, sides, call, judge)
 
     def _record(self, plan: CheckPlan, run: Callable, hashes: dict[str, Any], call: CheckCall) -> CheckRecord:
         """Record mode: the reference computation on the target, kept for ``finish``."""
@@ -675,57 +647,36 @@ class ParityCase:
         self._keep(record)
         return record
 
-    def _expected(self, name: str, run: Callable, hashes: dict[str, Any], call: CheckCall) -> Expected:
-        """The check's expected leaves (``checks.reference.expected_for``) from this test's baseline
-        file (loaded once) or a live CPU run."""
-        __tracebackhide__ = True
-        baseline = self._load_baseline() if self.session.reference in ("auto", "baseline") else None
-        source = ReferenceSource(self.session.reference, self.session.store, self.test_id, self.recipe.name,
-                                 self.session.rng, self.session._reference_memo)
-        return expected_for(source, baseline, name, run, hashes, call)
-
     def _load_baseline(self):
         __tracebackhide__ = True
         if not self._baseline_loaded:
-            if self.session.store is not None:
-                self._baseline = load_baseline(self.session.store, self.test_id, self.session.baselines_used)
+            self._baseline = load_baseline(self.session.store, self.test_id, self.session.baselines_used)
             self._baseline_loaded = True
         if isinstance(self._baseline, BaselineError):
             raise self._baseline
         return self._baseline
 
-    def _settle(self, plan: CheckPlan, sides: Sides, call: CheckCall | None) -> CheckRecord:
-        """Judge ``sides`` (``checks.verdict``), keep the record, run the check hooks (and on a
-        failure the failure hooks, ``checks.hooks``); the record, or ``ParityError``."""
+    def _settle(self, plan: CheckPlan, sides: Sides, call: CheckCall | None,
+                judge: LeafVerdict | DistributionVerdict) -> CheckRecord:
+        """Judge ``sides`` by ``judge`` (``checks.verdict``), keep the record, run the check hooks and
+        on a failure the failure hooks (``checks.hooks``) where the judge takes them; the record,
+        or ``ParityError``."""
         __tracebackhide__ = True
         facts = self._facts()
-        record = measure(facts, plan, sides)
+        record = judge.measure(facts, plan, sides)
         self._keep(record)
         vacuous_ok = (call.vacuous_ok if call is not None else plan.vacuous_ok) or self.vacuous_ok
-        problems = check_problems(facts, plan, sides, record, vacuous_ok)
-        if call is not None:
+        problems = judge.problems(facts, plan, sides, record, vacuous_ok)
+        if call is not None and judge.hooked:
             call.vacuous_ok = vacuous_ok
             problems += check_hook_problems(self.session.check_hooks, self, record, call, sides)
         if record.result.passed and not problems:
             return record
-        message = failure_message(facts, record, sides.expected, problems)
-        if not record.result.passed:
+        message = judge.failure_message(facts, record, sides.expected, problems)
+        if not record.result.passed and judge.hooked:
             message += failure_diagnosis(self.session.failure_hooks if call is not None else (), self, record, call)
         record.message = message
         raise ParityError(message, record.result)
-
-    def _settle_distribution(self, plan: CheckPlan, sides: Sides, call: CheckCall, own_stream: bool) -> CheckRecord:
-        """Judge a sampling check whose sides drew from their own streams as distributions
-        (``checks.verdict.measure_distribution``); the record, or ``ParityError``."""
-        __tracebackhide__ = True
-        facts = self._facts()
-        record = measure_distribution(facts, plan, sides, call.sample_dim, own_stream)
-        self._keep(record)
-        problems = _vacuity_problems(plan.name, sides.expected.leaves, record, call.vacuous_ok or self.vacuous_ok)
-        if record.result.passed and not problems:
-            return record
-        record.message = distribution_failure(facts, record, sides.expected, problems, own_stream)
-        raise ParityError(record.message, record.result)
 
     # -- internals -----------------------------------------------------------------------------
     def _plan(self, name: str, tolerance: dict[str, Any], policy: Any, training: bool, audit_budget: Any,
@@ -749,16 +700,15 @@ class ParityCase:
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device, *, patched: bool,
              audited: bool = False, **spec: Any):
-        """``(leaves on the CPU, audit dict or None)`` of one run of ``fn(*args, **kwargs)`` on
-        ``device`` under this case's recipe and (``patched``) patch set: ``runtime.side.run_side``
-        with ``spec`` the ``runtime.side.RunSpec`` fields ``seed``, ``grad``, ``recipe_context``,
-        ``stream`` and ``layers``.
-
-        Raises:
-            recipes.RecipeUnsupportedError: as ``run_side``.
-        """
+        """``runtime.side.run_side`` of ``fn(*args, **kwargs)`` under this case's recipe and patch set;
+        ``spec``: the other ``runtime.side.RunSpec`` fields (``seed``, ``grad``, ``stream`` …)."""
         __tracebackhide__ = True
         return run_side(self._side(), RunSpec(fn, args, kwargs, **spec), device, patched, audited)
+
+    def _source(self) -> ReferenceSource:
+        """Where this test's references come from (``checks.reference.expected_for``)."""
+        return ReferenceSource(self.session.reference, self.session.store, self.test_id, self.recipe.name,
+                               self.session.rng, self.session._reference_memo)
 
     def _side(self) -> Side:
         """What each run of this case's checks is lent: recipe, placement, patch set, audit."""

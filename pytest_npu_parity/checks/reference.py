@@ -116,7 +116,9 @@ def memo_key(name: str, recipe: str, hashes: dict[str, Any], call: CheckCall) ->
 def load_baseline(store: Any, test_id: str, used: set) -> Any:
     """The test's baseline file (``store.load``): a ``baselines.Baseline``, None when there is none,
     or the ``BaselineError`` loading it raised (every check of the test then fails the same way;
-    none falls back to a CPU run). The file's path joins ``used``."""
+    none falls back to a CPU run); None also without a store. The file's path joins ``used``."""
+    if store is None:
+        return None
     try:
         baseline = store.load(test_id)
     except BaselineError as exc:
@@ -370,3 +372,26 @@ def thread_count_mismatch(provenance: Any, target: torch.device) -> str | None:
     return (f"Note: thread-count mismatch — the CPU baseline was recorded with {recorded} intra-op thread"
             f"{'s' * (recorded != 1)}, this run uses {torch.get_num_threads()}; bf16 CPU kernels block their "
             f"reductions by thread count (set OMP_NUM_THREADS={recorded} or torch.set_num_threads({recorded})).")
+
+
+def write_recording(session: Any, test_id: str, recipe: str, pending: dict[str, CheckBaseline], outcome: str) -> str:
+    """End of a recording test (``ParityCase.finish``): write its baseline file with every entry of
+    ``pending`` when its body ``passed`` (``store.write``), else nothing (``"not written"``, the
+    ``outcome`` kept in ``session.not_written``); the status is kept in ``session.baseline_writes``.
+
+    Returns:
+        ``"created"``, ``"changed"``, ``"unchanged"`` or ``"not written"``.
+
+    Raises:
+        OSError: the file cannot be written (the old baseline is left intact).
+    """
+    if outcome != "passed":
+        session.baseline_writes[test_id] = "not written"
+        session.not_written[test_id] = outcome
+        session.baselines_used.add(session.store.path_for(test_id))
+        return "not written"
+    provenance = recording_provenance(session.target, recipe, session.seed, session.rng)
+    status = session.store.write(test_id, pending, provenance)
+    session.baseline_writes[test_id] = status
+    session.baselines_used.add(session.store.path_for(test_id))
+    return status

@@ -3,10 +3,12 @@
 ``measure`` compares the target's leaves with the expected ones (allclose by the tolerance, or the
 golden verdict, ``golden.judge_golden``) into a ``CheckRecord``; ``check_problems`` adds what fails a
 check as a whole (vacuity, the layer check, the audit budget); ``failure_message`` is the text a
-failing check raises with. A training step's expected ``param.*`` leaves come from the optimizer
+failing check raises with. Which judge applies is decided in one place, ``verdict_for``: leaf by
+leaf (``LEAVES``) or, for a sampling check whose sides drew from their own streams, as
+distributions (``DistributionVerdict``, ``measure_distribution``). A training step's expected ``param.*`` leaves come from the optimizer
 replay when it is trusted (``optimizer_replay``), else its parameters whose reference gradient is
-rounding noise are left out (``compared_sides``). Sampling checks whose sides drew from their own
-streams are judged as distributions (``measure_distribution``). Nothing here runs a computation of
+rounding noise are left out (``compared_sides``). ``given_sides`` prepares what ``ParityCase.compare``
+was handed. Nothing here runs a computation of
 the check or calls back into its case: the case runs the hooks (``checks.hooks``) and keeps records.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -25,7 +27,7 @@ from ..distribution import compare_distributions
 from ..golden import WORK_DTYPES, judge_golden
 from ..layers import judge_layers, split_layers
 from ..policy import Tolerance
-from ..runtime.side import CheckCall
+from ..runtime.side import CheckCall, _to_cpu_leaves
 from ..runtime.training import _without, rounding_level_params
 from ..selfcheck import vacuity_problem
 from .plan import CaseFacts, CheckPlan
@@ -326,3 +328,80 @@ def check_golden_precision(name: str, golden: dict, expected: dict) -> None:
             raise ValueError(f"parity check {name!r}: golden leaf {path or '<output>'!r} is "
                              f"{str(g.dtype).removeprefix('torch.')}, coarser than the expected "
                              f"{str(e.dtype).removeprefix('torch.')}; a golden must be at least as precise")
+
+
+def given_sides(name: str, actual: Any, expected: Any, golden: Any, golden_policy: Any) -> Sides:
+    """The ``Sides`` of outputs the caller computed (``ParityCase.compare``), all moved to the CPU
+    as leaves: judged under ``golden_policy`` with ``golden`` when both are given; a golden policy
+    without a golden is judged by allclose with a note saying so.
+
+    Raises:
+        ValueError: a golden leaf coarser than its expected leaf (``check_golden_precision``).
+    """
+    note = None
+    if golden_policy is not None and golden is None:
+        golden_policy, note = None, "golden unavailable, judged by allclose: parity.compare was given no golden="
+    expected_leaves = _to_cpu_leaves(expected)
+    if golden_policy is not None:
+        golden = _to_cpu_leaves(golden)
+        check_golden_precision(name, golden, expected_leaves)
+    return Sides(_to_cpu_leaves(actual), Expected(expected_leaves, "given"),
+                 golden=golden if golden_policy is not None else None, golden_policy=golden_policy, note=note)
+
+
+@dataclass(frozen=True)
+class LeafVerdict:
+    """Leaf by leaf (allclose or golden, ``measure``), with the check's problems (``check_problems``);
+    the session's check and failure hooks apply (``hooked``)."""
+
+    hooked: ClassVar[bool] = True
+
+    def measure(self, facts: CaseFacts, plan: CheckPlan, sides: Sides) -> CheckRecord:
+        """``measure``."""
+        return measure(facts, plan, sides)
+
+    def problems(self, facts: CaseFacts, plan: CheckPlan, sides: Sides, record: CheckRecord,
+                 vacuous_ok: str | None) -> list[str]:
+        """``check_problems``."""
+        return check_problems(facts, plan, sides, record, vacuous_ok)
+
+    def failure_message(self, facts: CaseFacts, record: CheckRecord, expected: Expected, problems: list[str]) -> str:
+        """``failure_message``."""
+        return failure_message(facts, record, expected, problems)
+
+
+@dataclass(frozen=True)
+class DistributionVerdict:
+    """As distributions along ``sample_dim`` (``measure_distribution``), vacuity the only check
+    problem; no hooks (they perturb or localize elements). ``own_stream``: the target drew from its
+    own device's generator."""
+
+    sample_dim: int
+    own_stream: bool
+    hooked: ClassVar[bool] = False
+
+    def measure(self, facts: CaseFacts, plan: CheckPlan, sides: Sides) -> CheckRecord:
+        """``measure_distribution``."""
+        return measure_distribution(facts, plan, sides, self.sample_dim, self.own_stream)
+
+    def problems(self, facts: CaseFacts, plan: CheckPlan, sides: Sides, record: CheckRecord,
+                 vacuous_ok: str | None) -> list[str]:
+        """``vacuity_problems`` of the expected samples."""
+        return vacuity_problems(plan.name, sides.expected.leaves, record, vacuous_ok)
+
+    def failure_message(self, facts: CaseFacts, record: CheckRecord, expected: Expected, problems: list[str]) -> str:
+        """``distribution_failure``."""
+        return distribution_failure(facts, record, expected, problems, self.own_stream)
+
+
+#: The leaf-by-leaf verdict.
+LEAVES = LeafVerdict()
+
+
+def verdict_for(sample_dim: int | None, own_stream: bool, reference_rng: str) -> LeafVerdict | DistributionVerdict:
+    """Which judge applies: as distributions for a sampling check (``sample_dim`` given) whose target
+    (``own_stream``) or reference (``reference_rng == "device"``) drew from its own device's
+    generator, else ``LEAVES``."""
+    if sample_dim is not None and (own_stream or reference_rng == "device"):
+        return DistributionVerdict(sample_dim, own_stream)
+    return LEAVES
