@@ -684,6 +684,7 @@ class ParityCase:
         """Check ``name``'s settings resolved in this order (a bad spec raises naming the check):
         tolerance, verdict policy, audit budget, layer policy, a train step's ``store`` (``fields``),
         then the name checked and the clock started; ``fields``' submodule and group as given."""
+        __tracebackhide__ = True
         tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance, tolerance)
         golden_policy = self._verdict_policy(name, policy, training=training)
         budget = self._audit_budget(name, audit_budget)

@@ -20,6 +20,9 @@ def check_hook_problems(hooks: Iterable[Callable[..., str | None]], case: Any, r
                         sides: Sides) -> list[str]:
     """The texts of ``hook(case, record, call, actual, expected)`` for each hook that returns one
     (each fails the check)."""
+
+
+    __tracebackhide__ = True
     problems = []
     for hook in hooks:  # e.g. --parity-selfcheck
         text = hook(case, record, call, sides.actual, sides.expected.leaves)
@@ -34,6 +37,9 @@ def failure_diagnosis(hooks: Iterable[Callable[..., str | None]], case: Any, rec
     text after a blank line; a hook that raises says so instead (a diagnosis must never hide the
     failure itself). Under a golden verdict no hook runs: first-divergence localization judges
     submodule outputs by the allclose tolerance, which says nothing about a golden verdict."""
+
+
+    __tracebackhide__ = True
     hooks = tuple(hooks)
     text = ""
     if record.golden_policy is not None and hooks:

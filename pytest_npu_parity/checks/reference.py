@@ -192,6 +192,9 @@ def recording(facts: CaseFacts, plan: CheckPlan, leaves: dict, hashes: dict[str,
               rng: str) -> tuple[CheckBaseline, CheckRecord]:
     """Record mode: ``(the baseline entry, the recorded record)`` of the reference run's ``leaves``
     (a train step's compacted as ``plan.train_store`` says, ``compact``; ``rng`` the run's stream mode)."""
+
+
+    __tracebackhide__ = True
     extra_meta = None
     if plan.train_store is not None and plan.train_store.mode != "full":
         leaves, compact = compact_leaves(leaves, plan.train_store)
@@ -206,6 +209,9 @@ def golden_for(golden_memo: Callable[[tuple, Any, Callable[[], dict]], dict], ke
     """``(golden leaves, None)`` of a check under a golden verdict policy (``golden_memo`` is
     ``ParitySession.golden``, memoized by ``key``, ``memo_key``), ``(None, why)`` when the golden is
     unavailable (``golden.GoldenUnavailableError``), else ``(None, None)``."""
+
+
+    __tracebackhide__ = True
     if plan.golden_policy is None or golden_run is None:
         return None, None
     try:

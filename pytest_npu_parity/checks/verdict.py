@@ -67,6 +67,9 @@ def _joined(note: str | None, more: str | None) -> str | None:
 def split_layer_records(sides: Sides, layer_policy: Any) -> Sides:
     """``sides`` with the layer records taken out of both leaf sets into ``layer_records``
     (``layers.split_layers``), kept there when ``layer_policy`` judges them."""
+
+
+    __tracebackhide__ = True
     actual, actual_layers = split_layers(sides.actual)
     expected, expected_layers = split_layers(sides.expected.leaves)
     layer_records = (actual_layers, expected_layers, layer_policy) if layer_policy is not None else None
@@ -86,6 +89,9 @@ def compared_sides(sides: Sides, call: CheckCall, replay: tuple[dict | None, str
         replay: ``(replayed param.* leaves or None, note or None)`` (``optimizer_replay``).
         golden: ``(golden leaves or None, note or None)``; None leaves: judged by allclose.
     """
+
+
+    __tracebackhide__ = True
     compact = sides.expected.compact
     actual = apply_recorded(sides.actual, compact)
     if compact:  # re-runs (--parity-selfcheck) are compared with the same compact leaves
@@ -181,6 +187,9 @@ def check_problems(facts: CaseFacts, plan: CheckPlan, sides: Sides, record: Chec
     """What fails the check as a whole, each recorded in ``record``: its reference is vacuous
     (unless ``vacuous_ok``), a layer moved beyond the layer limit, its audit went beyond its budget
     (audit mode ``fail``; under ``warn`` a warning)."""
+
+
+    __tracebackhide__ = True
     problems = vacuity_problems(plan.name, sides.expected.leaves, record, vacuous_ok)
     layer_problem = judge_layer_records(record, sides.layer_records)
     if layer_problem:
@@ -297,6 +306,9 @@ def measure_distribution(facts: CaseFacts, plan: CheckPlan, sides: Sides, sample
     as two sample sets along ``sample_dim`` (``distribution.compare_distributions`` under
     ``facts.distribution_policy``). No golden, no self-check perturbation and no first-divergence
     localization: they compare elements."""
+
+
+    __tracebackhide__ = True
     policy = facts.distribution_policy
     result = compare_distributions(sides.actual, sides.expected.leaves, sample_dim, policy, name=plan.name)
     record = facts.record(plan, sides.expected.reference, status="pass" if result.passed else "fail",
@@ -321,6 +333,9 @@ def check_golden_precision(name: str, golden: dict, expected: dict) -> None:
     Raises:
         ValueError: naming the check, the leaf and both dtypes.
     """
+
+
+    __tracebackhide__ = True
     for path, g in golden.items():
         e = expected.get(path)
         if (g is not None and e is not None and g.is_floating_point() and e.is_floating_point()
@@ -338,6 +353,9 @@ def given_sides(name: str, actual: Any, expected: Any, golden: Any, golden_polic
     Raises:
         ValueError: a golden leaf coarser than its expected leaf (``check_golden_precision``).
     """
+
+
+    __tracebackhide__ = True
     note = None
     if golden_policy is not None and golden is None:
         golden_policy, note = None, "golden unavailable, judged by allclose: parity.compare was given no golden="
@@ -358,15 +376,18 @@ class LeafVerdict:
 
     def measure(self, facts: CaseFacts, plan: CheckPlan, sides: Sides) -> CheckRecord:
         """``measure``."""
+        __tracebackhide__ = True
         return measure(facts, plan, sides)
 
     def problems(self, facts: CaseFacts, plan: CheckPlan, sides: Sides, record: CheckRecord,
                  vacuous_ok: str | None) -> list[str]:
         """``check_problems``."""
+        __tracebackhide__ = True
         return check_problems(facts, plan, sides, record, vacuous_ok)
 
     def failure_message(self, facts: CaseFacts, record: CheckRecord, expected: Expected, problems: list[str]) -> str:
         """``failure_message``."""
+        __tracebackhide__ = True
         return failure_message(facts, record, expected, problems)
 
 
@@ -382,15 +403,18 @@ class DistributionVerdict:
 
     def measure(self, facts: CaseFacts, plan: CheckPlan, sides: Sides) -> CheckRecord:
         """``measure_distribution``."""
+        __tracebackhide__ = True
         return measure_distribution(facts, plan, sides, self.sample_dim, self.own_stream)
 
     def problems(self, facts: CaseFacts, plan: CheckPlan, sides: Sides, record: CheckRecord,
                  vacuous_ok: str | None) -> list[str]:
         """``vacuity_problems`` of the expected samples."""
+        __tracebackhide__ = True
         return vacuity_problems(plan.name, sides.expected.leaves, record, vacuous_ok)
 
     def failure_message(self, facts: CaseFacts, record: CheckRecord, expected: Expected, problems: list[str]) -> str:
         """``distribution_failure``."""
+        __tracebackhide__ = True
         return distribution_failure(facts, record, expected, problems, self.own_stream)
 
 
