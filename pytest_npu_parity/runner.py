@@ -24,6 +24,12 @@ a module with any submodule in training mode gets a fresh copy for every run so 
 running statistics or other state changed by one side never leak into the other (``fresh_copy``:
 buffers and module objects are copied, parameters — which a forward does not change — are shared
 when they already sit on the run's device in the run's dtype).
+
+A check's data flows one way through the pieces ``ParityCase`` drives: its settings (``checks.plan``)
+-> its reference (``checks.reference``: baseline, live CPU run, or the recording) -> the target's run
+(``runtime.side``; a training step's mechanics in ``runtime.training``) -> the verdict
+(``checks.verdict``) -> the session's hooks (``checks.hooks``) -> its record (``checks.record``). The
+names that moved there are re-exported here.
 """
 from __future__ import annotations
 
