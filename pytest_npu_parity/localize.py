@@ -90,6 +90,7 @@ from .compare import CompareResult, LeafResult, compare
 from .policy import Tolerance
 from .report import columns as col
 from .rng import same_randomness
+from .runtime.side import _move
 
 #: Deepest scope the descent enters (a safety bound; Aurora's deepest module path has 8 parts).
 MAX_LEVELS = 16
@@ -206,7 +207,7 @@ class Localization:
     loss_agrees: bool = False
 
     def to_rows(self) -> list[dict[str, Any]]:
-        """The table as JSON-able dicts (``record.extra["localization"]``): activation rows, then
+        """The table as JSON-able dicts (``record.localized.localization``): activation rows, then
         gradient rows; each row also names the reference side."""
         rows = [dict(site.to_row(), reference=self.reference) for site in self.sites]
         rows += [dict(row, reference=self.reference) for row in self.gradients]
@@ -545,8 +546,6 @@ class _Side:
     def entry(self) -> tuple[tuple[tuple, dict], tuple, tuple]:
         """``(inputs, random state, mode state)`` the check's own module call starts from on this
         side, in the form a ``_Recorder`` records a scope's call (for ``LocalizationCache.key``)."""
-        from .runner import _move
-
         dtype = self.case.recipe.weights_dtype
         with self.running():
             inputs = (_cpu_copy(_move(tuple(self.call.args), self.device, dtype)),
@@ -554,9 +553,7 @@ class _Side:
             return inputs, _rng_state(), _mode_state(self.device.type)
 
     def run_root(self, root: torch.nn.Module) -> Any:
-        """The check's own call on this side (inputs placed as ``ParityCase._run`` places them)."""
-        from .runner import _move
-
+        """The check's own call on this side (inputs placed as ``runtime.side.run_side`` places them)."""
         dtype = self.case.recipe.weights_dtype
         args, kwargs = _move(self.call.args, self.device, dtype), _move(self.call.kwargs, self.device, dtype)
         if self.call.kind == "train_step":
@@ -1076,12 +1073,12 @@ def _gradients(loc: Localization, result: CompareResult, last_done: dict[str, in
 
 def failure_hook(case: Any, record: Any, call: Any, result: CompareResult) -> str | None:
     """``ParitySession`` failure hook without budget or sharing: localize, keep the table in
-    ``record.extra["localization"]`` and return the text for the failure message (None for a check
+    ``record.localized.localization`` and return the text for the failure message (None for a check
     of a free function). The plugin uses a ``Localizer`` instead."""
     loc = localize(case, record, call, result)
     if loc is None:
         return None
-    record.extra[col.LOCALIZATION] = loc.to_rows()
+    record.localized.localization = loc.to_rows()
     return loc.format()
 
 
@@ -1110,10 +1107,10 @@ class Localizer:
         localized / reused / skipped: checks localized by running, answered from the cache, and not
             localized (a ``Counter`` by reason: ``budget``, ``structure``).
 
-    Per failing check it sets ``record.extra``: ``localization`` (the table, as ``failure_hook``),
-    ``localization_s`` (seconds this check spent), ``localization_reused`` (the check whose
-    localization answered it), ``localization_skipped`` (``budget`` or ``structure``) and
-    ``localization_stopped`` (``budget``: the descent stopped between levels).
+    Per failing check it sets ``record.localized`` (``checks.record.LocalizationOutcome``):
+    ``localization`` (the table, as ``failure_hook``), ``localization_s`` (seconds this check
+    spent), ``localization_reused`` (the check whose localization answered it),
+    ``localization_skipped`` (``budget`` or ``structure``) and ``localization_stopped`` (``budget``: the descent stopped between levels).
 
     Raises:
         ValueError: ``budget_s`` negative or not finite.
@@ -1148,7 +1145,7 @@ class Localizer:
             return None
         problem = structural_problem(result)
         if problem is not None:
-            record.extra[col.LOCALIZATION_SKIPPED] = "structure"
+            record.localized.localization_skipped = "structure"
             self.skipped["structure"] += 1
             return (f"(First-divergence localization not run: the outputs differ in structure, shape or dtype "
                     f"({problem}); that difference is the finding, no submodule run would add to it.)")
@@ -1160,11 +1157,11 @@ class Localizer:
         finally:
             elapsed = time.perf_counter() - start
             self.spent_s += elapsed
-            record.extra[col.LOCALIZATION_S] = elapsed
+            record.localized.localization_s = elapsed
         if loc is None:
             if not over:
                 return None
-            record.extra[col.LOCALIZATION_SKIPPED] = "budget"
+            record.localized.localization_skipped = "budget"
             self.skipped["budget"] += 1
             command = (self.hint.format(test_id=shlex.quote(record.test_id)) if self.hint
                        else "a Localizer with forced=True")
@@ -1173,13 +1170,13 @@ class Localizer:
                     f"{COST_FACTOR * record.duration_s:.2g} s, more than the {left:.2g} s left of this session's "
                     f"localization budget of {self.budget_s:g} s ({self.spent_s:.2g} s went to earlier failures). "
                     f"To localize this check: {command})")
-        record.extra[col.LOCALIZATION] = loc.to_rows()
+        record.localized.localization = loc.to_rows()
         if loc.reused_from is not None:
-            record.extra[col.LOCALIZATION_REUSED] = loc.reused_from
+            record.localized.localization_reused = loc.reused_from
         if loc.levels:
             self.localized += 1
         else:
             self.reused += 1
         if loc.stopped is not None:
-            record.extra[col.LOCALIZATION_STOPPED] = loc.stopped
+            record.localized.localization_stopped = loc.stopped
         return loc.format()

@@ -32,7 +32,7 @@ Self-check (``SelfCheck``, registered by ``--parity-selfcheck``; costs about two
        fixed mask from a size: its tensor argument only names the device).
 
     A check has *teeth* when (a) and (b) both caught their perturbation. The result goes into
-    ``record.extra``: ``teeth`` (bool), ``teeth_problem`` (text, when without teeth) and
+    ``record.self_check``: ``teeth`` (bool), ``teeth_problem`` (text, when without teeth) and
     ``selfcheck`` (a JSON-able dict of what was measured). A check without teeth, or a vacuous
     one, fails in self-check mode unless it carries ``vacuous_ok``. ``teeth_summary`` counts the
     share of checks with teeth over report rows (the plugin prints it: ``teeth: 96/96 (100 %)``).
@@ -415,7 +415,7 @@ class SelfCheck:
     """``ParitySession`` check hook of ``--parity-selfcheck``: measures every passing check's teeth.
 
     Called as ``hook(case, record, call, actual, expected)`` after each comparison (see module doc
-    for a–c). Fills ``record.extra`` (``teeth``, ``teeth_problem``, ``selfcheck``) and returns a
+    for a–c). Fills ``record.self_check`` (``teeth``, ``teeth_problem``, ``selfcheck``) and returns a
     problem text — which fails the check — when the check has no teeth or is input-insensitive as a
     module, unless ``call.vacuous_ok`` gives a reason. A check that already failed its comparison
     evidently can fail: it is counted with teeth and not perturbed.
@@ -435,7 +435,7 @@ class SelfCheck:
     def __call__(self, case: Any, record: Any, call: Any, actual: Mapping[str, Any],
                  expected: Mapping[str, Any]) -> str | None:
         if record.result is not None and not record.result.passed:
-            record.extra.update(teeth=True, selfcheck={"note": "the check failed its own comparison"})
+            record.self_check.teeth, record.self_check.selfcheck = True, {"note": "the check failed its own comparison"}
             return None
         tol = record.tolerance
         report: dict[str, Any] = {}
@@ -463,24 +463,24 @@ class SelfCheck:
             live = dict(expected) if record.reference == "cpu" else None
             sensitive = input_sensitivity(case, call, live, self.input_noise)
             report["input_sensitive"] = sensitive
-        record.extra[col.TEETH] = not problems
-        record.extra["selfcheck"] = report
+        record.self_check.teeth = not problems
+        record.self_check.selfcheck = report
         messages = []
         if problems:
-            record.extra[col.TEETH_PROBLEM] = "; ".join(problems)
+            record.self_check.teeth_problem = "; ".join(problems)
             messages.append(f"Self-check: parity check {record.check!r} has no teeth: " + "; ".join(problems) + ".")
         if sensitive is False:
             if call.module is not None:
-                record.extra[col.VACUOUS] = (f"its reference output does not change when its floating inputs move by "
-                                             f"{self.input_noise:g} of their RMS")
+                record.vacuity.vacuous = (f"its reference output does not change when its floating inputs move by "
+                                          f"{self.input_noise:g} of their RMS")
                 messages.append(f"Self-check: parity check {record.check!r} is vacuous: "
-                                f"{record.extra[col.VACUOUS]} (the module ignores its data).")
+                                f"{record.vacuity.vacuous} (the module ignores its data).")
             else:
                 report["note"] = "the output does not depend on the input values (a fixed table or mask)"
         if not messages:
             return None
         if call.vacuous_ok:
-            record.extra[col.VACUOUS_OK] = call.vacuous_ok
+            record.vacuity.vacuous_ok = call.vacuous_ok
             return None
         return "\n".join(messages) + " Allow it with vacuous_ok='<reason>' if that is intended."
 

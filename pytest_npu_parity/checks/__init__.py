@@ -1,2 +1,2 @@
-"""One check's pipeline, piece by piece (``settings``: which tolerance, verdict policy, layer limit,
-audit budget and train store a check is judged by)."""
+"""One check's pipeline, piece by piece: which settings it is judged by (``settings``), where its
+reference comes from (``reference``), how it is judged (``verdict``) and what it records (``record``)."""

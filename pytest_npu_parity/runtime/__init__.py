@@ -1,0 +1,1 @@
+"""Running computations: one side's run of a check, and the mechanics of one training step."""
