@@ -1,4 +1,4 @@
-"""Every ```python block of the tutorial and how-to pages runs as it is written.
+"""Every ```python block of README.md and of the tutorial and how-to pages runs as it is written.
 
 A block whose first line names a file (``# test_gpt2.py``, ``# conftest.py``) is a file of a test
 project: each test file runs in its own pytester project with ``pytest --npu-parity`` (plus the
@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - reported by the snippet that needs the
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-PAGES = [*sorted((DOCS / "tutorial").glob("*.md")), *sorted((DOCS / "how-to").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((DOCS / "tutorial").glob("*.md")), *sorted((DOCS / "how-to").glob("*.md"))]
 DIRECTIVE = re.compile(r"<!--\s*snippet:\s*(skip|args|expect)\b\s*(.*?)\s*-->")
 FILE_NAME = re.compile(r"#\s*([\w./-]+\.py)\b")
 
@@ -116,6 +116,7 @@ RUNNABLE = [s for s in SNIPPETS if s.is_test_file or s.file_name is None]
 def test_the_pages_have_snippets() -> None:
     # the two tutorial pages hold at least the first check, its failure and the three own-model files
     names = {s.file_name for s in SNIPPETS}
+    assert "test_block.py" in names, "README's example is gone"
     assert {"test_my_model.py", "test_mlp.py", "conftest.py", "test_gpt2.py", "test_resnet.py", "test_tagger.py"} <= names
     assert any(s.file_name is None for s in SNIPPETS), "no script block: the exec path is untested"
 
