@@ -574,7 +574,7 @@ def summarize(bare_res: dict, plugin_res: dict | None, recipes: list[str]) -> di
 
 
 def table(result: dict[str, Any]) -> str:
-    """The printed table (also the README's)."""
+    """The printed table (also docs/explanation/performance.md's)."""
     s, m = result["summary"], result["machine"]
     lines = [f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
              f"load average {result['load_before'][0]:.1f} → {result['load_after'][0]:.1f}",

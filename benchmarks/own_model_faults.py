@@ -1,6 +1,6 @@
-"""What the README's "Your own model" checks resolve: each check with a fault of several sizes.
+"""What the "Your own model" checks (docs/tutorial/own-model.md) resolve: each check with a fault of several sizes.
 
-Runs the README's three examples (extracted from README.md, as ``tests/test_own_models.py`` does)
+Runs the page's three examples (extracted from docs/tutorial/own-model.md, as ``tests/test_own_models.py`` does)
 with a ``parity`` object that gives every check its own ``runner.ParityCase`` whose target side
 scales every ``torch.nn.functional.linear`` output (GPT-2's ``lm_head``, resnet18's ``fc``, the
 tagger's head) by 1 + s, against a live CPU reference, under each recipe's default verdict policy.
@@ -32,9 +32,9 @@ SCALES = (1e-4, 1e-3, 1e-2, 5e-2, 1e-1, 5e-1)
 
 
 def readme_examples() -> dict[str, str]:
-    """``{file name: source}`` of the README's "Your own model" examples."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text.split("\n## Your own model\n", 1)[1].split("\n## ", 1)[0]
+    """``{file name: source}`` of the "Your own model" page's examples."""
+    text = "\n" + (ROOT / "docs" / "tutorial" / "own-model.md").read_text(encoding="utf-8")
+    section = text.split("\n# Your own model\n", 1)[1].split("\n## ", 1)[0]
     return {block.splitlines()[0][2:]: block for block in re.findall(r"```python\n(.*?)```", section, flags=re.S)}
 
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         for scale in scales:
             for name, source in examples.items():
                 namespace: dict = {}
-                exec(compile(source, name, "exec"), namespace)  # noqa: S102 - the README's own example
+                exec(compile(source, name, "exec"), namespace)  # noqa: S102 - the docs page's own example
                 for test, fn in [(k, v) for k, v in namespace.items() if k.startswith("test_") and callable(v)]:
                     fn(FaultedParity(session, f"{name}::{test}", recipe, scale, results))
     out = Path(args.out)

@@ -76,7 +76,7 @@ a real target: call ``.cpu()`` first).
 
 Why not the alternatives:
 
-* ``FakeTensorMode`` (FINDINGS.md, "Devices without hardware") runs a model on a fake ``cuda``
+* ``FakeTensorMode`` (docs/explanation/findings.md, "Devices without hardware") runs a model on a fake ``cuda``
   device on this CPU-only machine, but shape-only: it stops at the first data-dependent op
   (``DataDependentOutputException`` in the retriever's ``TransformerEncoder`` mask check;
   ``.numpy() is not supported for tensor subclasses`` in ``_period_search``) — exactly the host

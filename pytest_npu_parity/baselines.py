@@ -78,7 +78,7 @@ Size and speed: a baseline holds only the leaves its checks compare. Loading val
 through one descriptor and memory-maps the tensors through the same descriptor with
 ``safetensors.safe_open`` (so a concurrent replace cannot mix two versions, see :func:`_read`), then
 verifies the checksum, which touches every byte once: ``benchmarks/bench_suite.py`` measures the load
-throughput of the committed Aurora baselines against reading the same bytes (README, Performance).
+throughput of the committed Aurora baselines against reading the same bytes (docs/explanation/performance.md).
 """
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ The per-statistic (marginal) p-values and the effect sizes — largest |Δ mean|
 pooled standard deviations, the geometric-mean spread ratio — are reported alongside.
 
 What it can see: a distribution test resolves what the sample count allows, no more. Measured on
-the tiny Aurora's flow sampler, 16 series × 64 samples (README, "Distribution-level parity"): noise
+the tiny Aurora's flow sampler, 16 series × 64 samples (docs/explanation/distribution.md): noise
 scaled by 1.05 fails 20 of 20 seeds; its final layer's weight scaled by 1 + 1e-4 or 1 + 1e-2 fails
 none of 5, by 1.1 all 5. Faults that small need the shared stream's sample-by-sample checks.
 

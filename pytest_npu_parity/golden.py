@@ -229,7 +229,7 @@ class GoldenPolicy:
             the reference happens to round like the golden (a training step's loss, parameters
             after AdamW, whose first step moves every element by about ±lr whatever the gradient's
             size), so a difference far inside the recipe's tolerance can fail it. Measured on the
-            Aurora suite across torch 2.5.1/2.14.1 and CPU kernel paths (README, Verdict accuracy).
+            Aurora suite across torch 2.5.1/2.14.1 and CPU kernel paths (docs/explanation/verdict-accuracy.md).
 
     Raises:
         ValueError: on a ratio limit below 1 or NaN (a target may always be as good as the

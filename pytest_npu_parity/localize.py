@@ -102,7 +102,7 @@ RECORD_DEPTH = 2
 #: Calls shown after the first divergence in its level, and gradients after the first failing one.
 CONTEXT_ROWS = 2
 #: Default localization budget of one session, wall seconds (``Localizer``). Measured on the Aurora
-#: main job (README, Performance): a fault failing every whole-model and decoder check keeps the
+#: main job (docs/explanation/performance.md): a fault failing every whole-model and decoder check keeps the
 #: red run within about twice the green one on 2 cores.
 DEFAULT_BUDGET_S = 10.0
 #: A localization's expected cost in units of its check's own duration (``CheckRecord.duration_s``):

@@ -477,7 +477,7 @@ def explain_import_error(exc: BaseException) -> str:
     """One sentence, with the fix, for an exception raised by ``import torch`` / ``import torch_npu``.
 
     Pure function: looks only at the exception, its ``__cause__`` / ``__context__`` chain and their
-    messages. Known causes (FINDINGS "Devices without hardware"; seed §10.6):
+    messages. Known causes (docs/explanation/findings.md, "Devices without hardware"; seed §10.6):
 
     * torch's device-backend autoload wrapper ("Failed to load the backend extension: torch_npu"),
       combined with the underlying cause and the ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` escape;
@@ -756,7 +756,7 @@ def register_transfer_to_npu() -> bool:
     """Import ``torch_npu.contrib.transfer_to_npu`` when an NPU is available.
 
     That module redirects ``tensor.cuda()`` / ``torch.cuda.*`` / ``device="cuda"`` to the NPU for
-    the whole process, irreversibly (it also maps fp64 tensor types to fp32 — FINDINGS). The seed
+    the whole process, irreversibly (it also maps fp64 tensor types to fp32 — docs/explanation/findings.md). The seed
     guide imports it before ``import aurora`` (§4.2 step ①) so that modules built afterwards land
     on the NPU.
 
@@ -970,7 +970,7 @@ def precision_flags() -> dict[str, bool | str]:
     ``cuda.matmul.allow_tf32``, ``cudnn.allow_tf32`` and — only when an NPU is available —
     ``npu.matmul.allow_hf32`` and ``npu.conv.allow_hf32`` (torch_npu API
     ``torch.npu.matmul.allow_hf32`` / ``torch.npu.conv.allow_hf32``; torch_npu turns conv HF32 ON
-    by default, matmul off — FINDINGS). TF32/HF32 keep 10 mantissa bits, so fp32 parity needs
+    by default, matmul off — docs/explanation/findings.md). TF32/HF32 keep 10 mantissa bits, so fp32 parity needs
     them off.
 
     Raises:

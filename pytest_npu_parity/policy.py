@@ -22,7 +22,7 @@ criterion: msprobe 26.2.0's acc_check counts elements with *relative* error ``|a
 (eps 2^-8 for bf16, ``finfo.eps`` otherwise; no atol) below 1e-3, requires that share to be
 **greater than** 0.999, and for bf16/fp16 a miss is a warning, not an error
 (``api_accuracy_checker/compare/compare.py::Comparator._compare_float_tensor``,
-``compare/algorithm.py::get_rel_err_ratio``). Measured on the CPU (project notes, FINDINGS): a reordered
+``compare/algorithm.py::get_rel_err_ratio``). Measured on the CPU (docs/explanation/findings.md): a reordered
 (split-K) bf16 linear with fp32 accumulation changes 0.002 % of elements by one bf16 ulp, so a
 reference and a target that differ only in reduction order pass with a 50× margin, while a fault
 that moves a whole tensor (a scaled weight, a dropped mask) moves far more than 0.1 % of its

@@ -19,7 +19,7 @@ still describes the current model and input:
   which tell last-bit differences of recomputed activations from a real change.
 
 Nothing here imports ``torch_npu``: on a machine without CANN that import can break ``import
-torch`` itself (see FINDINGS.md), so its version is read from package metadata unless the
+torch`` itself (see docs/explanation/findings.md), so its version is read from package metadata unless the
 module is already loaded.
 """
 from __future__ import annotations
@@ -95,7 +95,7 @@ def collect_provenance(
         the ``aurora`` package is imported in this process (a project without Aurora does not
         depend on its version). ``threads``/``interop_threads`` are ``torch.get_num_threads()`` /
         ``torch.get_num_interop_threads()``: bf16 CPU kernels block their reductions by thread
-        count, so a bf16 CPU baseline depends on it (README, "Verdict accuracy"). ``created`` is UTC ISO-8601 to the second
+        count, so a bf16 CPU baseline depends on it (docs/explanation/verdict-accuracy.md). ``created`` is UTC ISO-8601 to the second
         (``2026-11-30T09:27:05+00:00``). The host name is never included.
 
     Raises:

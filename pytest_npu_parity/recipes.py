@@ -5,7 +5,7 @@
 * ``bf16`` — the module keeps its fp32 weights and runs under ``torch.autocast(device_type,
   dtype=torch.bfloat16)``: the way Hugging Face Trainer runs with ``bf16=True`` and the way the
   Ascend guide recommends training on a 910B. The reference is a bf16 run of the same recipe on its
-  own device, never the fp32 output (FINDINGS: bf16 vs fp32 fails allclose(1e-3) on 79 % of
+  own device, never the fp32 output (docs/explanation/findings.md: bf16 vs fp32 fails allclose(1e-3) on 79 % of
   elements).
 * ``bf16-weights`` — weights and floating inputs cast to bfloat16, no autocast.
 * ``fp16`` — fp32 weights under ``torch.autocast(device_type, dtype=torch.float16)``, the way Hugging

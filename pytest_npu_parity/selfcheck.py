@@ -3,7 +3,7 @@
 A parity check that cannot fail is worse than none: it reports parity for a port it never tested.
 Two cases are common. The reference output does not depend on the network (fresh Aurora weights:
 ``SimpleMLPAdaLN`` zero-initializes its output layers, so the forecast collapses to the input mean;
-project notes, FINDINGS "Vacuous full-model checks"), or the tolerance is so loose that no error
+docs/explanation/findings.md, "Vacuous full-model checks"), or the tolerance is so loose that no error
 would exceed it. This module finds both.
 
 Vacuity guard (always on, cheap: one pass over the reference leaves; ``vacuity_problem``)

@@ -5,7 +5,7 @@
 
 ``--demo DIR`` first writes a report of three simulated nights (synthetic comparisons made with
 ``pytest_npu_parity.compare``; night 3 has a regression) into DIR and checks that one; it is how the
-README screenshot ``docs/report-screenshot.png`` is made.
+screenshot ``docs/report-screenshot.png`` of docs/how-to/nightly-report.md is made.
 
 Two Chromium runs (flags as below; ``CHROMIUM`` overrides the binary):
 

@@ -172,7 +172,7 @@ def test_null_p_values_are_calibrated():
 # Aurora's flow sampler (tiny config): CPU vs CPU over 20 seeds, and a 5 % noise-scale fault
 
 #: 16 series (32 flow-head rows) × 64 samples: the smallest layout measured to fail the 5 % noise
-#: scale at every seed tried (8 rows × 64 samples: 0 of 4; 32 × 32: 3 of 4; see README).
+#: scale at every seed tried (8 rows × 64 samples: 0 of 4; 32 × 32: 3 of 4; see docs/explanation/distribution.md).
 SERIES, SAMPLES = 16, 64
 
 

@@ -412,7 +412,7 @@ print(json.dumps(out))
     assert out["options"] is True
     assert out["bound"] == "npu:1"
     assert ["set_compile_mode", False] in out["calls"] and ["set_device", 1] in out["calls"]
-    assert out["flags"]["npu.conv.allow_hf32"] is True          # torch_npu default (FINDINGS)
+    assert out["flags"]["npu.conv.allow_hf32"] is True          # torch_npu default (docs/explanation/findings.md)
     assert out["flags"]["npu.matmul.allow_hf32"] is False
     assert out["backend"] == "hccl"
     assert out["fft_fallback"] is True   # the stub cannot allocate on "npu": no FFT there either

@@ -1,4 +1,4 @@
-"""The README's "Your own model" examples, extracted from README.md and run as they are (pytester).
+"""The "Your own model" examples, extracted from docs/tutorial/own-model.md and run as they are (pytester).
 
 Each example is a complete test file in a ```python block whose first line names it
 (``# test_gpt2.py``). They run against a live CPU reference in both recipes, with
@@ -27,7 +27,7 @@ from transformers import GPT2LMHeadModel  # noqa: E402,F401
 import pytest_npu_parity.runner  # noqa: E402,F401
 import pytest_npu_parity.golden  # noqa: E402,F401
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "tutorial" / "own-model.md"
 SECTION = "Your own model"
 
 # A target-side fault for the proofs: OWN_MODEL_FAULT="<check name>:<scale>" scales every F.linear
@@ -86,12 +86,12 @@ def parity_patches():
 '''
 
 
-def readme_examples(readme: Path = README) -> dict[str, str]:
-    """``{file name: source}`` of every ```python block of the README's "Your own model" section
+def page_examples(page: Path = PAGE) -> dict[str, str]:
+    """``{file name: source}`` of every ```python block of the docs page "Your own model"
     (each must start with ``# test_<name>.py``)."""
-    text = readme.read_text(encoding="utf-8")
-    head = f"\n## {SECTION}\n"
-    assert head in text, f"README.md has no '## {SECTION}' section"
+    text = "\n" + page.read_text(encoding="utf-8")
+    head = f"\n# {SECTION}\n"
+    assert head in text, f"{page.name} has no '# {SECTION}' heading"
     section = text.split(head, 1)[1].split("\n## ", 1)[0]
     examples = {}
     for block in re.findall(r"```python\n(.*?)```", section, flags=re.S):
@@ -102,7 +102,7 @@ def readme_examples(readme: Path = README) -> dict[str, str]:
     return examples
 
 
-EXAMPLES = readme_examples()
+EXAMPLES = page_examples()
 CHECKS = {  # file -> (test name, checks in order)
     "test_gpt2.py": ("test_gpt2", ["forward", "generate", "train_step"]),
     "test_resnet.py": ("test_resnet18", ["eval", "train_step"]),
@@ -120,7 +120,7 @@ def _project(pytester: pytest.Pytester, recipes: str = "fp32,bf16", files: list[
         (pytester.path / name).write_text(EXAMPLES[name], encoding="utf-8")
 
 
-def test_the_readme_has_the_three_examples() -> None:
+def test_the_page_has_the_three_examples() -> None:
     assert sorted(EXAMPLES) == sorted(CHECKS)
     for name, (test, checks) in CHECKS.items():
         assert f"def {test}(parity)" in EXAMPLES[name]
@@ -140,11 +140,11 @@ def test_the_examples_pass_against_a_live_cpu_run_in_both_recipes(pytester: pyte
 # GPT-2 and resnet18 fail it through the layer check (the scaled layer's output moves by 1e-4) — their
 # leaves alone do not resolve it (err/tol 0.02 and 0.19 at 1e-4): GPT-2's near-uniform softmax hardly
 # moves the loss, and the parameters after the step are judged by optimizer replay, which no longer
-# amplifies a gradient change below tolerance into AdamW steps of ±lr (README, "Parameters after the
-# step"). Under bf16 (no layer check by default) a 1e-3 scale rounds away entirely (err/tol 0), 5e-2
+# amplifies a gradient change below tolerance into AdamW steps of ±lr
+# (docs/explanation/verdict-accuracy.md, "Parameters after the step"). Under bf16 (no layer check by default) a 1e-3 scale rounds away entirely (err/tol 0), 5e-2
 # fails the non-training checks and the tagger's step. GPT-2's and resnet18's bf16 steps passed a 10 %
 # (GPT-2: up to 50 %; resnet18: 50 % too) scale under the golden floor: no proof is claimed for them
-# (README, "Your own model").
+# (docs/explanation/own-model-resolution.md).
 FAULTS = [
     ("forward", "fp32", 1e-4, ["test_gpt2.py"]),
     ("generate", "fp32", 1e-4, ["test_gpt2.py"]),

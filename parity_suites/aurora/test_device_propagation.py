@@ -27,7 +27,7 @@ upstream line the patch set does not change, see ``aurora/patches.py``):
   copy) every sampling step, then calls the flow head (one ``TIMESTEP_TABLE``).
 * ``SAMPLER_SETUP`` — ``FlowLoss.sample``'s ``randn(...).to`` and ``eye(...).to`` (2 host ops, 2 copies).
 * ``PERIOD_SEARCH`` — ``UnifiedImageProcessor._period_search``: ``topk(...).cpu().numpy()`` (one
-  device→host copy, the host sync FINDINGS.md names).
+  device→host copy, the host sync docs/explanation/findings.md names).
 * ``TEXT_SAMPLE`` — ``TextEncoder.extract_bert_features`` loops over the batch: per sample
   ``torch.where(mask == 1)`` (``nonzero``), the 0-dim index ``sep_pos`` read back (``.item()``) and a
   boolean-mask selection: 3 host syncs.

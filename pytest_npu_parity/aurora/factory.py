@@ -30,7 +30,7 @@ stream). Same seed → bitwise-identical ``state_dict`` in any process.
 Weights (issue "baselines that travel"): upstream's init draws from ``torch.nn.init`` and
 Hugging Face ``_init_weights``, whose algorithms change between torch releases
 (``trunc_normal_`` in the ViT: a different model on 2.5.1 and 2.14.1 for the same seed), and it
-zero-initializes the flow head (FINDINGS "vacuous full-model checks": a fresh flow head
+zero-initializes the flow head (docs/explanation/findings.md, "Vacuous full-model checks": a fresh flow head
 predicts exactly 0). With ``init="stable"`` (default) every floating ``state_dict`` tensor is
 overwritten by :func:`pytest_npu_parity.stable_init.stable_init_` — integer-only draws, bitwise
 identical on every CPU and every torch ≥ 2.5.1, no tensor constant or zero. Upstream's own

@@ -3,7 +3,7 @@
 The Aurora→Ascend adaptation guide (seed ``000_76a3155d974abf2f.txt``, §1.2, §3.3, §5.2, §5.3, §10)
 ports Aurora without editing its files: small runtime patches fix the places where upstream
 builds constants on the CPU or calls an operator the target lacks. This module is our own
-implementation of that strategy, extended with the bf16 gaps measured in FINDINGS.md:
+implementation of that strategy, extended with the bf16 gaps measured in docs/explanation/findings.md:
 
 ==========================  ==================================================================
 patch name                  what it changes
@@ -66,7 +66,7 @@ upstream's: tested), while with bf16 weights an fp32 tensor would promote the ac
 break the next bf16 linear. Not changed: the flow sampler keeps its state in float32 (noise and
 ``start_point`` are float32), so a bf16-weights forecast comes back as float32; the bf16-weights
 recipe needs bf16 series and labels (``AuroraBatch.to(dtype=torch.bfloat16)``), because the first
-linear sees the series as given. FINDINGS' "layer_norm mixed dtype" error of a bf16 train step
+linear sees the series as given. docs/explanation/findings.md's "layer_norm mixed dtype" error of a bf16 train step
 did not reproduce here (upstream stops earlier, at ``rfft``; patched, the step runs).
 
 How call sites are changed (and why this way)

@@ -367,8 +367,8 @@ def thread_count_mismatch(provenance: Any, target: torch.device) -> str | None:
     run's (``torch.get_num_threads()``), else None (also for a baseline that recorded no count).
 
     bf16 CPU kernels block their reductions by thread count: a 1-thread run of the Aurora flow
-    sampler differed from its 2-thread baseline in 5 of 384 elements by one bf16 step (README,
-    "Verdict accuracy"); fp32 results were identical.
+    sampler differed from its 2-thread baseline in 5 of 384 elements by one bf16 step
+    (docs/explanation/verdict-accuracy.md); fp32 results were identical.
     """
     if not isinstance(provenance, dict) or provenance.get("device_type") != "cpu" or torch.device(target).type != "cpu":
         return None

@@ -20,7 +20,7 @@ from ..golden import parse_policy_spec
 from ..layers import LayerPolicy, default_layer_policy, parse_layer_spec
 from ..policy import Tolerance, default_for_recipe, parse_spec_items
 
-#: Verdict policy per recipe when nothing else is configured (measured: README, "Verdict accuracy").
+#: Verdict policy per recipe when nothing else is configured (measured: docs/explanation/verdict-accuracy.md).
 #: fp32 eval checks keep allclose 1e-5: no legitimate variant failed it (other torch release, other
 #: CPU kernel path, thread count, transformer slow path). bf16 is judged by the golden verdict with
 #: the user's allclose 1e-3 as a floor: against baselines of another torch release or CPU kernel

@@ -133,7 +133,7 @@ def test_stable_weights_do_not_depend_on_the_torch_rng_algorithms(monkeypatch):
 
 
 def test_fresh_weights_give_vacuous_forecasts_reinit_does_not(tiny, batch):
-    """FINDINGS: with upstream init the flow head predicts 0 and forecasts collapse to the mean."""
+    """docs/explanation/findings.md: with upstream init the flow head predicts 0 and forecasts collapse to the mean."""
     fresh = build_model("tiny", seed=0, init="upstream")
     kwargs = batch.forward_kwargs(96)
     with torch.no_grad():
@@ -246,7 +246,7 @@ def test_bad_arguments():
 
 
 def test_full_model_measured_size(aurora_full):
-    """FINDINGS: 210.8 M parameters (ViT-base and BERT-base frozen) from the package config.json."""
+    """docs/explanation/findings.md: 210.8 M parameters (ViT-base and BERT-base frozen) from the package config.json."""
     model = aurora_full  # build_model("full", seed=0), built once per process (get_model)
     total, trainable = factory.parameter_counts(model)
     assert round(total / 1e6, 1) == 210.8

@@ -6,7 +6,7 @@ by ``FAKE_TORCH_NPU_MODE``:
 * ``ok`` (default) — registers ``npu`` as torch's PrivateUse1 device and ``torch.npu`` (see
   ``torch_npu/npu.py``); tensors cannot actually be allocated on it, so op probes fail there.
 * ``libhccl`` / ``libascendcl`` — ``ImportError: libhccl.so: cannot open shared object file``
-  (CANN's ``set_env.sh`` not sourced; FINDINGS "Devices without hardware").
+  (CANN's ``set_env.sh`` not sourced; docs/explanation/findings.md, "Devices without hardware").
 * ``two_accelerators_cuda`` / ``two_accelerators_npu`` — the RuntimeError torch_npu raises when
   another accelerator (or a second torch_npu registration) is already present.
 * ``glibcxx`` — the OSError of a torch_npu built against another toolchain (seed §10.6).

@@ -14,7 +14,7 @@ CALLS = []
 _COUNT = int(os.environ.get("FAKE_NPU_DEVICE_COUNT", "1"))
 _NAME = os.environ.get("FAKE_NPU_NAME", "Ascend910B3")
 
-# torch_npu defaults (FINDINGS): matmul HF32 off, conv HF32 on.
+# torch_npu defaults (docs/explanation/findings.md): matmul HF32 off, conv HF32 on.
 matmul = types.SimpleNamespace(allow_hf32=False)
 conv = types.SimpleNamespace(allow_hf32=True)
 
