@@ -53,7 +53,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from . import npu
+from . import npu, troubleshoot
 from .process_group import destroy_process_groups
 
 SCHEMA_VERSION = 1
@@ -294,6 +294,26 @@ def _section_environment(ctx: _Context, r: SectionResult) -> None:
                   cann_source=cann_info.source if cann_info else None,
                   transformers=transformers_version, aurora_model=aurora_version,
                   matrix_problems=problems, matrix_notes=notes, matrix_rows=[dataclasses.asdict(x) for x in rows])
+    _guide_troubleshooting(ctx, r)
+
+
+def _guide_troubleshooting(ctx: _Context, r: SectionResult) -> None:
+    """The guides' troubleshooting items that apply here (``troubleshoot``), one fix sentence each.
+
+    An overwritten ``aurora/util_functions.py`` (guide §10.4) fails the section (``import aurora``
+    cannot work); missing torch_npu runtime dependencies and a torchvision built for another torch
+    warn. Facts go to ``data["troubleshooting"]``.
+    """
+    found: dict[str, str] = {}
+    for key, check, status in (("rope_decoder", troubleshoot.rope_decoder_overwritten, "fail"),
+                               ("torch_npu_deps", troubleshoot.missing_torch_npu_deps, "warn"),
+                               ("torchvision", troubleshoot.torchvision_mismatch, "warn")):
+        sentence = check()
+        if sentence:
+            found[key] = sentence
+            r.worse(status)
+            r.fixes.append(sentence)
+    r.data["troubleshooting"] = found
 
 
 _NPU_SMI_ROW = re.compile(r"^\|\s*(\d+)\s+(\S+)\s*\|\s*([^|]*?)\s*\|")
@@ -401,6 +421,7 @@ def _section_devices(ctx: _Context, r: SectionResult) -> None:
                 memory.append({"npu": index, "free_bytes": int(free), "total_bytes": int(total)})
             except Exception as exc:  # driver quirks must not stop the report
                 memory.append({"npu": index, "error": npu._first_line(exc)})
+        _mem_get_info_fallback(r, memory)
         for m in memory:
             if "error" not in m:
                 r.details.append(f"npu:{m['npu']} memory: {_gib(m['free_bytes'])} free of "
@@ -424,6 +445,14 @@ def _section_devices(ctx: _Context, r: SectionResult) -> None:
         ram = None
     r.details.append(f"CPU: {os.cpu_count()} cores" + (f", {_gib(ram)} RAM" if ram else ""))
     r.data.update(cpu_count=os.cpu_count(), ram_bytes=ram)
+
+
+def _mem_get_info_fallback(r: SectionResult, memory: list[dict[str, Any]]) -> None:
+    """Checklist §3.4: a ``torch.npu.mem_get_info`` that raised warns, naming the fallback."""
+    for m in memory:
+        if "error" in m:
+            r.worse("warn")
+            r.fixes.append(troubleshoot.mem_get_info_fallback(f"npu:{m['npu']}", m["error"]))
 
 
 def _describe_probe(name: str, probe: npu.OpProbe) -> str:
