@@ -285,16 +285,35 @@ def _section_environment(ctx: _Context, r: SectionResult) -> None:
     notes = npu.matrix_notes(torch_version, npu_version, cann) if (cann or npu_version) else []
     r.details.extend(f"version matrix note: {note}" for note in notes)
     if npu_version and cuda and not (status and status.available):
-        r.worse("warn")
-        r.fixes.append(f"torch {torch_version} is a CUDA build beside torch_npu {npu_version}: "
-                       "torch_npu refuses to load next to another accelerator — install the CPU "
-                       "build of torch that matches torch_npu")
+        _cuda_build_beside_torch_npu(ctx, r, torch_version, npu_version)
     r.data.update(python=platform.python_version(), torch=torch_version, torch_cuda=cuda,
                   torch_npu=npu_version, cann=cann,
                   cann_source=cann_info.source if cann_info else None,
                   transformers=transformers_version, aurora_model=aurora_version,
                   matrix_problems=problems, matrix_notes=notes, matrix_rows=[dataclasses.asdict(x) for x in rows])
     _guide_troubleshooting(ctx, r)
+
+
+def _cuda_build_beside_torch_npu(ctx: _Context, r: SectionResult, torch_version: str | None,
+                                 npu_version: str) -> None:
+    """A CUDA build of torch beside torch_npu: a problem only where a CUDA device is visible.
+
+    Both wheels' ``torch_npu/__init__.py`` refuse to load when ``torch._C._get_accelerator()`` is
+    another accelerator (2.5.1: ``!= "cpu"``; 2.14.0 ``_check_device_conflict``: not ``cpu``/``npu``);
+    a CUDA build on a machine without a CUDA device reports ``cpu`` there, and the 2.14.0 wheel's
+    ``torch==2.14.0.*`` pin accepts the index's CUDA build.
+    """
+    cuda_visible = bool(ctx.torch is not None and ctx.torch.cuda.is_available())
+    if cuda_visible:
+        r.worse("warn")
+        r.fixes.append(f"torch {torch_version} is a CUDA build beside torch_npu {npu_version} and a CUDA "
+                       "device is visible: torch_npu refuses to load next to another accelerator "
+                       "(\"Two accelerators cannot be used at the same time\") — install the CPU build of "
+                       "torch that matches torch_npu")
+    else:
+        r.details.append(f"torch {torch_version} is a CUDA build beside torch_npu {npu_version}: no CUDA "
+                         "device is visible, so torch_npu's accelerator check passes; on a machine with "
+                         "a GPU it would refuse to load")
 
 
 def _guide_troubleshooting(ctx: _Context, r: SectionResult) -> None:

@@ -232,3 +232,20 @@ def test_doctor_environment_reports_each_item(monkeypatch, tmp_path):
     assert set(result.data["troubleshooting"]) == {"rope_decoder", "torch_npu_deps", "torchvision"}
     assert result.fixes[1:] == ["DEPS SENTENCE", "TORCHVISION SENTENCE"]
     assert "RoPE_decoder" in result.fixes[0]
+
+
+class _FakeTorch:
+    def __init__(self, cuda_available):
+        self.cuda = type("cuda", (), {"is_available": staticmethod(lambda: cuda_available)})
+
+
+@pytest.mark.parametrize("cuda_visible", [False, True])
+def test_cuda_build_beside_torch_npu_is_a_problem_only_with_a_cuda_device(cuda_visible):
+    result = doctor.SectionResult("environment")
+    ctx = doctor._Context(requested="cpu", torch=_FakeTorch(cuda_visible))
+    doctor._cuda_build_beside_torch_npu(ctx, result, "2.14.0+cu130", "2.14.0")
+    if cuda_visible:
+        assert result.status == "warn" and "Two accelerators cannot be used at the same time" in result.fixes[0]
+    else:
+        assert result.status == "ok" and result.fixes == []
+        assert "no CUDA device is visible, so torch_npu's accelerator check passes" in result.details[0]
