@@ -53,7 +53,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from . import adapters, npu
+from . import adapters, npu, troubleshoot
 from .process_group import destroy_process_groups
 
 SCHEMA_VERSION = 1
@@ -329,14 +329,12 @@ def _section_environment(ctx: _Context, r: SectionResult) -> None:
     notes = npu.matrix_notes(torch_version, npu_version, cann) if (cann or npu_version) else []
     r.details.extend(f"version matrix note: {note}" for note in notes)
     if npu_version and cuda and not (status and status.available):
-        r.worse("warn")
-        r.fixes.append(f"torch {torch_version} is a CUDA build beside torch_npu {npu_version}: "
-                       "torch_npu refuses to load next to another accelerator — install the CPU "
-                       "build of torch that matches torch_npu")
+        _cuda_build_beside_torch_npu(ctx, r, torch_version, npu_version)
     r.data.update(python=platform.python_version(), torch=torch_version, torch_cuda=cuda,
                   torch_npu=npu_version, cann=cann,
                   cann_source=cann_info.source if cann_info else None, **adapter_facts)
     r.data.update(matrix_problems=problems, matrix_notes=notes, matrix_rows=[dataclasses.asdict(x) for x in rows])
+    _guide_troubleshooting(ctx, r)
 
 
 def _adapter_environment(r: SectionResult) -> dict[str, Any]:
@@ -352,6 +350,47 @@ def _adapter_environment(r: SectionResult) -> dict[str, Any]:
         if adapter.doctor_environment is not None:
             facts.update(adapter.doctor_environment(r))
     return facts
+
+
+def _cuda_build_beside_torch_npu(ctx: _Context, r: SectionResult, torch_version: str | None,
+                                 npu_version: str) -> None:
+    """A CUDA build of torch beside torch_npu: a problem only where a CUDA device is visible.
+
+    Both wheels' ``torch_npu/__init__.py`` refuse to load when ``torch._C._get_accelerator()`` is
+    another accelerator (2.5.1: ``!= "cpu"``; 2.14.0 ``_check_device_conflict``: not ``cpu``/``npu``);
+    a CUDA build on a machine without a CUDA device reports ``cpu`` there, and the 2.14.0 wheel's
+    ``torch==2.14.0.*`` pin accepts the index's CUDA build.
+    """
+    cuda_visible = bool(ctx.torch is not None and ctx.torch.cuda.is_available())
+    if cuda_visible:
+        r.worse("warn")
+        r.fixes.append(f"torch {torch_version} is a CUDA build beside torch_npu {npu_version} and a CUDA "
+                       "device is visible: torch_npu refuses to load next to another accelerator "
+                       "(\"Two accelerators cannot be used at the same time\") — install the CPU build of "
+                       "torch that matches torch_npu")
+    else:
+        r.details.append(f"torch {torch_version} is a CUDA build beside torch_npu {npu_version}: no CUDA "
+                         "device is visible, so torch_npu's accelerator check passes; on a machine with "
+                         "a GPU it would refuse to load")
+
+
+def _guide_troubleshooting(ctx: _Context, r: SectionResult) -> None:
+    """The guides' troubleshooting items that apply here (``troubleshoot``), one fix sentence each.
+
+    An overwritten ``aurora/util_functions.py`` (guide §10.4) fails the section (``import aurora``
+    cannot work); missing torch_npu runtime dependencies and a torchvision built for another torch
+    warn. Facts go to ``data["troubleshooting"]``.
+    """
+    found: dict[str, str] = {}
+    for key, check, status in (("rope_decoder", troubleshoot.rope_decoder_overwritten, "fail"),
+                               ("torch_npu_deps", troubleshoot.missing_torch_npu_deps, "warn"),
+                               ("torchvision", troubleshoot.torchvision_mismatch, "warn")):
+        sentence = check()
+        if sentence:
+            found[key] = sentence
+            r.worse(status)
+            r.fixes.append(sentence)
+    r.data["troubleshooting"] = found
 
 
 _NPU_SMI_ROW = re.compile(r"^\|\s*(\d+)\s+(\S+)\s*\|\s*([^|]*?)\s*\|")
@@ -459,6 +498,7 @@ def _section_devices(ctx: _Context, r: SectionResult) -> None:
                 memory.append({"npu": index, "free_bytes": int(free), "total_bytes": int(total)})
             except Exception as exc:  # driver quirks must not stop the report
                 memory.append({"npu": index, "error": npu._first_line(exc)})
+        _mem_get_info_fallback(r, memory)
         for m in memory:
             if "error" not in m:
                 r.details.append(f"npu:{m['npu']} memory: {_gib(m['free_bytes'])} free of "
@@ -482,6 +522,14 @@ def _section_devices(ctx: _Context, r: SectionResult) -> None:
         ram = None
     r.details.append(f"CPU: {os.cpu_count()} cores" + (f", {_gib(ram)} RAM" if ram else ""))
     r.data.update(cpu_count=os.cpu_count(), ram_bytes=ram)
+
+
+def _mem_get_info_fallback(r: SectionResult, memory: list[dict[str, Any]]) -> None:
+    """Checklist §3.4: a ``torch.npu.mem_get_info`` that raised warns, naming the fallback."""
+    for m in memory:
+        if "error" in m:
+            r.worse("warn")
+            r.fixes.append(troubleshoot.mem_get_info_fallback(f"npu:{m['npu']}", m["error"]))
 
 
 def _describe_probe(name: str, probe: npu.OpProbe) -> str:

@@ -32,18 +32,22 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from . import ascend_release
+
 if TYPE_CHECKING:  # torch is imported lazily at run time, see the module docstring
     import torch
 
 logger = logging.getLogger(__name__)
 
 #: Where the CANN toolkit installer puts ``latest`` by default (root install), and the CANN ≥ 8.5
-#: layout (``/usr/local/Ascend/cann``). ``ASCEND_TOOLKIT_HOME`` / ``ASCEND_HOME_PATH`` (exported by
-#: CANN's ``set_env.sh``) take precedence.
-DEFAULT_TOOLKIT_HOMES = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann")
+#: layout (``/usr/local/Ascend/cann``; both documented in ``ascend_release``).
+#: ``ASCEND_TOOLKIT_HOME`` / ``ASCEND_HOME_PATH`` (exported by CANN's ``set_env.sh``) take precedence.
+DEFAULT_TOOLKIT_HOMES = (ascend_release.TOOLKIT_LAYOUT.home, ascend_release.CANN_LAYOUT.home)
 TOOLKIT_ENV_VARS = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
 
-SET_ENV_FIX = "source CANN's set_env.sh (e.g. `source /usr/local/Ascend/ascend-toolkit/set_env.sh`)"
+#: The fix clause for the CANN ≤ 8.3 layout (torch_npu ≤ 2.13 READMEs). Messages use
+#: :func:`set_env_fix`, which names the installed layout's (or the installed wheel's) path instead.
+SET_ENV_FIX = f"source CANN's set_env.sh (e.g. `source {ascend_release.TOOLKIT_LAYOUT.set_env}`)"
 AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 
 # ---------------------------------------------------------------------------------------------
@@ -69,6 +73,10 @@ class VersionRow:
 
 
 _ASCEND = "Ascend/pytorch README, 'Ascend Auxiliary Software' / version-matching table"
+_WHEEL_214 = ("torch_npu 2.14.0 wheel METADATA: Requires-Dist torch==2.14.0.*, README 'Install CANN' "
+              "(CANN 9.1.0)")
+_WHEEL_213 = ("torch_npu 2.13.0 wheel METADATA README, 'Ascend Auxiliary Software' table "
+              "(CANN 8.5.0 rows)")
 _SEED = "Aurora→Ascend adaptation guide §2.2 (seed 000_76a3155d974abf2f)"
 
 #: Documented valid CANN ↔ torch ↔ torch_npu triples.
@@ -95,7 +103,17 @@ VERSION_MATRIX: tuple[VersionRow, ...] = tuple(
         ("7.0.0", ("2.1.0/2.1.0", "2.0.1/2.0.1.post1")),
     )
     for torch_v, npu_v in (pair.split("/") for pair in pairs)
-) + (VersionRow("8.2.RC1", "2.5.1", "2.5.1", _SEED),)
+) + (
+    # Read from the wheels themselves (ascend_release's docstring). The 2.13.0 wheel names no CANN
+    # release for 2.13.0 (its table stops at CANN 8.5.0 ↔ 2.12.0rc1), so 2.13.0 has no row; nor do the
+    # index's post releases that no table lists (2.12.0.post2/3, 2.11.0.post2/3, 2.10.0.post6/7,
+    # 2.9.1, 2.9.0.post8/9, 2.8.0.post5, 2.7.1.post10/11).
+    VersionRow("9.1.0", "2.14.0", "2.14.0", _WHEEL_214),
+    VersionRow("8.5.0", "2.12.0", "2.12.0rc1", _WHEEL_213),
+    VersionRow("8.5.0", "2.11.0", "2.11.0rc1", _WHEEL_213),
+    VersionRow("8.5.0", "2.10.0", "2.10.0rc2", _WHEEL_213),
+    VersionRow("8.2.RC1", "2.5.1", "2.5.1", _SEED),
+)
 
 #: The combination the seed guide (and this project's Aurora suite) is written for.
 SEED_ROW = VERSION_MATRIX[-1]
@@ -334,6 +352,17 @@ def _toolkit_candidates(toolkit_path: str | os.PathLike[str] | None) -> list[Pat
     return [Path(h) for h in dict.fromkeys([*(h for h in homes if h), *DEFAULT_TOOLKIT_HOMES])]
 
 
+def _version_files(home: Path) -> list[Path]:
+    """The files that may hold the version, in order: ``version.cfg`` (CANN 7.x–8.x), the toolkit's
+    ``[<arch>-linux/]ascend_toolkit_install.info`` (both layouts: CANN 8.0.0 and 8.5.0 installation
+    guides, "File Paths"), then any other ``ascend_*_install.info`` there, the pattern torch_npu's own
+    ``torch_npu/utils/collect_env.py`` ``get_cann_version`` reads (2.5.1 and 2.14.0 wheels)."""
+    files = [home / "version.cfg", home / "ascend_toolkit_install.info",
+             *sorted(home.glob("*-linux/ascend_toolkit_install.info")),
+             *sorted(home.glob("ascend_*_install.info")), *sorted(home.glob("*-linux/ascend_*_install.info"))]
+    return list(dict.fromkeys(files))
+
+
 def find_cann(toolkit_path: str | os.PathLike[str] | None = None) -> CannInfo | None:
     """Locate the CANN toolkit and read its version; never raises.
 
@@ -353,8 +382,7 @@ def find_cann(toolkit_path: str | os.PathLike[str] | None = None) -> CannInfo | 
                 files = [home]
                 home = home.parent
             else:
-                files = [home / "version.cfg", home / "ascend_toolkit_install.info",
-                         *sorted(home.glob("*-linux/ascend_toolkit_install.info"))]
+                files = _version_files(home)
             for file in files:
                 if not file.is_file():
                     continue
@@ -373,17 +401,35 @@ def cann_version(toolkit_path: str | os.PathLike[str] | None = None) -> str | No
     return info.version if info else None
 
 
+def set_env_fix(cann: CannInfo | None = None, torch_npu: str | None = None) -> str:
+    """The "source CANN's set_env.sh (e.g. `source PATH`)" clause of every fix sentence.
+
+    PATH is the installed toolkit's ``set_env.sh`` (``find_cann`` unless ``cann`` is given), else the
+    one the installed torch_npu wheel's README names (``torch_npu`` or its metadata): 2.14.0 says
+    ``/usr/local/Ascend/cann/set_env.sh``, 2.5.1 … 2.13.0 ``/usr/local/Ascend/ascend-toolkit/set_env.sh``
+    (``ascend_release.set_env_path``). Never raises.
+    """
+    info = cann if cann is not None else find_cann()
+    return ascend_release.set_env_fix(info.home if info else None,
+                                      torch_npu or _dist_version("torch_npu"))
+
+
 def _looked_in() -> str:
     return ", ".join([f"${v}" for v in TOOLKIT_ENV_VARS] + list(DEFAULT_TOOLKIT_HOMES))
 
 
+def _wanted_cann(torch_npu: str | None) -> str:
+    """`` 9.1.0`` (the CANN releases documented for this torch_npu), or ``""``."""
+    rows = documented_rows(torch_npu=torch_npu) if torch_npu else []
+    return f" {' or '.join(sorted({r.cann for r in rows}))}" if rows else ""
+
+
 def cann_missing_sentence(torch_npu: str | None = None) -> str:
     """The sentence for "no CANN toolkit found", naming where it was looked for."""
-    rows = documented_rows(torch_npu=torch_npu) if torch_npu else []
-    want = f" {' or '.join(sorted({r.cann for r in rows}))}" if rows else ""
     return (
         f"CANN toolkit not found (no version.cfg or ascend_toolkit_install.info under "
-        f"{_looked_in()}) — install the CANN toolkit{want} matching torch_npu and {SET_ENV_FIX}"
+        f"{_looked_in()}) — install the CANN toolkit{_wanted_cann(torch_npu)} matching torch_npu and "
+        f"{set_env_fix(torch_npu=torch_npu)}"
     )
 
 
@@ -444,8 +490,8 @@ def _diagnose(exc: BaseException) -> _Diagnosis:
     if lib_match:
         lib = lib_match.group(1)
         if lib.startswith(_CANN_LIBS):
-            return _Diagnosis("lib_cann", f"{lib} not found", SET_ENV_FIX, autoload, lib)
-        return _Diagnosis("lib_other", f"{lib} not found", f"{_MATRIX_FIX} and {SET_ENV_FIX}",
+            return _Diagnosis("lib_cann", f"{lib} not found", set_env_fix(), autoload, lib)
+        return _Diagnosis("lib_other", f"{lib} not found", f"{_MATRIX_FIX} and {set_env_fix()}",
                           autoload, lib)
     if "Two accelerators cannot be used at the same time" in text:
         if "npu and npu" in text:
@@ -470,14 +516,15 @@ def _diagnose(exc: BaseException) -> _Diagnosis:
     inner = chain[-1] if autoload and len(chain) > 1 else chain[0]
     return _Diagnosis("other", _first_line(inner),
                       f"check that torch, torch_npu and CANN match the version matrix and "
-                      f"{SET_ENV_FIX}", autoload)
+                      f"{set_env_fix()}", autoload)
 
 
 def explain_import_error(exc: BaseException) -> str:
     """One sentence, with the fix, for an exception raised by ``import torch`` / ``import torch_npu``.
 
-    Pure function: looks only at the exception, its ``__cause__`` / ``__context__`` chain and their
-    messages. Known causes (docs/explanation/findings.md, "Devices without hardware"; seed §10.6):
+    Looks at the exception, its ``__cause__`` / ``__context__`` chain and their messages; the
+    ``set_env.sh`` path it names comes from :func:`set_env_fix` (the installed toolkit's, else the
+    installed wheel's). Known causes (docs/explanation/findings.md, "Devices without hardware"; seed §10.6):
 
     * torch's device-backend autoload wrapper ("Failed to load the backend extension: torch_npu"),
       combined with the underlying cause and the ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` escape;
@@ -689,10 +736,9 @@ def _probe_status() -> NpuStatus:
     except Exception as exc:
         diagnosis = _diagnose(exc)
         if cann is None and diagnosis.kind == "lib_cann":
-            rows = documented_rows(torch_npu=npu_version) if npu_version else []
-            want = f" {' or '.join(sorted({r.cann for r in rows}))}" if rows else ""
             diagnosis.detail = f"{diagnosis.lib} not found and no CANN toolkit under {_looked_in()}"
-            diagnosis.fix = f"install the CANN toolkit{want} matching torch_npu and {SET_ENV_FIX}"
+            diagnosis.fix = (f"install the CANN toolkit{_wanted_cann(npu_version)} matching torch_npu "
+                             f"and {set_env_fix(torch_npu=npu_version)}")
         if (not torch_was_imported or _AUTOLOAD_SUPPRESSED) and autoload_on and _torch_npu_autoloads():
             # In a fresh interpreter `import torch` itself autoloads torch_npu and fails the same way.
             diagnosis.autoload = diagnosis.autoload or "torch_npu"
@@ -704,7 +750,7 @@ def _probe_status() -> NpuStatus:
     except Exception as exc:
         return unavailable(f"torch_npu {npu_version} is imported but the NPU runtime fails: "
                            f"{_first_line(exc)} — check the driver with `npu-smi info` and "
-                           f"{SET_ENV_FIX}", npu_version)
+                           f"{set_env_fix(cann_info, npu_version)}", npu_version)
     if count == 0:
         visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
         return unavailable(

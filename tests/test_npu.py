@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_npu_parity import npu
+from pytest_npu_parity import ascend_release, npu
 
 _FAKES_PATH = Path(__file__).resolve().parent / "fakes" / "fake_env.py"
 _spec = importlib.util.spec_from_file_location("npu_parity_fake_env", _FAKES_PATH)
@@ -27,6 +27,8 @@ _spec.loader.exec_module(fake_env)
 TORCH_BASE = npu.base_version(torch.__version__)
 LIBHCCL = "libhccl.so: cannot open shared object file: No such file or directory"
 SET_ENV = "source CANN's set_env.sh (e.g. `source /usr/local/Ascend/ascend-toolkit/set_env.sh`)"
+#: With no toolkit installed, the fix names the set_env.sh the stub's wheel generation documents.
+NO_CANN_SET_ENV = ascend_release.set_env_fix(None, TORCH_BASE)
 NO_TORCH_NPU = npu._dist_version("torch_npu") is None  # installed? (find_spec says None once it is quarantined)
 
 
@@ -185,12 +187,18 @@ AUTOLOAD_MESSAGE = ("Failed to load the backend extension: torch_npu. You can di
                     "auto-loading with TORCH_DEVICE_BACKEND_AUTOLOAD=0.")
 
 
-def test_sentence_libhccl_missing():
+@pytest.fixture
+def toolkit_layout(monkeypatch):
+    """The fake CANN ≤ 8.3 toolkit is the installed one: sentences name its layout's set_env.sh."""
+    monkeypatch.setenv("ASCEND_TOOLKIT_HOME", str(fake_env.TOOLKIT_HOME))
+
+
+def test_sentence_libhccl_missing(toolkit_layout):
     assert npu.explain_import_error(ImportError(LIBHCCL)) == (
         f"torch_npu is not importable: libhccl.so not found — {SET_ENV}")
 
 
-def test_sentence_libascendcl_missing():
+def test_sentence_libascendcl_missing(toolkit_layout):
     exc = ImportError("libascendcl.so: cannot open shared object file: No such file or directory")
     assert npu.explain_import_error(exc) == (
         f"torch_npu is not importable: libascendcl.so not found — {SET_ENV}")
@@ -219,7 +227,7 @@ def test_sentence_two_accelerators_registered_twice():
     assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in sentence
 
 
-def test_sentence_autoload_failure_names_cause_and_escape():
+def test_sentence_autoload_failure_names_cause_and_escape(toolkit_layout):
     exc = _chained(RuntimeError(AUTOLOAD_MESSAGE), ImportError(LIBHCCL))
     assert npu.explain_import_error(exc) == (
         f"Failed to load the backend extension: torch_npu (libhccl.so not found) — {SET_ENV}, or "
@@ -449,7 +457,7 @@ def test_stub_libhccl_and_cann_missing(tmp_path):
                              "toolkit under $ASCEND_TOOLKIT_HOME")
     documented = sorted({r.cann for r in npu.documented_rows(torch_npu=TORCH_BASE)})  # 8.1.RC1, 8.2.RC1 on 2.5.1
     want = f" {' or '.join(documented)}" if documented else ""
-    assert reason.endswith(f"install the CANN toolkit{want} matching torch_npu and {SET_ENV}")
+    assert reason.endswith(f"install the CANN toolkit{want} matching torch_npu and {NO_CANN_SET_ENV}")
 
 
 def test_plain_import_torch_with_broken_torch_npu_is_explained(tmp_path):
@@ -465,7 +473,7 @@ else:
 """
     proc = fake_env.run_python(code, env=fake_env.fake_env(site=site, FAKE_TORCH_NPU_MODE="libhccl"))
     assert proc.stdout.strip() == (
-        f"Failed to load the backend extension: torch_npu (libhccl.so not found) — {SET_ENV}, or "
+        f"Failed to load the backend extension: torch_npu (libhccl.so not found) — {NO_CANN_SET_ENV}, or "
         "set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to use torch without the NPU")
 
 
@@ -476,7 +484,8 @@ else:
                              "registered twice"),
 ])
 def test_stub_two_accelerators(tmp_path, mode, start):
-    site = fake_env.build_site(tmp_path / "site", version=TORCH_BASE)
+    # "npu and npu" is the 2.5.1 wheel's (2.14.0's _check_device_conflict accepts npu)
+    site = fake_env.build_site(tmp_path / "site", version=TORCH_BASE, generation="2.5")
     result = _status(fake_env.fake_env(site=site, FAKE_TORCH_NPU_MODE=mode))
     assert result["status"]["reason"].startswith(start)
 

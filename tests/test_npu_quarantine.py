@@ -1,8 +1,9 @@
 """Tests of npu.prepare_torch / quarantine_torch_npu: a torch_npu without CANN breaks no entry point.
 
 Each scenario runs in a subprocess: against the stub torch_npu (tests/fakes, which behaves like the
-real 2.5.1 wheel: autoload entry point, ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` left set, a torch pin)
-and, where the real wheel is installed in this environment (the torch 2.5.1 CI leg), against it.
+real wheel of its generation, 2.5.1 or 2.14.0: autoload entry point, ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``
+left set after a failure, a torch pin) and, where a real wheel is installed in this environment (CI's
+torch 2.5.1 and torch 2.14.0 legs), against it.
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def test_prepare_torch_quarantines_the_stub(tmp_path):
     _check_quarantine(fake_env.run_python(SNIPPET, env=_stub_env(tmp_path)))
 
 
-@pytest.mark.skipif(not REAL_WHEEL, reason="the real torch_npu wheel is not installed here (CI's torch 2.5.1 leg has it)")
+@pytest.mark.skipif(not REAL_WHEEL, reason="the real torch_npu wheel is not installed here (CI's torch 2.5.1 and 2.14.0 legs have it)")
 def test_prepare_torch_quarantines_the_real_wheel():
     pytest.importorskip("aurora")
     _check_quarantine(fake_env.run_python(SNIPPET, env=_real_env()))

@@ -8,7 +8,9 @@ The fakes stand in for what a CPU-only machine lacks:
   device-backend autoload (entry-point group ``torch.backends``) loads it on ``import torch``
   exactly as it loads the real wheel.
 * ``ascend-toolkit/latest`` — a CANN toolkit directory with a real-format ``version.cfg`` and
-  ``x86_64-linux/ascend_toolkit_install.info`` (CANN 8.2.RC1).
+  ``x86_64-linux/ascend_toolkit_install.info`` (CANN 8.2.RC1), the CANN ≤ 8.3 layout;
+  ``cann`` — the CANN ≥ 8.5 layout (``/usr/local/Ascend/cann``): only
+  ``x86_64-linux/ascend_toolkit_install.info`` (CANN 9.1.0) and a ``set_env.sh`` beside it.
 * ``bin/npu-smi`` — prints the ``npu-smi info`` device table.
 * ``import_hook/sitecustomize.py`` — with ``fake_env(event_log=...)``, logs every interpreter's first
   ``import aurora`` into the stub's event log (order of launcher steps vs. that import).
@@ -28,6 +30,9 @@ FAKES = Path(__file__).resolve().parent
 REPO_ROOT = FAKES.parent.parent
 STUB_PACKAGE = FAKES / "torch_npu_stub" / "torch_npu"
 TOOLKIT_HOME = FAKES / "ascend-toolkit" / "latest"
+CANN_HOME = FAKES / "cann"
+#: Wheel generations the stub can stand for (``ascend_release.GENERATION_2_5`` / ``GENERATION_2_14``).
+GENERATIONS = ("2.5", "2.14")
 BIN_DIR = FAKES / "bin"
 IMPORT_HOOK_DIR = FAKES / "import_hook"
 
@@ -44,7 +49,13 @@ def _torch_release(version: str) -> str:
     return ".".join(version.split(".")[:3])
 
 
-def build_site(dest: Path, *, version: str, autoload: bool = True) -> Path:
+def default_generation(version: str) -> str:
+    """The wheel generation a torch_npu version stands for (``ascend_release.generation``)."""
+    release = tuple(int(x) for x in _torch_release(version).split(".") if x.isdigit())
+    return "2.14" if release >= (2, 14, 0) else "2.5"
+
+
+def build_site(dest: Path, *, version: str, autoload: bool = True, generation: str | None = None) -> Path:
     """Install the stub as ``torch_npu`` ``version`` into ``dest`` (a directory for PYTHONPATH).
 
     Args:
@@ -52,22 +63,40 @@ def build_site(dest: Path, *, version: str, autoload: bool = True) -> Path:
         version: the torch_npu version the dist-info declares, e.g. ``"2.5.1.post1"``.
         autoload: declare the ``torch.backends`` entry point ``torch_npu = torch_npu:_autoload``
             (what the real wheel declares), so ``import torch`` autoloads the stub.
+        generation: which real wheel the stub behaves like, ``"2.5"`` or ``"2.14"`` (default: the
+            one ``version`` belongs to). ``"2.5"`` writes the 2.5.1 wheel's dist-info (``Name:
+            torch-npu``, ``Requires-Dist: torch (==X+cpu)``, the ``torch.backends`` and
+            ``torch_npu_run`` entry points); ``"2.14"`` the 2.14.0 wheel's (``Name: torch_npu``,
+            ``Requires-Dist: torch==X.*``, plus ``[torch_dynamo_backends] npu, npugraph_ex,
+            npugraphs``). The stub's import behaviour follows too (see its docstring).
 
     Returns:
         ``dest``.
     """
+    generation = generation or default_generation(version)
+    if generation not in GENERATIONS:
+        raise ValueError(f"generation {generation!r} is not one of {GENERATIONS}")
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copytree(STUB_PACKAGE, dest / "torch_npu",
                     ignore=shutil.ignore_patterns("__pycache__"))
+    (dest / "torch_npu" / "_generation.py").write_text(f"GENERATION = {generation!r}\n", encoding="utf-8")
     info = dest / f"torch_npu-{version}.dist-info"
     info.mkdir()
+    release = _torch_release(version)
+    name, pin = (("torch_npu", f"torch=={release}.*") if generation == "2.14"
+                 else ("torch-npu", f"torch (=={release}+cpu)"))
     (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: torch_npu\nVersion: {version}\n"
-        f"Requires-Dist: torch (=={_torch_release(version)}+cpu)\n", encoding="utf-8")
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\nRequires-Dist: {pin}\n",
+        encoding="utf-8")
     (info / "top_level.txt").write_text("torch_npu\n", encoding="utf-8")
     if autoload:
-        (info / "entry_points.txt").write_text(
-            "[torch.backends]\ntorch_npu = torch_npu:_autoload\n", encoding="utf-8")
+        points = "[console_scripts]\ntorch_npu_run = torch_npu.distributed.run:_main\n\n" \
+                 "[torch.backends]\ntorch_npu = torch_npu:_autoload\n"
+        if generation == "2.14":
+            points += ("\n[torch_dynamo_backends]\nnpu = torch_npu.dynamo:_npu_backend_entrypoint\n"
+                       "npugraph_ex = torch_npu.dynamo:_npugraph_ex_backend_entrypoint\n"
+                       "npugraphs = torch_npu.dynamo:_npugraphs_backend_entrypoint\n")
+        (info / "entry_points.txt").write_text(points, encoding="utf-8")
     return dest
 
 

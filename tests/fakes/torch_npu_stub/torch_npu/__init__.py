@@ -15,10 +15,20 @@ by ``FAKE_TORCH_NPU_MODE``:
 registers HCCL on import) that is gloo underneath, so a process group can be initialized on the
 CPU; by default no ``hccl`` backend exists.
 
-Like the real wheel (torch_npu 2.5.1 ``__init__``), it switches ``TORCH_DEVICE_BACKEND_AUTOLOAD``
-off, imports torch, and only then fails, leaving the variable at ``0``; ``_autoload`` restores it.
-The package version and its ``torch==<release>+cpu`` pin come from the dist-info that
-``fake_env.build_site`` writes beside it.
+Like the real wheels, it switches ``TORCH_DEVICE_BACKEND_AUTOLOAD`` off, imports torch, and only then
+fails, leaving the variable at ``0``; ``_autoload`` restores it. ``_generation.GENERATION`` (written by
+``fake_env.build_site``) picks which wheel it behaves like where they differ (``ascend_release``'s
+docstring has the citations):
+
+* ``"2.5"`` (torch_npu 2.5.1 ``__init__``): the libhccl/libascendcl ImportError carries "Please check
+  that the cann package is installed. Please run 'source set_env.sh' …"; "npu and npu" is raised
+  for a second registration; a direct ``import torch_npu`` leaves the switch at ``0``.
+* ``"2.14"`` (torch_npu 2.14.0 ``__init__``): the bare ImportError (``torch_npu/npu/utils.py``
+  imports ``torch_npu._C`` before ``_check_npu_import`` could add to it); ``_check_device_conflict``
+  accepts ``npu``, so ``two_accelerators_npu`` does not raise; a successful import ends with
+  ``_autoload()``.
+
+The package version and its torch pin come from the dist-info that ``fake_env.build_site`` writes.
 """
 import importlib.metadata
 import os
@@ -34,24 +44,41 @@ try:
 except importlib.metadata.PackageNotFoundError:
     __version__ = "0.0.0"
 
+try:
+    from ._generation import GENERATION
+except ImportError:  # the stub used in place, not through build_site
+    GENERATION = "2.5"
+
 _MODE = os.environ.get("FAKE_TORCH_NPU_MODE", "ok")
+# torch_npu.utils._error_code.pta_error(ErrCode.NOT_FOUND), 2.5.1 wheel
+_PTA_NOT_FOUND = "\n[ERROR] 2026-01-01-00:00:00 (PID:1, Device:-1, RankID:-1) ERR00008 PTA resource not found"
+
+
+def _missing_cann_lib(lib):
+    message = f"{lib}: cannot open shared object file: No such file or directory"
+    if GENERATION == "2.5":  # torch_npu 2.5.1 __init__: the try around `import torch_npu.npu`
+        what = "runtime" if lib == "libascendcl.so" else "cann"
+        message += (f". Please check that the {what} package is installed. Please run 'source set_env.sh' "
+                    f"in the CANN installation path.{_PTA_NOT_FOUND}")
+    return ImportError(message)
+
 
 if _MODE == "libhccl":
-    raise ImportError("libhccl.so: cannot open shared object file: No such file or directory")
+    raise _missing_cann_lib("libhccl.so")
 if _MODE == "libascendcl":
-    raise ImportError("libascendcl.so: cannot open shared object file: No such file or directory")
+    raise _missing_cann_lib("libascendcl.so")
 if _MODE == "glibcxx":
     raise OSError("/usr/lib/aarch64-linux-gnu/libstdc++.so.6: version `GLIBCXX_3.4.29' not found "
                   "(required by site-packages/torch_npu/lib/libtorch_npu.so)")
 
-if _MODE.startswith("two_accelerators"):
+if _MODE.startswith("two_accelerators") and not (_MODE.endswith("npu") and GENERATION == "2.14"):
     _other = "npu" if _MODE.endswith("npu") else "cuda"
     raise RuntimeError(
         f"Two accelerators cannot be used at the same time in PyTorch: npu and {_other}. You can "
         f"install the cpu version of PyTorch to use your npu device, or use the {_other} device "
         f"with 'export TORCH_DEVICE_BACKEND_AUTOLOAD=0'."
     )
-if _MODE != "ok":
+if _MODE not in ("ok", "two_accelerators_npu"):
     raise RuntimeError(f"FAKE_TORCH_NPU_MODE={_MODE!r} is not a mode of the torch_npu stub")
 
 from . import npu  # noqa: E402
@@ -78,3 +105,7 @@ def _autoload():
     """Entry point of group ``torch.backends``: importing the package is the whole job; like the
     real wheel it restores the autoload switch for subprocesses."""
     os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = ORG_AUTOLOAD
+
+
+if GENERATION == "2.14":  # torch_npu 2.14.0 __init__ ends with `_autoload()`
+    _autoload()
