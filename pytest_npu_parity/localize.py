@@ -86,6 +86,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
+from .budgets import DEFAULT_BUDGET_S  # noqa: F401  (the default of Localizer; also localize.DEFAULT_BUDGET_S)
 from .compare import CompareResult, LeafResult, compare
 from .policy import Tolerance
 from .report import columns as col
@@ -101,10 +102,6 @@ MAX_LOCAL_RUNS = 64
 RECORD_DEPTH = 2
 #: Calls shown after the first divergence in its level, and gradients after the first failing one.
 CONTEXT_ROWS = 2
-#: Default localization budget of one session, wall seconds (``Localizer``). Measured on the Aurora
-#: main job (docs/explanation/performance.md): a fault failing every whole-model and decoder check keeps the
-#: red run within about twice the green one on 2 cores.
-DEFAULT_BUDGET_S = 10.0
 #: A localization's expected cost in units of its check's own duration (``CheckRecord.duration_s``):
 #: two hooked passes, a few local re-runs and smaller passes below (measured on Aurora: 2–3×).
 COST_FACTOR = 3.0

@@ -17,6 +17,8 @@ from typing import Any, Callable, Mapping
 
 import pytest
 
+from ..budgets import DEFAULT_BUDGET_S
+
 #: Keyword arguments of ``@pytest.mark.parity``.
 MARKER_KEYS = ("rtol", "atol", "budget", "reason", "recipes", "vacuous_ok", "policy", "audit", "audit_budget",
                "train_store", "layers")
@@ -152,8 +154,6 @@ def _parse_train_store(value: Any, where: str) -> Any:
 
 
 def _default_budget() -> float:
-    from ..localize import DEFAULT_BUDGET_S  # imports torch: the table is built when pytest asks for options
-
     return DEFAULT_BUDGET_S
 
 
@@ -170,7 +170,7 @@ _POLICY_HELP = (
 def table() -> tuple[Setting, ...]:
     """Every option and ini key, in ``--help`` order (options first, then ini keys only).
 
-    Built on first use (the localization budget's default comes from the engine, which imports torch).
+    Built on first use; nothing it needs imports torch (``budgets``).
     """
     budget = _default_budget()
     rows = [
