@@ -2,14 +2,14 @@
 so in the check's note, and the outputs still fail a planted fault."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.layers import compiled_modules
 from pytest_npu_parity.runner import ParityCase, ParitySession
+
+from pytester_helpers import edited_weight
 
 dynamo = pytest.importorskip("torch._dynamo")
 CPU = torch.device("cpu")
@@ -23,22 +23,6 @@ def mlp() -> torch.nn.Sequential:
         for p in m.parameters():
             p.copy_(torch.randn(p.shape, generator=g) / 4)
     return m
-
-
-def scaled_weight(model: torch.nn.Module):
-    """A patch set that scales the model's first weight by 1 + 1e-4 while the target runs."""
-    @contextlib.contextmanager
-    def patches(device: torch.device):
-        weight = next(model.parameters())
-        with torch.no_grad():
-            saved = weight.clone()
-            weight.mul_(1 + 1e-4)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                weight.copy_(saved)
-    return patches
 
 
 def run(model, patches=None, step=False):
@@ -77,7 +61,7 @@ def test_a_compiled_submodule_is_found_by_its_path():
 def test_a_compiled_module_still_fails_a_planted_fault():
     model = torch.compile(mlp(), backend="eager")
     with pytest.raises(ParityError):
-        run(model, patches=scaled_weight(model))
+        run(model, patches=edited_weight(model, "_orig_mod.0.weight", 1 + 1e-4))
 
 
 def test_a_compiled_train_step_passes_without_graph_breaks():

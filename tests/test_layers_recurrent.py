@@ -3,7 +3,6 @@ GRU model fails, where the LSTM's gates damped the recurrent weight's fault belo
 (a false pass), and a baseline recorded here passes on other CPU kernel paths and thread counts."""
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -18,6 +17,8 @@ from pytest_npu_parity.baselines import SuiteStores
 from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.layers import RECURRENT_SUFFIX, LayerPolicy, judge_layers
 from pytest_npu_parity.runner import ParityCase, ParitySession
+
+from pytester_helpers import edited_weight
 
 CPU = torch.device("cpu")
 TEST_ID = "parity_suites/demo/test_rnn.py::t"
@@ -55,27 +56,12 @@ from recurrent_model import Recurrent, X  # noqa: E402
 WEIGHTS = [n for n, p in Recurrent().named_parameters() if p.dim() == 2]
 
 
-def scaled(model: torch.nn.Module, name: str):
-    @contextlib.contextmanager
-    def patches(device: torch.device):
-        weight = dict(model.named_parameters())[name]
-        with torch.no_grad():
-            saved = weight.clone()
-            weight.mul_(1 + 1e-4)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                weight.copy_(saved)
-    return patches
-
-
 @pytest.mark.parametrize("name", WEIGHTS)
 def test_a_1e4_fault_of_any_weight_fails(name):
     model = Recurrent().eval()
     with pytest.raises(ParityError):
-        ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, "fp32", patches=scaled(model, name)).check(
-            "rnn", model, X)
+        ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, "fp32",
+                   patches=edited_weight(model, name, 1 + 1e-4)).check("rnn", model, X)
 
 
 class DefaultInit(Recurrent):
@@ -94,7 +80,8 @@ def test_the_recurrent_weight_fault_was_a_false_pass_at_the_plain_limit():
     # (the LSTM's output moved by ~9.5e-6, the model's output by ~7e-7: allclose 1e-5 passes it too)
     model = DefaultInit().eval()
     x = torch.randn(4, 20, 16, generator=torch.Generator().manual_seed(1))
-    case = ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, "fp32", patches=scaled(model, "lstm.weight_hh_l0"))
+    case = ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, "fp32",
+                      patches=edited_weight(model, "lstm.weight_hh_l0", 1 + 1e-4))
     with pytest.raises(ParityError, match="Layer check failed"):
         case.check("rnn", model, x)
     assert all(leaf.passed for leaf in case.records[-1].result.leaves)  # the outputs alone pass it
