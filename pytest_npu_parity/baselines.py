@@ -32,13 +32,17 @@ for the file name) gets ``-<10 hex digits of its BLAKE2b>`` appended, so two dif
 share a file. Ids with a NUL byte, an absolute module path or a ``..`` segment are rejected, and
 every path is resolved and verified to lie under ``<root>/<suite>``.
 
-File format (version 2)
------------------------
+File format (version 3; version 2 is read as a file without extras)
+-------------------------------------------------------------------
 Plain safetensors (never pickle), readable with ``safetensors.safe_open`` alone:
 
 * tensors under the key ``"<check>/<leaf path>"`` (``"dec_layer_0/[0]"``,
   ``"model/last_hidden_state"``; the check name alone for a bare-tensor output; ``#2``, ``#3``
   appended on the rare clash) — the authoritative leaf → key map is in the metadata;
+* a check's *extras* (the inputs and weights it was computed from, recorded for replay on a machine
+  whose own random draws differ, :mod:`pytest_npu_parity.checks.replay`) under content addresses
+  ``"@<32 hex digits>"``: a tensor that several checks recorded (the same weights, the same batch)
+  is stored once; each check's record maps ``extras: {"input:<i>" | "weight:<name>": key}``;
 * string metadata: ``format`` (:data:`FORMAT`), ``format_version`` (:data:`FORMAT_VERSION`),
   ``test_id``, ``provenance`` (JSON, see :mod:`pytest_npu_parity.provenance`), ``checks`` (JSON:
   ``{check: {"leaves": {leaf: key}, "none_leaves": [...], "meta": {...}}}``, where ``meta``
@@ -118,8 +122,12 @@ __all__ = [
 #: Value of the ``format`` metadata field of every baseline file.
 FORMAT = "pytest-npu-parity-baseline"
 #: Version of the layout described in this module's docstring; files with a newer version are refused,
-#: files of an older one are stale (re-record them). Version 2: the checksum covers the metadata.
-FORMAT_VERSION = 2
+#: files older than :data:`OLDEST_READABLE` are stale (re-record them). Version 2: the checksum covers the
+#: metadata. Version 3: a check may hold *extras* (recorded inputs and weights for replay, see
+#: ``CheckBaseline.extras``); a version-2 file reads as one without extras.
+FORMAT_VERSION = 3
+#: Oldest format version this plugin still reads.
+OLDEST_READABLE = 2
 #: File suffix of a baseline.
 SUFFIX = ".safetensors"
 #: Suffixes of files that may hold a pickle; such files are refused, never loaded.
@@ -201,12 +209,18 @@ class CheckBaseline:
             :func:`~pytest_npu_parity.provenance.fingerprint_module`), ``submodule`` and anything
             else the runner records. On write the store sets ``shapes`` (leaf -> list of ints)
             and ``dtypes`` (leaf -> ``"bfloat16"``...) from ``tensors``.
+        extras: what the check was computed from, for replay on a machine whose own draws differ
+            (``checks.replay``): ``"input:<i>"`` (the i-th tensor leaf of the call's inputs) and
+            ``"weight:<state_dict name>"`` -> CPU tensor. Stored content-addressed (``"@<digest>"``
+            keys, one copy per distinct tensor in the file) and covered by the checksum; never
+            compared as outputs. Empty in files recorded before format version 3.
     """
 
     name: str
     tensors: dict[str, torch.Tensor]
     none_leaves: list[str] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -423,6 +437,7 @@ class BaselineStore:
         structure_hash: str | None = None,
         structure: dict | Callable[[], dict] | None = None,
         train_recipe: dict | Callable[[], dict] | None = None,
+        replay_refused: str | None = None,
     ) -> CheckBaseline:
         """Return the stored check if it was recorded for this input and configuration.
 
@@ -461,6 +476,8 @@ class BaselineStore:
                 otherwise. A difference from the recorded one (``structure.train_recipe_changes``:
                 ``train recipe changed: optimizer AdamW → SGD, lr 0.0001 → 0.01``) is stale; an entry
                 recorded without one (an older file) makes no claim.
+            replay_refused: why the entry's recorded inputs/weights were not replayed
+                (``checks.replay.plan_replay``); joins the message when the entry is stale.
 
         Raises:
             MissingBaselineError: the file has no entry for ``check``.
@@ -528,6 +545,8 @@ class BaselineStore:
             now_d = {leaf: _dtype_name(d) for leaf, d in dtypes.items() if d is not None}
             changes += _diff_leaves("dtype", was_d, now_d, report_sets=shapes is None)
         if changes:
+            if replay_refused:
+                changes.append(f"not replayed: {replay_refused}")
             error = StaleBaselineError(
                 f"baseline {_show(baseline.path)} is stale for check {check!r}: " + "; ".join(changes)
                 + f". It was recorded on {describe_provenance(baseline.provenance)}. "
@@ -537,7 +556,7 @@ class BaselineStore:
             error.structure_changed = structure_changed
             raise error
         return CheckBaseline(name=recorded.name, tensors=recorded.tensors, none_leaves=recorded.none_leaves,
-                             meta=meta)
+                             meta=meta, extras=recorded.extras)
 
     # ---- writing ---------------------------------------------------------------------------
 
@@ -992,9 +1011,10 @@ def _read_open(path: Path, shown: str, fh: Any, rerecord: str | None = None) -> 
             f"({FORMAT_VERSION}); upgrade pytest-npu-parity",
             path,
         )
-    if version < FORMAT_VERSION:
+    if version < OLDEST_READABLE:
         raise StaleBaselineError(
-            f"baseline {shown} uses format version {version}; this plugin reads version {FORMAT_VERSION} "
+            f"baseline {shown} uses format version {version}; this plugin reads versions {OLDEST_READABLE} to "
+            f"{FORMAT_VERSION} "
             "(whose checksum also covers the test id, provenance and check records, and which records "
             "per-tensor weight digests and order-sensitive input summaries). Re-record it"
             + (f" with: {rerecord}" if rerecord else " with pytest --update-baselines"),
@@ -1030,13 +1050,18 @@ def _read_open(path: Path, shown: str, fh: Any, rerecord: str | None = None) -> 
         missing = [key for key in leaves.values() if key not in stored]
         if missing:
             raise CorruptBaselineError(f"baseline {shown} lacks tensor(s) {missing} of check {name!r}", path)
+        extras = record.get("extras") or {}
+        if not isinstance(extras, dict) or any(key not in stored for key in extras.values()):
+            raise CorruptBaselineError(f"baseline {shown} lacks the recorded inputs/weights of check {name!r}", path)
         used.update(leaves.values())
+        used.update(extras.values())
         checks[name] = CheckBaseline(name=name, tensors={leaf: stored[key] for leaf, key in leaves.items()},
-                                     none_leaves=none_leaves, meta=meta)
+                                     none_leaves=none_leaves, meta=meta,
+                                     extras={what: stored[key] for what, key in extras.items()})
     extra = set(stored) - used
     if extra:
         raise CorruptBaselineError(f"baseline {shown} holds tensors no check describes: {sorted(extra)}", path)
-    tensor_hash = fingerprint_tensors({name: c.tensors for name, c in checks.items()})
+    tensor_hash = _checks_hash(checks)
     if _content_hash(metadata, tensor_hash) != stored_hash:
         raise CorruptBaselineError(
             f"baseline {shown} fails its checksum: its tensors or metadata (test id, provenance, check "
@@ -1076,7 +1101,22 @@ def _encode_checks(checks: dict[str, CheckBaseline]) -> tuple[dict[str, torch.Te
         meta["shapes"] = shapes
         meta["dtypes"] = dtypes
         records[name] = {"leaves": leaves, "none_leaves": sorted(set(check.none_leaves)), "meta": meta}
+        if check.extras:
+            records[name]["extras"] = {what: _store_extra(tensors, what, tensor, name)
+                                       for what, tensor in sorted(check.extras.items())}
     return tensors, records
+
+
+def _store_extra(tensors: dict[str, torch.Tensor], what: str, tensor: Any, check: str) -> str:
+    """Put one extra (a recorded input or weight) into ``tensors`` under its content address
+    ``"@<32 hex digits of its fingerprint>"`` — once, however many checks recorded the same tensor —
+    and return that key."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"check {check!r} extra {what!r} is a {type(tensor).__name__}, not a tensor")
+    copy = _cpu_copy(tensor)
+    key = "@" + fingerprint_tensors(copy)[:32]
+    tensors.setdefault(key, copy)
+    return key
 
 
 def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -1089,9 +1129,23 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _tensor_hash(tensors: dict[str, torch.Tensor], records: dict[str, dict]) -> str:
-    """``fingerprint_tensors`` of every check's leaves (``{check: {leaf: tensor}}``)."""
-    by_check = {name: {leaf: tensors[key] for leaf, key in rec["leaves"].items()} for name, rec in records.items()}
-    return fingerprint_tensors(by_check)
+    """``_checks_hash`` of the encoded checks."""
+    return _fingerprint_checks({name: ({leaf: tensors[key] for leaf, key in rec["leaves"].items()},
+                                       {what: tensors[key] for what, key in (rec.get("extras") or {}).items()})
+                                for name, rec in records.items()})
+
+
+def _checks_hash(checks: dict[str, CheckBaseline]) -> str:
+    """The checksum's tensor part: ``fingerprint_tensors`` of every check's leaves
+    (``{check: {leaf: tensor}}``), with its extras under ``"@extras/<check>"`` when it has any (so a
+    file without extras hashes as format version 2 did)."""
+    return _fingerprint_checks({name: (c.tensors, c.extras) for name, c in checks.items()})
+
+
+def _fingerprint_checks(parts: dict[str, tuple[dict, dict]]) -> str:
+    tree: dict[str, dict] = {name: leaves for name, (leaves, _) in parts.items()}
+    tree.update({f"@extras/{name}": extras for name, (_, extras) in parts.items() if extras})
+    return fingerprint_tensors(tree)
 
 
 #: Metadata fields the checksum covers, in this order (``content_hash`` itself excluded).
@@ -1113,13 +1167,14 @@ def _content_hash(metadata: dict[str, Any], tensor_hash: str) -> str:
 
 def _same_content(old: Baseline, records: dict[str, dict], tensor_hash: str) -> bool:
     old_records = {
-        name: {"leaves": None, "none_leaves": sorted(set(c.none_leaves)), "meta": _normalize(c.meta, "stored meta")}
+        name: {"leaves": None, "none_leaves": sorted(set(c.none_leaves)), "meta": _normalize(c.meta, "stored meta"),
+               "extras": sorted(c.extras)}
         for name, c in old.checks.items()
     }
-    new_records = {name: {**rec, "leaves": None} for name, rec in records.items()}
+    new_records = {name: {**rec, "leaves": None, "extras": sorted(rec.get("extras") or {})} for name, rec in records.items()}
     if old_records != new_records:
         return False
-    old_hash = old.tensor_hash or fingerprint_tensors({n: c.tensors for n, c in old.checks.items()})
+    old_hash = old.tensor_hash or _checks_hash(old.checks)
     return old_hash == tensor_hash
 
 
