@@ -37,6 +37,7 @@ import copy
 import time
 import weakref
 from functools import partial
+from dataclasses import replace
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -44,6 +45,7 @@ import torch
 from .baselines import BaselineError
 from .checks.hooks import check_hook_problems, failure_diagnosis
 from .checks.plan import CaseFacts, CheckPlan
+from .checks.replay import REPLAY_LIMIT_BYTES, plan_replay, recorded_extras
 # Moved to the checks package; re-exported here, where tests, scripts and other modules import them.
 from .checks.record import _LOCALIZATION_COLUMNS, CheckRecord  # noqa: F401
 from .checks.reference import (STALE_CAUSES, Expected, ReferenceSource, StaleSuite,  # noqa: F401
@@ -184,6 +186,8 @@ class ParitySession:
         self.failure_hooks = list(failure_hooks or [])
         self.check_hooks = list(check_hooks or [])
         self.golden_runner = golden_runner if golden_runner is not None else GoldenRunner()
+        #: bytes a check may record for replay (its inputs and weights, ``checks.replay``).
+        self.replay_limit = REPLAY_LIMIT_BYTES
         self._golden_memo: dict[tuple, Any] = {}
         self.records: list[CheckRecord] = []
         self.baseline_writes: dict[str, str] = {}  # test_id -> created/changed/unchanged/not written
@@ -421,6 +425,8 @@ class ParityCase:
                           grad or is_training(fn), audit_budget, layers, owner_module(fn),
                           submodule=submodule, group=group)
         hashes = check_hashes(fn, args, kwargs)
+        given = (args, kwargs)
+        fn, (args, kwargs), hashes, plan = self._replayed(plan, fn, given, hashes, lambda f, g: check_hashes(f, *g))
         own = sample_dim is not None and self.session.rng == "device"
         if sample_dim is not None and (not isinstance(sample_dim, int) or isinstance(sample_dim, bool)):
             raise TypeError(f"parity check {name!r}: sample_dim must be an int (the sample axis), got {sample_dim!r}")
@@ -431,7 +437,7 @@ class ParityCase:
                          grad=grad)
         call = CheckCall("check", fn, args, kwargs, seed, grad, rerun, vacuous_ok, fault_weight, sample_dim,
                          memo=(getattr(plan.layer_policy, "samples", None),), input_changes=side.input_changes)
-        return self._record_or_compare(plan, run, hashes, call, golden)
+        return self._record_or_compare(plan, run, hashes, call, golden, given)
 
     def train_step(self, name: str, module: torch.nn.Module, inputs: Any, *,
                    labels: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
@@ -514,6 +520,9 @@ class ParityCase:
         optimizer = optimizer or default_optimizer
         positional, keywords = _forward_inputs(inputs)
         hashes = check_hashes(module, positional, keywords, modes=False, labels=labels)
+        given = (positional, keywords, labels)
+        module, (positional, keywords, labels), hashes, plan = self._replayed(
+            plan, module, given, hashes, lambda m, g: check_hashes(m, g[0], g[1], modes=False, labels=g[2]))
         # computed when recording, or comparing with a baseline that recorded one
         hashes["train_recipe"] = lambda: train_recipe_of(module, optimizer, max_grad_norm, loss_fn, loop)
         step = training_step(TrainSpec(optimizer, loss_fn, labels is not None, max_grad_norm, loop))
@@ -528,7 +537,7 @@ class ParityCase:
                          replay=replay, memo=(getattr(plan.layer_policy, "samples", None), _Same(optimizer),
                                               _Same(loss_fn), max_grad_norm, _Same(loop)),
                          input_changes=side.input_changes)
-        return self._record_or_compare(plan, run, hashes, call, golden)
+        return self._record_or_compare(plan, run, hashes, call, golden, given)
 
     def compare(self, name: str, actual: Any, expected: Any, *, rtol: float | None = None,
                 atol: float | None = None, budget: float | None = None, reason: str | None = None,
@@ -579,14 +588,15 @@ class ParityCase:
 
     # -- the check's pipeline: settings -> reference (record mode stops there) -> target -> verdict ------
     def _record_or_compare(self, plan: CheckPlan, run: Callable, hashes: dict[str, Any], call: CheckCall,
-                           golden_run: Callable[[], dict]) -> CheckRecord:
+                           golden_run: Callable[[], dict], given: tuple) -> CheckRecord:
         """The tail shared by ``check`` and ``train_step``: in record mode record the reference run
         (``_record``); else the reference (``checks.reference``), the target's run under the patch set
         (audited unless the audit is off), the leaves to compare (``checks.verdict.compared_sides``:
-        compact leaves, optimizer replay, golden) and the verdict that applies (``_settle``)."""
+        compact leaves, optimizer replay, golden) and the verdict that applies (``_settle``). ``given``:
+        the check's inputs as the caller passed them (recorded for replay, ``checks.replay``)."""
         __tracebackhide__ = True
         if self.session.update_baselines:
-            return self._record(plan, run, hashes, call)
+            return self._record(plan, run, hashes, call, given)
         weights = hashes["config_hash"] if call.module is not None else None
         try:
             baseline = self._load_baseline() if self.session.reference in ("auto", "baseline") else None
@@ -605,14 +615,40 @@ class ParityCase:
             sides = compared_sides(sides, call, replay, golden, plan.golden_policy)
         return self._settle(plan, sides, call, judge)
 
-    def _record(self, plan: CheckPlan, run: Callable, hashes: dict[str, Any], call: CheckCall) -> CheckRecord:
-        """Record mode: the reference computation on the target, kept for ``finish``."""
+    def _record(self, plan: CheckPlan, run: Callable, hashes: dict[str, Any], call: CheckCall,
+                given: tuple) -> CheckRecord:
+        """Record mode: the reference computation on the target, kept for ``finish``, with the inputs and
+        weights it was computed from (``checks.replay.recorded_extras``)."""
         __tracebackhide__ = True
+        extras, replay_meta = recorded_extras(call.fn, given, self.session.replay_limit)
         leaves, _ = run(self.target, patched=False)
         rng = "device" if call.sample_dim is not None and self.session.rng == "device" else "shared"
-        self._pending[plan.name], record = recording(self._facts(), plan, leaves, hashes, call, rng)
+        self._pending[plan.name], record = recording(self._facts(), plan, leaves, hashes, call, rng,
+                                                     extras=extras, replay_meta=replay_meta)
         self._keep(record)
         return record
+
+    def _replayed(self, plan: CheckPlan, fn: Any, given: tuple, hashes: dict[str, Any],
+                  rehash: Callable[[Any, tuple], dict[str, Any]]) -> tuple[Any, tuple, dict[str, Any], CheckPlan]:
+        """Compare mode against a baseline entry that recorded its inputs and weights: ``(fn, given,
+        hashes, plan)`` to run the check with — the recorded ones where this machine's differ from them by
+        no more than other random draws explain (``checks.replay.plan_replay``; the plan's notes say so),
+        else as given (a real change then stays stale, and ``hashes["replay_refused"]`` says why)."""
+        if self.session.update_baselines or self.session.reference not in ("auto", "baseline"):
+            return fn, given, hashes, plan
+        try:
+            baseline = self._load_baseline()
+        except BaselineError:
+            return fn, given, hashes, plan  # the check reports it
+        entry = baseline.checks.get(plan.name) if baseline is not None else None
+        if entry is None or not entry.extras:
+            return fn, given, hashes, plan
+        replay, refused = plan_replay(entry.extras, entry.meta, fn, given, hashes)
+        if replay is None:
+            if refused:
+                hashes = dict(hashes, replay_refused=refused)
+            return fn, given, hashes, plan
+        return replay.fn, replay.given, rehash(replay.fn, replay.given), replace(plan, notes=plan.notes + (replay.note,))
 
     def _load_baseline(self):
         __tracebackhide__ = True

@@ -47,8 +47,10 @@ import numpy as np
 import torch
 
 __all__ = ["stable_uniform", "stable_init_", "tensor_key", "MATRIX_STD", "VECTOR_STD", "RELATIVE_STD",
-           "RUNNING_VAR_RANGE"]
+           "RUNNING_VAR_RANGE", "STABLE_MARK"]
 
+#: Attribute set on every submodule :func:`stable_init_` initialized (its seed).
+STABLE_MARK = "_npu_parity_stable_init"
 #: std of a zero-initialized matrix's draw (Hugging Face ``initializer_range``).
 MATRIX_STD = 0.02
 #: std of a vector's draw (biases, non-constant vectors).
@@ -139,7 +141,9 @@ def stable_init_(module: torch.nn.Module, seed: int = 0) -> list[str]:
     so the result does not depend on iteration order or on any global RNG, and two machines with
     any torch ≥ 2.5.1 produce bitwise-identical weights. Values are drawn in float32 and cast to
     the tensor's dtype and device; ``requires_grad`` is kept; integer buffers
-    (``num_batches_tracked``, position ids) are left alone.
+    (``num_batches_tracked``, position ids) are left alone. Every submodule gets the attribute
+    :data:`STABLE_MARK` (the seed): a baseline recording then stores no copy of these weights for replay
+    on other machines (``checks.replay``), since they are the same there.
 
     Args:
         module: any module; tensors on any device, floating dtypes.
@@ -155,4 +159,6 @@ def stable_init_(module: torch.nn.Module, seed: int = 0) -> list[str]:
             continue
         tensor.data.copy_(_draw(name, tensor, seed).to(device=tensor.device, dtype=tensor.dtype))
         written.append(name)
+    for sub in module.modules():  # recordings need not carry these weights (checks.replay)
+        setattr(sub, STABLE_MARK, seed)
     return written

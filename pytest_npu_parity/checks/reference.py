@@ -189,18 +189,20 @@ def baseline_error_record(facts: CaseFacts, plan: CheckPlan, exc: BaselineError,
 
 
 def recording(facts: CaseFacts, plan: CheckPlan, leaves: dict, hashes: dict[str, Any], call: CheckCall,
-              rng: str) -> tuple[CheckBaseline, CheckRecord]:
+              rng: str, extras: dict | None = None, replay_meta: dict | None = None) -> tuple[CheckBaseline, CheckRecord]:
     """Record mode: ``(the baseline entry, the recorded record)`` of the reference run's ``leaves``
-    (a train step's compacted as ``plan.train_store`` says, ``compact``; ``rng`` the run's stream mode)."""
+    (a train step's compacted as ``plan.train_store`` says, ``compact``; ``rng`` the run's stream mode),
+    with the ``extras`` and ``replay_meta`` of ``checks.replay.recorded_extras``."""
 
 
     __tracebackhide__ = True
-    extra_meta = None
+    extra_meta = {"replay": replay_meta} if replay_meta else {}
     if plan.train_store is not None and plan.train_store.mode != "full":
         leaves, compact = compact_leaves(leaves, plan.train_store)
-        extra_meta = {"train_store": plan.train_store.describe(), "compact": compact}
+        extra_meta.update({"train_store": plan.train_store.describe(), "compact": compact})
     entry = pending_entry(plan.name, leaves, hashes, call.seed, plan.submodule, facts.recipe.name, rng=rng,
-                          extra_meta=extra_meta)
+                          extra_meta=extra_meta or None)
+    entry.extras = dict(extras or {})
     return entry, facts.record(plan, "recorded", status="recorded")
 
 

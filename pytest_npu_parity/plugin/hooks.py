@@ -142,7 +142,7 @@ def _make_session(cfg: ParityConfig) -> Any:
     from ..baselines import SuiteStores
     from ..runner import ParitySession, target_audit
 
-    return ParitySession(
+    session = ParitySession(
         cfg.target, reference=cfg.reference, update_baselines=cfg.update_baselines,
         store=SuiteStores(cfg.baseline_root, update_command=cfg.update_command), seed=cfg.seed,
         # Always available, so that @pytest.mark.parity(audit=...) can audit one test; a CPU target is
@@ -153,6 +153,8 @@ def _make_session(cfg: ParityConfig) -> Any:
         check_hooks=[selfcheck.SelfCheck()] if cfg.option("parity_selfcheck") else [],
         rng=cfg.rng, settings=cfg.settings,
     )
+    session.replay_limit = cfg.replay_limit
+    return session
 
 
 def _launch(config: pytest.Config, target: Any) -> None:

@@ -32,7 +32,7 @@ OVERRIDABLE_RECIPES = ("fp32", "bf16", "fp16")
 REGENERATE = "python -m pytest_npu_parity.plugin.options_md > docs/reference/options.md"
 #: The order ``pytest --help`` lists the ini keys in (the options follow ``table()``'s order).
 INI_ORDER = ("parity_device", "parity_audit", "parity_reference", "parity_dtypes", "parity_baseline_dir",
-             "parity_seed", "parity_rng", "parity_lock_timeout", "parity_worker_devices", "parity_localize_budget",
+             "parity_seed", "parity_rng", "parity_lock_timeout", "parity_replay_limit", "parity_worker_devices", "parity_localize_budget",
              "parity_paths", "parity_tolerances", *(f"parity_{r}_{k}" for r in OVERRIDABLE_RECIPES
                                                    for k in ("tolerance", "policy")),
              "parity_deepspeed_config", "parity_layers", "parity_train_store", "parity_policies")
@@ -115,6 +115,18 @@ def _parse_lock_timeout(value: Any, where: str) -> float:
     except ValueError:
         raise pytest.UsageError(f"ini parity_lock_timeout={value!r}: give seconds, a number >= 0") from None
     return seconds
+
+
+def _parse_replay_limit(value: Any, where: str) -> int:
+    """``parity_replay_limit``: MiB (a number >= 0) -> bytes."""
+    try:
+        mib = float(value)
+        if not mib >= 0 or mib == float("inf"):
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"ini parity_replay_limit={value!r}: give MiB, a finite number >= 0 "
+                                "(0 records nothing for replay)") from None
+    return int(mib * 2**20)
 
 
 def _parse_audit_ini(value: Any, where: str) -> str:
@@ -254,6 +266,10 @@ def table() -> tuple[Setting, ...]:
         Setting(ini="parity_lock_timeout", ini_default="1800", parse=_parse_lock_timeout,
                 help="seconds a record run waits for another record run on the same baseline store to finish "
                      "(default 1800)"),
+        Setting(ini="parity_replay_limit", ini_default="16", parse=_parse_replay_limit,
+                help="MiB of inputs and weights a recorded check may store for replay on a machine whose random "
+                     "draws differ (checks.replay; default 16, 0 records none); larger weights are not recorded "
+                     "and the recording says to seed them with stable_init_ or load a checkpoint"),
         Setting(ini="parity_paths", ini_type="linelist", ini_default=["parity_suites"],
                 help="what --update-baselines runs when given no path"),
         Setting(ini="parity_tolerances", ini_type="linelist", ini_default=[],
@@ -427,6 +443,7 @@ class ParityConfig:
         recipes: the recipe names of ``--parity-dtypes`` (None until parsed).
         target: the ``torch.device`` under test (this xdist worker's pinned one).
         reference, seed, rng, audit_mode, localize_budget, lock_timeout: the parsed session values.
+        replay_limit: bytes a recorded check may store for replay (ini ``parity_replay_limit``, MiB).
         settings: ``checks.settings.IniSettings``: tolerances, verdict policies, train store, layer limit.
         baseline_root, baseline_where: the store root and the option or ini key that named it.
         update_command, localize_hint: the commands that re-record / localize (``paths.rerun_command``).
@@ -443,6 +460,7 @@ class ParityConfig:
     audit_mode: str = "off"
     localize_budget: float = 0.0
     lock_timeout: float = 1800.0
+    replay_limit: int = 16 * 2**20
     settings: Any = None
     baseline_root: Path | None = None
     baseline_where: str = ""
@@ -482,6 +500,7 @@ class ParityConfig:
 
         root, where = validate_paths(config, raw)
         lock_timeout = raw.parsed("parity_lock_timeout")
+        replay_limit = raw.parsed("parity_replay_limit")
         prepare()
         from ..checks.settings import IniSettings  # imports torch: after prepare()
 
@@ -499,7 +518,7 @@ class ParityConfig:
                                train_store=train_store, layers=layers)
         return cls(raw=raw, enabled=True, update_baselines=bool(raw.options["update_baselines"]), recipes=recipes,
                    target=device, reference=reference, seed=seed, rng=rng, audit_mode=audit_mode,
-                   localize_budget=budget, lock_timeout=lock_timeout, settings=settings,
+                   localize_budget=budget, lock_timeout=lock_timeout, replay_limit=replay_limit, settings=settings,
                    baseline_root=root, baseline_where=where,
                    update_command=rerun_command(config, "--update-baselines"), localize_hint=localize_command(config))
 

@@ -1,0 +1,70 @@
+"""Record on one machine, compare on another: the own-model examples on another CPU kernel path.
+
+The baselines are recorded here (in-process); the compare runs in a subprocess with
+``ATEN_CPU_CAPABILITY=default``, where ``torch.manual_seed(0)`` followed by ``nn.init``/``torch.randn``
+draws other last bits, as a host CPU of another kind does. Without replay every check there was stale
+("weights changed (… tensors differ …)"); with it each check replays the recorded inputs and weights and
+is judged for real: a target fault still fails, and a real edit of the model is still stale.
+"""
+from __future__ import annotations
+
+import pytest
+from pytester_helpers import edit_module
+from test_own_models import EXAMPLES, FAULT_CONFTEST
+
+OTHER_PATH = {"ATEN_CPU_CAPABILITY": "default"}
+FILES = ["test_gpt2.py", "test_tagger.py"]
+
+
+def _project(pytester: pytest.Pytester, recipes: str = "fp32") -> None:
+    pytester.makeini(f"""
+        [pytest]
+        parity_dtypes = {recipes}
+    """)
+    pytester.makeconftest(FAULT_CONFTEST)
+    for name in FILES:
+        (pytester.path / name).write_text(EXAMPLES[name], encoding="utf-8")
+    result = pytester.runpytest("--update-baselines", *FILES)
+    assert result.ret == 0, result.stdout.str()
+
+
+def _elsewhere(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str, **env: str):
+    for key, value in {**OTHER_PATH, **env}.items():
+        monkeypatch.setenv(key, value)
+    return pytester.runpytest_subprocess("--npu-parity", "--parity-reference", "baseline", "-p", "no:randomly",
+                                         "--parity-localize-budget=0", "-rN", *args)
+
+
+def test_the_examples_compare_green_on_another_kernel_path_by_replaying_what_they_recorded(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    _project(pytester, "fp32,bf16")
+    result = _elsewhere(pytester, monkeypatch)
+    out = result.stdout.str()
+    result.assert_outcomes(passed=4)
+    assert "stale" not in out
+    result.stdout.fnmatch_lines(["10 checks: 10 pass"])
+    # the draws really differ there: GPT-2 replays its recorded weights (its token ids are integers, drawn
+    # the same), the tagger its recorded input (its small LSTM and head are drawn by the scalar path anyway)
+    assert out.count("replayed the recorded inputs (largest draw difference") >= 4, out
+    assert out.count("replayed the recorded weights (largest draw difference") >= 6, out
+
+
+def test_a_target_fault_still_fails_there(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    _project(pytester)
+    result = _elsewhere(pytester, monkeypatch, OWN_MODEL_FAULT="eval:1e-4")
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert "Parity check 'eval' failed" in out and "stale" not in out
+
+
+def test_a_real_edit_of_the_model_is_still_stale_there(pytester: pytest.Pytester,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    _project(pytester)
+    edit_module(pytester.path / "test_tagger.py", "torch.randint(0, 5, (2, 6))",
+                "torch.randint(0, 5, (2, 6))\n    with torch.no_grad():\n        model.head.weight.mul_(1 + 1e-4)")
+    result = _elsewhere(pytester, monkeypatch, "test_tagger.py")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "is stale for check 'eval'" in out
+    assert "not replayed: weight head.weight differs by 0.0001 of its largest value" in out
+    assert "Parity check 'eval' failed" not in out
