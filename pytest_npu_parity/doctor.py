@@ -378,16 +378,23 @@ def _guide_troubleshooting(ctx: _Context, r: SectionResult) -> None:
     """The guides' troubleshooting items that apply here (``troubleshoot``), one fix sentence each.
 
     An overwritten ``aurora/util_functions.py`` (guide §10.4) fails the section (``import aurora``
-    cannot work); missing torch_npu runtime dependencies and a torchvision built for another torch
-    warn. Facts go to ``data["troubleshooting"]``.
+    cannot work); missing torch_npu runtime dependencies, a torchvision built for another torch and the
+    guide's undocumented ``HCCL_TIMEOUT`` warn; numpy 2 beside torch_npu is a detail line (checklist §0.3's
+    pin). Facts go to ``data["troubleshooting"]``.
     """
     found: dict[str, str] = {}
+    # numpy 2 beside torch_npu is advice (the checklist names no CANN release), not a problem by itself
     for key, check, status in (("rope_decoder", troubleshoot.rope_decoder_overwritten, "fail"),
                                ("torch_npu_deps", troubleshoot.missing_torch_npu_deps, "warn"),
-                               ("torchvision", troubleshoot.torchvision_mismatch, "warn")):
+                               ("torchvision", troubleshoot.torchvision_mismatch, "warn"),
+                               ("numpy", troubleshoot.numpy_for_old_cann, "note"),
+                               ("hccl_timeout", troubleshoot.hccl_timeout_set, "warn")):
         sentence = check()
         if sentence:
             found[key] = sentence
+            if status == "note":
+                r.details.append(sentence)
+                continue
             r.worse(status)
             r.fixes.append(sentence)
     r.data["troubleshooting"] = found

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from . import ascend_release
+from . import ascend_release, troubleshoot
 
 if TYPE_CHECKING:  # torch is imported lazily at run time, see the module docstring
     import torch
@@ -462,7 +462,7 @@ def _first_line(exc: BaseException) -> str:
 class _Diagnosis:
     """What went wrong (``detail``), how to fix it, and which autoloaded extension failed, if any."""
 
-    kind: str  # lib_cann | lib_other | two_accelerators | abi | other
+    kind: str  # lib_cann | lib_other | two_accelerators | abi | guide | other
     detail: str
     fix: str
     autoload: str | None = None
@@ -479,6 +479,41 @@ class _Diagnosis:
 
 _MATRIX_FIX = ("reinstall torch, torch_npu and CANN as one row of the version matrix (e.g. CANN "
                f"{SEED_ROW.cann} + torch {SEED_ROW.torch} + torch_npu {SEED_ROW.torch_npu})")
+
+
+def _torch_pin_of_torch_npu() -> tuple[str | None, str | None]:
+    """``(torch_npu version, the torch it pins)`` from the installed wheel's metadata (``Requires-Dist:
+    torch==2.5.1+cpu`` in 2.5.1, ``torch==2.14.0.*`` in 2.14.0), Nones where unknown."""
+    for name in ("torch_npu", "torch-npu"):
+        try:
+            version = importlib.metadata.version(name)
+            requires = importlib.metadata.requires(name) or []
+        except Exception:  # PackageNotFoundError, or a broken dist-info
+            continue
+        for req in requires:
+            match = re.match(r"^torch\s*\(?\s*==\s*([0-9][^\s,;)]*)", req.strip())
+            if match:
+                return version, match.group(1)
+        return version, None
+    return None, None
+
+
+def _cpu_build_fix() -> str:
+    """The fix for "Two accelerators cannot be used at the same time" beside a CUDA build of torch, for
+    the installed torch_npu: the 2.5.1 wheel pins the CPU build (``torch==2.5.1+cpu``); the 2.14.0 wheel
+    pins ``torch==2.14.0.*``, which the index's CUDA build satisfies, and refuses only where a CUDA device
+    is visible (``torch_npu/__init__.py`` ``_check_device_conflict``), so hiding the GPUs works too."""
+    version, pin = _torch_pin_of_torch_npu()
+    if pin is None:
+        return ("install the CPU build of torch that matches torch_npu (e.g. `pip install "
+                f"torch=={SEED_ROW.torch}+cpu --index-url https://download.pytorch.org/whl/cpu` on x86_64)")
+    base = pin.split("+", 1)[0].rstrip(".*")
+    cpu = (f"`pip install torch=={base}+cpu --index-url https://download.pytorch.org/whl/cpu` (x86_64; the CPU "
+           "build torch_npu runs beside)")
+    if pin.endswith("+cpu"):
+        return f"torch_npu {version} pins torch=={pin}: install it, {cpu}"
+    return (f"torch_npu {version} accepts this build (it pins torch=={pin}) but refuses to load where a CUDA device "
+            f"is visible: hide the GPUs from this process (`export CUDA_VISIBLE_DEVICES=`) or install {cpu}")
 
 
 def _diagnose(exc: BaseException) -> _Diagnosis:
@@ -505,14 +540,16 @@ def _diagnose(exc: BaseException) -> _Diagnosis:
             "two_accelerators",
             "Two accelerators cannot be used at the same time: torch_npu is installed beside a "
             "CUDA build of torch",
-            "install the CPU build of torch that matches torch_npu (e.g. `pip install "
-            f"torch=={SEED_ROW.torch}+cpu --index-url https://download.pytorch.org/whl/cpu` on "
-            "x86_64)", autoload)
+            _cpu_build_fix(), autoload)
     abi = next((e for e in chain if re.search(r"GLIBCXX_[\d.]+' not found|undefined symbol", str(e))),
                None)
     if abi is not None:
         return _Diagnosis("abi", _first_line(abi),
                           f"torch, torch_npu and CANN versions do not match; {_MATRIX_FIX}", autoload)
+    guide = next((sentence for sentence in map(troubleshoot.explain_error, chain) if sentence), None)
+    if guide is not None:  # the guides' own items (a numpy 2 ABI error: checklist §0.3's pin)
+        detail, _, fix = guide.partition(": the ")
+        return _Diagnosis("guide", detail, "the " + fix if fix else guide, autoload)
     inner = chain[-1] if autoload and len(chain) > 1 else chain[0]
     return _Diagnosis("other", _first_line(inner),
                       f"check that torch, torch_npu and CANN match the version matrix and "

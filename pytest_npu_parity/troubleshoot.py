@@ -70,9 +70,13 @@ def rope_decoder_overwritten(util_functions: Path | None = None) -> str | None:
 
 
 def explain_error(exc: BaseException) -> str | None:
-    """The sentence for an exception that is one of the guides' items (today: §10.4), or None."""
+    """The sentence for an exception that is one of the guides' items (guide §10.4, checklist §0.3's numpy
+    pin), or None."""
     if ROPE_IMPORT_ERROR in str(exc):
         return f"ImportError: {ROPE_IMPORT_ERROR}: {_ROPE_FIX}"
+    text = str(exc)
+    if any(message in text for message in NUMPY_ABI_MESSAGES):
+        return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}: {NUMPY_FIX}"
     return None
 
 
@@ -128,7 +132,65 @@ def mem_get_info_fallback(device: str, error: str) -> str:
             f"torch.npu.memory_allocated({index}) (or read HBM from `npu-smi info`)")
 
 
+#: The numpy release the migration checklist pins (§0.3: "numpy 使用 1.26.4（规避 numpy 2.x 与低版本 CANN
+#: 兼容问题）" — numpy 1.26.4, to avoid numpy 2.x incompatibilities with older CANN releases).
+CHECKLIST_NUMPY = "1.26.4"
+#: What numpy 2 prints when a module built against numpy 1.x is imported under it (numpy 2.0's
+#: ``_multiarray_umath`` import guard and the C-API table lookup of older extensions).
+NUMPY_ABI_MESSAGES = ("A module that was compiled using NumPy 1.x cannot be run in", "_ARRAY_API not found",
+                      "numpy.core.multiarray failed to import")
+NUMPY_FIX = (f"the migration checklist (§0.3) pins numpy {CHECKLIST_NUMPY} for older CANN releases — "
+             f"pip install numpy=={CHECKLIST_NUMPY}")
+
+
+def numpy_for_old_cann() -> str | None:
+    """Checklist §0.3: numpy 2.x beside torch_npu, where the checklist installs numpy 1.26.4.
+
+    Returns:
+        A sentence when torch_npu and numpy ≥ 2 are installed, else None. The checklist does not say which
+        CANN releases are "older", so this is advice to try when CANN or torch_npu code fails with a numpy
+        error (``NUMPY_ABI_MESSAGES``), not a failure by itself.
+    """
+    if _dist_version("torch_npu") is None and _dist_version("torch-npu") is None:
+        return None
+    version = _dist_version("numpy")
+    if not version or not version.split(".", 1)[0].isdigit() or int(version.split(".", 1)[0]) < 2:
+        return None
+    return (f"numpy {version} is installed beside torch_npu: if `import torch_npu` or a CANN operator fails with a "
+            f"numpy error (\"{NUMPY_ABI_MESSAGES[0]} NumPy 2\", \"{NUMPY_ABI_MESSAGES[1]}\"), {NUMPY_FIX}")
+
+
+#: HCCL's documented timeouts (CANN environment variable reference: ``HCCL_CONNECT_TIMEOUT``, default
+#: 120 s, range [120, 7200], link set-up; ``HCCL_EXEC_TIMEOUT``, default 1800 s, one collective's
+#: execution, rounded down to a multiple of 68 s on Atlas training products) and torch_npu's
+#: ``HCCL_EVENT_TIMEOUT`` (its environment variable reference: must exceed ``HCCL_EXEC_TIMEOUT``).
+HCCL_TIMEOUT_VARIABLES = ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_EVENT_TIMEOUT")
+
+
+def hccl_timeout_set(environ: dict | None = None) -> str | None:
+    """The adaptation guide's launcher exports ``HCCL_TIMEOUT=1800`` (§7.3); neither CANN's environment
+    variable reference nor torch_npu's lists that name, so it changes no timeout that those documents
+    describe.
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+
+    Returns:
+        A sentence when ``HCCL_TIMEOUT`` is set and none of :data:`HCCL_TIMEOUT_VARIABLES` is, else None.
+    """
+    import os
+
+    env = os.environ if environ is None else environ
+    if "HCCL_TIMEOUT" not in env or any(name in env for name in HCCL_TIMEOUT_VARIABLES):
+        return None
+    return (f"HCCL_TIMEOUT={env['HCCL_TIMEOUT']} is set (the adaptation guide's launcher exports it), but CANN's "
+            "and torch_npu's environment variable references document no such variable — set "
+            "HCCL_CONNECT_TIMEOUT (link set-up, default 120 s) and HCCL_EXEC_TIMEOUT (one collective, default "
+            "1800 s) instead, and HCCL_EVENT_TIMEOUT above HCCL_EXEC_TIMEOUT if you set it")
+
+
 def environment_findings() -> list[str]:
     """Every item above that applies to this environment (not ``mem_get_info``, which needs a device)."""
-    checks = (rope_decoder_overwritten, missing_torch_npu_deps, torchvision_mismatch)
+    checks = (rope_decoder_overwritten, missing_torch_npu_deps, torchvision_mismatch, numpy_for_old_cann,
+              hccl_timeout_set)
     return [sentence for sentence in (check() for check in checks) if sentence]

@@ -188,6 +188,25 @@ def _versions(mapping):
     return lambda name: mapping.get(name)
 
 
+def test_numpy_2_beside_torch_npu_gives_the_checklist_pin(monkeypatch):
+    monkeypatch.setattr(troubleshoot, "_dist_version", _versions({"numpy": "2.2.6"}))
+    assert troubleshoot.numpy_for_old_cann() is None  # no torch_npu
+    monkeypatch.setattr(troubleshoot, "_dist_version", _versions({"numpy": "1.26.4", "torch_npu": "2.5.1"}))
+    assert troubleshoot.numpy_for_old_cann() is None  # the pinned release
+    monkeypatch.setattr(troubleshoot, "_dist_version", _versions({"numpy": "2.2.6", "torch_npu": "2.5.1"}))
+    sentence = troubleshoot.numpy_for_old_cann()
+    assert sentence.startswith("numpy 2.2.6 is installed beside torch_npu")
+    assert sentence.endswith("pip install numpy==1.26.4")
+
+
+def test_hccl_timeout_is_not_a_documented_variable():
+    assert troubleshoot.hccl_timeout_set({}) is None
+    assert troubleshoot.hccl_timeout_set({"HCCL_TIMEOUT": "1800", "HCCL_EXEC_TIMEOUT": "1800"}) is None
+    sentence = troubleshoot.hccl_timeout_set({"HCCL_TIMEOUT": "1800"})
+    assert sentence.startswith("HCCL_TIMEOUT=1800 is set (the adaptation guide's launcher exports it)")
+    assert "HCCL_CONNECT_TIMEOUT" in sentence and "HCCL_EXEC_TIMEOUT" in sentence
+
+
 def test_missing_torch_npu_runtime_deps(monkeypatch):
     present = {name: "1.0" for name in troubleshoot.TORCH_NPU_RUNTIME_DEPS}
     monkeypatch.setattr(troubleshoot, "_dist_version", _versions(present))

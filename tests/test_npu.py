@@ -220,6 +220,27 @@ def test_sentence_two_accelerators_cuda():
         "build of torch — install the CPU build of torch that matches torch_npu")
 
 
+@pytest.mark.parametrize(("wheel", "pin", "fix"), [
+    ("2.5.1", "2.5.1+cpu", "torch_npu 2.5.1 pins torch==2.5.1+cpu: install it, `pip install torch==2.5.1+cpu "
+                           "--index-url https://download.pytorch.org/whl/cpu`"),
+    ("2.14.0", "2.14.0.*", "torch_npu 2.14.0 accepts this build (it pins torch==2.14.0.*) but refuses to load where a "
+                           "CUDA device is visible: hide the GPUs from this process (`export CUDA_VISIBLE_DEVICES=`) "
+                           "or install `pip install torch==2.14.0+cpu"),
+])
+def test_sentence_two_accelerators_names_the_build_the_installed_wheel_pins(monkeypatch, wheel, pin, fix):
+    monkeypatch.setattr(npu, "_torch_pin_of_torch_npu", lambda: (wheel, pin))
+    exc = RuntimeError("Two accelerators cannot be used at the same time in PyTorch: npu and cuda.")
+    sentence = npu.explain_import_error(exc)
+    assert fix in sentence and "2.5.1+cpu" not in sentence.replace(fix, "") if wheel == "2.14.0" else fix in sentence
+
+
+def test_sentence_numpy_2_abi_error_gives_the_checklist_pin():
+    exc = ImportError("numpy.core.multiarray failed to import")
+    assert npu.explain_import_error(exc) == (
+        "torch_npu is not importable: ImportError: numpy.core.multiarray failed to import — the migration "
+        "checklist (§0.3) pins numpy 1.26.4 for older CANN releases — pip install numpy==1.26.4")
+
+
 def test_sentence_two_accelerators_registered_twice():
     exc = RuntimeError("Two accelerators cannot be used at the same time in PyTorch: npu and npu")
     sentence = npu.explain_import_error(exc)
@@ -478,8 +499,9 @@ else:
 
 
 @pytest.mark.parametrize("mode, start", [
+    # the stub's metadata pins a torch release, so the fix names what the installed wheel pins
     ("two_accelerators_cuda", "Two accelerators cannot be used at the same time: torch_npu is "
-                              "installed beside a CUDA build of torch — install the CPU build"),
+                              "installed beside a CUDA build of torch — torch_npu "),
     ("two_accelerators_npu", "Two accelerators cannot be used at the same time: torch_npu was "
                              "registered twice"),
 ])

@@ -68,3 +68,24 @@ def test_a_real_edit_of_the_model_is_still_stale_there(pytester: pytest.Pytester
     assert "is stale for check 'eval'" in out
     assert "not replayed: weight head.weight differs by 0.0001 of its largest value" in out
     assert "Parity check 'eval' failed" not in out
+
+
+def test_the_torchvision_example_compares_green_there(pytester: pytest.Pytester,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """resnet18 seeds with stable_init_: its 45 MiB of weights are not recorded (the same everywhere),
+    its images are, and replay. (Its training step, 17-24 s per recipe, is left out here.)"""
+    pytester.makeini("""
+        [pytest]
+        parity_dtypes = fp32,bf16
+    """)
+    source = EXAMPLES["test_resnet.py"]
+    step = next(line for line in source.splitlines() if "parity.train_step(" in line)
+    (pytester.path / "test_resnet.py").write_text(source.replace(step + "\n", ""), encoding="utf-8")
+    result = pytester.runpytest("--update-baselines", "test_resnet.py")
+    assert result.ret == 0, result.stdout.str()
+    for path in (pytester.path / "baselines").rglob("*.safetensors"):
+        assert path.stat().st_size < 200_000, path  # the images and logits, not the weights
+    result = _elsewhere(pytester, monkeypatch)
+    result.assert_outcomes(passed=2)
+    out = result.stdout.str()
+    assert "stale" not in out and out.count("replayed the recorded inputs") == 2, out
