@@ -389,6 +389,14 @@ def _named_fields(obj: Any) -> list[tuple[str, Any]] | None:
     return None
 
 
+def is_cache(obj: Any) -> bool:
+    """Whether ``obj`` is a Hugging Face key/value cache: an instance of a class named ``Cache`` or
+    of a subclass (``transformers.cache_utils``: ``DynamicCache``, ``StaticCache``,
+    ``EncoderDecoderCache``, …), recognized by its class names so that transformers is never
+    imported here. A cache is state: a call given one adds its keys and values to it."""
+    return any(cls.__name__ == "Cache" for cls in type(obj).__mro__)
+
+
 def cache_fields(obj: Any) -> dict[str, Any] | None:
     """The contents of a Hugging Face key/value cache as a plain structure, or None for any other object.
 
@@ -408,8 +416,7 @@ def cache_fields(obj: Any) -> dict[str, Any] | None:
     Raises:
         TypeError: a ``Cache`` with none of these layouts, naming its class.
     """
-    kinds = type(obj).__mro__
-    if not any(cls.__name__ == "Cache" for cls in kinds):
+    if not is_cache(obj):
         return None
     if hasattr(obj, "self_attention_cache") and hasattr(obj, "cross_attention_cache"):
         return {"self_attention_cache": obj.self_attention_cache, "cross_attention_cache": obj.cross_attention_cache}

@@ -51,6 +51,23 @@ sparse one densified, and one that cannot be converted is left out; the table's 
 A submodule call that raises when re-run alone on the reference's inputs keeps its total error
 and a note; the descent goes on.
 
+Stateful arguments: a call's inputs are recorded as they were when the call began (``_snapshot``,
+at its forward pre-hook). Tensors are copied (as before); so is every argument that holds state the
+call or the rest of the run changes — a Hugging Face key/value cache (``DynamicCache``,
+``EncoderDecoderCache``, … recognized by class name, transformers is not imported) that each
+decoder layer adds its keys to and that ``generate`` hands to every step, or any other object with
+attributes (``runtime.side.is_state``): a deep copy with its tensors on the CPU
+(``runtime.side.copy_state``; modules and parameters it refers to are shared, not copied). Each
+re-run gets its own fresh copy of that snapshot on its device, so a re-run starts from the cache the
+call began with (not the one the whole run filled: "The size of tensor a (20) must match the size
+of tensor b (10)") and never changes the snapshot or the next re-run. Within one pass the snapshots
+share the CPU copy of a tensor that has not changed since an earlier recorded call (same object,
+same version counter): recording every decoder layer's cache holds the cache about once, not once
+per layer. Mappings keep their type (T5's ``encoder_outputs`` stays a ``BaseModelOutput``, read as
+``encoder_outputs[0]``), and a cache a call returns is compared by its layers' keys and values
+(``compare.cache_fields``). Scopes whose inputs hold such a snapshot are not shared
+(``LocalizationCache``: the snapshot has no fingerprint).
+
 Within a budget (``Localizer``, the session's failure hook in the plugin): a red run often fails
 everywhere at once, and every failing check of one model would otherwise re-run both sides level by
 level. The ``Localizer`` therefore
@@ -79,6 +96,7 @@ import math
 import random
 import shlex
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -87,11 +105,11 @@ import numpy as np
 import torch
 
 from .budgets import DEFAULT_BUDGET_S  # noqa: F401  (the default of Localizer; also localize.DEFAULT_BUDGET_S)
-from .compare import CompareResult, LeafResult, compare
+from .compare import CompareResult, LeafResult, cache_fields, compare
 from .policy import Tolerance
 from .report import columns as col
 from .rng import same_randomness
-from .runtime.side import _move
+from .runtime.side import _move, copy_state, is_state
 
 #: Deepest scope the descent enters (a safety bound; Aurora's deepest module path has 8 parts).
 MAX_LEVELS = 16
@@ -336,28 +354,84 @@ class _View:
     counts: Counter
 
 
-def _cpu_copy(obj: Any) -> Any:
-    """Detached CPU copies of the tensors in a nested structure (other objects kept as they are)."""
+class _State:
+    """A stateful argument of a recorded call as it was when the call began (``_snapshot``).
+
+    ``copy`` is a copy of the object (``runtime.side.copy_state``) whose tensors are detached CPU
+    copies and whose device attributes say ``cpu``; it is never run: each re-run gets its own
+    ``fresh`` copy, so a re-run that adds to a cache changes neither the snapshot nor the next re-run.
+    """
+
+    __slots__ = ("copy",)
+
+    def __init__(self, copy_: Any):
+        self.copy = copy_
+
+    def fresh(self, device: torch.device) -> Any:
+        """A new copy of the snapshot with its tensors (and device attributes) on ``device``."""
+        return copy_state(self.copy, lambda t: t.to(device, copy=True), device)
+
+
+def _detached_cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _rebuild(obj: Mapping, items: dict) -> Any:
+    """``items`` as a mapping of ``obj``'s type where it can be built from a dict (a Hugging Face
+    ``ModelOutput`` such as T5's ``encoder_outputs``, read by index as ``encoder_outputs[0]``), else
+    the dict itself."""
+    if type(obj) is dict:
+        return items
+    try:
+        return type(obj)(items)
+    except Exception:  # noqa: BLE001 - a mapping type without a dict constructor (defaultdict): a plain dict
+        return items
+
+
+def _snapshot(obj: Any, tensor: Any = _detached_cpu) -> Any:
+    """What a recorded call is re-run on later: the inputs as they were when it began.
+
+    Tensors become ``tensor(t)`` (detached CPU copies); tuples, lists and mappings are walked (a
+    mapping keeps its type, ``_rebuild``); a stateful object (``runtime.side.is_state``: a Hugging
+    Face ``Cache``, any other object with attributes) becomes a ``_State`` holding a copy of it as it
+    is now, since the call and the rest of the run change it (a decoder layer adds its keys to the
+    cache it is given). An object that cannot be copied is kept as it is (a re-run then sees its
+    state at that time). Other objects (numbers, strings, modules, functions) are kept as they are.
+    """
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return tensor(obj)
     if isinstance(obj, tuple):
-        return tuple(_cpu_copy(v) for v in obj)
+        return tuple(_snapshot(v, tensor) for v in obj)
     if isinstance(obj, list):
-        return [_cpu_copy(v) for v in obj]
+        return [_snapshot(v, tensor) for v in obj]
     if isinstance(obj, Mapping):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
+        return _rebuild(obj, {k: _snapshot(v, tensor) for k, v in obj.items()})
+    if is_state(obj):
+        try:
+            return _State(copy_state(obj, tensor, torch.device("cpu")))
+        except Exception:  # noqa: BLE001 - cannot be copied (a lock, an open file): the live object
+            return obj
     return obj
 
 
+def _cpu_copy(obj: Any) -> Any:
+    """Detached CPU copies of the tensors in a nested structure, stateful objects as snapshots (``_snapshot``)."""
+    return _snapshot(obj)
+
+
 def _to_device(obj: Any, device: torch.device) -> Any:
+    """A recorded structure (``_snapshot``) ready to run on ``device``: tensors moved, each
+    ``_State`` a fresh copy of its snapshot, mappings of their own type."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return obj.to(device, copy=True)  # a call that changes its input in place leaves the recording as it was
+    if isinstance(obj, _State):
+        return obj.fresh(device)
     if isinstance(obj, tuple):
         return tuple(_to_device(v, device) for v in obj)
     if isinstance(obj, list):
         return [_to_device(v, device) for v in obj]
     if isinstance(obj, Mapping):
-        return {k: _to_device(v, device) for k, v in obj.items()}
+        return _rebuild(obj, {k: _to_device(v, device) for k, v in obj.items()})
     return obj
 
 
@@ -390,7 +464,9 @@ def output_leaves(output: Any, prefix: str = "", notes: dict[str, set[str]] | No
     """``{path: detached CPU copy}`` of every tensor in a module's output.
 
     Tuples, lists and mappings (also Hugging Face ``ModelOutput``) are walked (``[i]`` and ``.key``
-    paths, as ``compare.flatten`` names them); anything else (None, numbers, strings) is skipped.
+    paths, as ``compare.flatten`` names them), a Hugging Face key/value cache as its
+    ``compare.cache_fields`` (``past_key_values.layers[0].keys``); anything else (None, numbers,
+    strings) is skipped.
     Nested and sparse tensors are converted by ``comparable`` (padded with zeros, densified); a
     tensor that cannot be converted is left out. With ``notes``, ``where`` (the module path) is
     added to ``notes["padded"]``/``notes["dense"]`` for a conversion and to
@@ -409,6 +485,13 @@ def output_leaves(output: Any, prefix: str = "", notes: dict[str, set[str]] | No
     elif isinstance(output, Mapping):
         for key, value in output.items():
             leaves.update(output_leaves(value, f"{prefix}.{key}" if prefix else str(key), notes, where))
+    else:
+        try:
+            fields = cache_fields(output)  # a key/value cache: its layers' keys and values
+        except TypeError:  # a cache of an unknown layout: not compared
+            fields = None
+        if fields is not None:
+            leaves.update(output_leaves(fields, prefix, notes, where))
     return leaves
 
 
@@ -456,6 +539,7 @@ class _Recorder:
         self.last_done: dict[str, int] = {}
         self.done = 0
         self._handles: list[Any] = []
+        self._copied: dict[int, tuple[Any, int, Any]] = {}  # id -> (tensor weakref, version, copy weakref)
 
     def __enter__(self) -> "_Recorder":
         for module in self.names:
@@ -475,11 +559,31 @@ class _Recorder:
         parent, parent_depth = (self.stack[-1][0].key, self.stack[-1][1]) if self.stack else (None, 0)
         depth = 1 if parent == self.scope else parent_depth + 1 if 0 < parent_depth < self.depth else 0
         if depth:
-            call.inputs = _cpu_copy((args, kwargs))
+            call.inputs = _snapshot((args, kwargs), self._cpu)
             call.rng = _rng_state()
             call.state = _mode_state(self.device_type)
             call.parent, call.rec_depth = parent, depth
         self.stack.append((call, depth))
+
+    def _cpu(self, t: torch.Tensor) -> torch.Tensor:
+        """A detached CPU copy of input tensor ``t``, shared with the earlier recorded calls of this
+        pass that were given the same tensor unchanged (same object, same version counter): the
+        snapshots of a cache taken at each decoder layer share the copies of the layers already
+        filled, so recording N layers holds the cache about once, not N/2 times. Recorded tensors
+        are never changed (``_to_device`` copies them for a re-run)."""
+        try:
+            version = t._version
+            ref = weakref.ref(t)
+        except (RuntimeError, TypeError):  # an inference tensor has no version counter
+            return _detached_cpu(t)
+        hit = self._copied.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == version:
+            copied = hit[2]()
+            if copied is not None:
+                return copied
+        copied = _detached_cpu(t)
+        self._copied[id(t)] = (ref, version, weakref.ref(copied))
+        return copied
 
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         call, depth = self.stack.pop()
@@ -590,8 +694,27 @@ def _worst(result: CompareResult) -> LeafResult | None:
     return max(result.leaves, key=severity, default=None)
 
 
+def _plain(obj: Any, depth: int = 0) -> Any:
+    """A snapshot's copy (``_State.copy``) as nested dicts and lists of its attributes, for ``_same``
+    (its type and devices left out: the snapshots of both sides are compared by their contents)."""
+    if isinstance(obj, torch.device):
+        return None
+    if isinstance(obj, torch.Tensor) or depth >= 32:
+        return obj
+    if isinstance(obj, (tuple, list)):
+        return [_plain(v, depth + 1) for v in obj]
+    if isinstance(obj, Mapping):
+        return {k: _plain(v, depth + 1) for k, v in obj.items()}
+    if is_state(obj) and hasattr(obj, "__dict__"):
+        return {"": type(obj), **{k: _plain(v, depth + 1) for k, v in vars(obj).items()}}
+    return obj
+
+
 def _same(a: Any, b: Any) -> bool:
-    """Bitwise-equal nested inputs (tensors by ``torch.equal``, other objects by ``==``)."""
+    """Bitwise-equal nested inputs (tensors by ``torch.equal``, snapshots of stateful arguments by
+    their attributes, other objects by ``==``)."""
+    if isinstance(a, _State) or isinstance(b, _State):
+        return isinstance(a, _State) and isinstance(b, _State) and _same(_plain(a.copy), _plain(b.copy))
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype != b.dtype:
             return False
@@ -726,8 +849,9 @@ class LocalizationCache:
     (``_patch_key``), the tolerance and the table's limits. The *first divergence* below a scope is
     decided by local comparisons (the target's module on the reference's inputs), so it depends on
     these alone; the total and inherited columns of a shared row are those of the check that
-    computed it. Modules with a submodule in training mode, train steps and bound methods' own
-    scopes are not shared.
+    computed it. Modules with a submodule in training mode, train steps, bound methods' own
+    scopes and scopes entered with a stateful argument (a key/value cache: ``_State``, which has no
+    fingerprint) are not shared.
     """
 
     def __init__(self) -> None:

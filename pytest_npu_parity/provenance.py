@@ -353,7 +353,8 @@ def fingerprint_tensors(obj: Any) -> str:
     CPU copy — so ``-0.0`` and ``0.0``, or two NaN payloads, differ), numpy arrays (as tensors),
     ``None``, ``bool``/``int``/``float`` (floats exactly, via ``float.hex``), ``str``, ``bytes``,
     ``torch.dtype``, ``torch.device`` and Hugging Face configs (a ``GenerationConfig`` passed to
-    ``generate``: its ``structure.config_dict``, with the class name). Containers are mappings (keys sorted by their string
+    ``generate``: its ``structure.config_dict``, with the class name) and Hugging Face key/value
+    caches (``past_key_values``: their ``compare.cache_fields``, with the class name). Containers are mappings (keys sorted by their string
     form, so insertion order does not matter), tuples and lists; every leaf's path
     (``["x"][0]``) is part of the digest, so the same numbers in a different structure differ.
     The device a tensor lives on is not part of the digest.
@@ -407,6 +408,9 @@ def _feed(hasher: Any, obj: Any, path: str) -> None:
         _put(hasher, tag, b"seq", str(len(obj)).encode())
         for i, value in enumerate(obj):
             _feed(hasher, value, f"{path}[{i}]")
+    elif (fields := _cache_fields(obj)) is not None:  # past_key_values: a DynamicCache, an EncoderDecoderCache
+        _put(hasher, tag, b"cache", type(obj).__name__.encode())
+        _feed(hasher, fields, path)
     elif (config := _config_dict(obj)) is not None:  # a GenerationConfig passed to generate()
         _put(hasher, tag, b"config", type(obj).__name__.encode())
         _feed(hasher, config, path)
@@ -416,6 +420,12 @@ def _feed(hasher: Any, obj: Any, path: str) -> None:
             f"cannot fingerprint a {type(obj).__name__} at {where}: use tensors, numbers, strings, "
             "None, Hugging Face configs, or tuples/lists/dicts of them"
         )
+
+
+def _cache_fields(obj: Any) -> dict | None:
+    from .compare import cache_fields
+
+    return cache_fields(obj)
 
 
 def _config_dict(obj: Any) -> dict | None:
@@ -632,7 +642,8 @@ def _leaf_summary(name: str, tensor: torch.Tensor) -> list:
 
 def summarize_tensors(obj: Any) -> list:
     """Per tensor leaf of a nested structure: ``[path, numel, sum, sum of squares, max |x|,
-    position-weighted sum]`` (float64 numbers; ``path`` as ``.key``/``[i]``).
+    position-weighted sum]`` (float64 numbers; ``path`` as ``.key``/``[i]``; a Hugging Face
+    key/value cache is walked as its ``compare.cache_fields``).
 
     The position-weighted sum ``sum_i w_i x_i`` (``w_i`` in [-1, 1) a hash of the flat position
     ``i``) makes the summary order-sensitive: the same values in another order (rows swapped, a
@@ -652,6 +663,8 @@ def summarize_tensors(obj: Any) -> list:
         elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
             for i, v in enumerate(value):
                 walk(v, f"{path}[{i}]")
+        elif (fields := _cache_fields(value)) is not None:  # a key/value cache: its layers' tensors
+            walk(fields, path)
 
     walk(obj, "")
     return out

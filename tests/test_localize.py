@@ -604,3 +604,63 @@ def test_a_call_that_cannot_be_rerun_alone_keeps_the_localization_going(net, x):
     # blocks.3 inherits the error and is re-run for the table; alone, it raises: a note, no crash
     assert "blocks.3 could not be re-run alone on the reference's inputs (RuntimeError: needs state" in message
     assert "First divergence: blocks.2.b (Linear)" in message
+
+
+# --------------------------------------------------------------------------------------------
+# stateful arguments: a re-run starts from the state the call began with
+
+
+class Memory:
+    """A plain object of one's own that each layer appends its input to (a cache without transformers)."""
+
+    def __init__(self):
+        self.seen: list[torch.Tensor] = []
+
+
+class Remembering(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, memory: Memory) -> torch.Tensor:
+        memory.seen.append(x)
+        return self.lin(x) + torch.stack(memory.seen).mean(0)  # depends on what the earlier layers left
+
+
+class MemoryNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Remembering() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memory = Memory()
+        for layer in self.layers:
+            x = layer(x, memory)
+        return x
+
+
+def test_a_stateful_argument_is_rerun_with_the_state_the_call_began_with(x):
+    torch.manual_seed(0)
+    model = MemoryNet().eval()
+    message, extra = _fail(ParityCase(_session(), "t::memory", patches=_scaled(model, "layers.1.lin.weight")),
+                           "memory", model, x)
+    assert "did not reproduce its output bitwise" not in message and "could not be re-run" not in message
+    assert _first(extra)["submodule"] == "layers.1.lin"
+    rows = {r["submodule"]: r for r in extra["localization"]}
+    # Re-run alone on the reference's input and the memory as layers.2 found it (two entries, not the
+    # run's final three plus its own): exactly the reference's output, so its error is all inherited.
+    assert rows["layers.2"]["verdict"] == "inherited" and rows["layers.2"]["local_max_abs"] == 0.0
+
+
+def test_recorded_snapshots_share_unchanged_tensors_and_reruns_never_change_them(x):
+    torch.manual_seed(0)
+    model = MemoryNet().eval()
+    with _Recorder(model, ("", 0), "cpu", depth=1) as recorder, torch.no_grad():
+        model(x)
+    states = [c.inputs[0][1] for c in recorder.calls]  # each layer's memory argument, as it began
+    assert [len(s.copy.seen) for s in states] == [0, 1, 2]
+    assert states[2].copy.seen[0] is states[1].copy.seen[0]  # the same unchanged tensor is held once
+    fresh = states[2].fresh(torch.device("cpu"))
+    fresh.seen.append(x)
+    fresh.seen[0].add_(1.0)
+    assert len(states[2].copy.seen) == 2 and not torch.equal(states[2].copy.seen[0], fresh.seen[0])

@@ -369,6 +369,25 @@ def test_fingerprint_rejects_unknown_objects_naming_the_path():
         fingerprint_tensors({"cfg": [1, object()]})
 
 
+def test_fingerprint_and_summary_of_a_key_value_cache_follow_its_tensors():
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+
+    def cache(keys: torch.Tensor):
+        made = cache_utils.DynamicCache()
+        made.update(keys, keys * 2, 0)
+        return made
+
+    keys = torch.arange(16.0).reshape(1, 2, 2, 4)
+    digest = fingerprint_tensors({"past_key_values": cache(keys)})
+    assert digest == fingerprint_tensors({"past_key_values": cache(keys.clone())})  # the contents, not the object
+    changed = keys.clone()
+    changed[0, 1, 1, 3] += 1
+    assert fingerprint_tensors({"past_key_values": cache(changed)}) != digest
+    assert fingerprint_tensors({"past_key_values": [keys, keys * 2]}) != digest  # the class name is part of it
+    summary = prov_mod.summarize_tensors({"past_key_values": cache(keys)})
+    assert [row[0] for row in summary] == [".past_key_values.layers[0].keys", ".past_key_values.layers[0].values"]
+
+
 # --------------------------------------------------------------------------------------------
 # fingerprint_module
 

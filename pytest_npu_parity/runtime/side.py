@@ -20,6 +20,8 @@ import dataclasses
 import linecache
 import os
 import re
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -27,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..audit import DEFAULT_LOGICAL_TARGET, DeviceAudit
-from ..compare import flatten
+from ..compare import flatten, is_cache
 from ..layers import DEFAULT_SAMPLES, capture_layers
 from ..modules import owner_module
 from ..recipes import RECIPES, Recipe, RecipeUnsupportedError, strict_fp32_flags
@@ -150,6 +152,71 @@ def trainable_copy(module: torch.nn.Module) -> torch.nn.Module:
     return fresh
 
 
+#: How deep ``copy_state`` looks for tensors inside an object's attributes and containers.
+STATE_DEPTH = 32
+#: Objects ``copy_state`` never looks into (nor ``is_state`` counts as state): code, classes, modules.
+_NOT_STATE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+              torch.nn.Module, torch.dtype, torch.device, torch.Generator)
+
+
+def is_state(obj: Any) -> bool:
+    """Whether ``obj``, an argument of a call that is not a tensor, number, string or container, is
+    an object whose state the call may change: a Hugging Face cache (``compare.is_cache``, by class
+    name) or any other object with attributes (``__dict__`` or ``__slots__``), except modules,
+    classes, functions, methods, dtypes, devices and generators."""
+    if obj is None or isinstance(obj, (torch.Tensor, str, bytes, bytearray, int, float, complex, tuple, list,
+                                       Mapping, set, frozenset) + _NOT_STATE):
+        return False
+    return is_cache(obj) or hasattr(obj, "__dict__") or bool(getattr(type(obj), "__slots__", ()))
+
+
+def copy_state(obj: Any, tensor: Callable[[torch.Tensor], torch.Tensor], device: torch.device | None = None) -> Any:
+    """A deep copy of ``obj`` (a key/value cache, any object holding state) whose tensors are ``tensor(t)``.
+
+    Every tensor found in ``obj``'s attributes (``__dict__``, ``__slots__``), lists, tuples, sets
+    and mapping values, down to ``STATE_DEPTH`` levels, is replaced by ``tensor(t)`` (once per tensor
+    object, so two references to one tensor stay one tensor); parameters and modules are kept as
+    they are (shared with the original, never copied); everything else is ``copy.deepcopy``'d. With
+    ``device``, every ``torch.device`` attribute equal to the device of one of ``obj``'s tensors
+    becomes ``device`` (a cache layer records where its tensors live: ``DynamicLayer.device``).
+
+    Raises:
+        Whatever ``copy.deepcopy`` raises for a part of ``obj`` that cannot be copied (a lock, an
+        open file), or ``tensor`` raises.
+    """
+    memo: dict[int, Any] = {}
+    devices: list[torch.device] = []
+    where: set[torch.device] = set()
+
+    def walk(value: Any, depth: int) -> None:
+        if id(value) in memo:
+            return
+        if isinstance(value, (torch.nn.Parameter, torch.nn.Module)):
+            memo[id(value)] = value
+        elif isinstance(value, torch.Tensor):
+            memo[id(value)] = tensor(value)
+            where.add(value.device)
+        elif isinstance(value, torch.device):
+            devices.append(value)
+        elif depth < STATE_DEPTH and not isinstance(value, _NOT_STATE + (str, bytes, bytearray, int, float)):
+            if isinstance(value, Mapping):
+                children = list(value.values())
+            elif isinstance(value, (list, tuple, set, frozenset)):
+                children = list(value)
+            else:
+                children = list(vars(value).values()) if hasattr(value, "__dict__") else []
+                children += [getattr(value, n) for n in getattr(type(value), "__slots__", ()) if hasattr(value, n)]
+            for child in children:
+                walk(child, depth + 1)
+
+    walk(obj, 0)
+    if device is not None:
+        for found in devices:
+            if found in where and id(found) not in memo:
+                memo[id(found)] = torch.device(device)
+    return copy.deepcopy(obj, memo)
+
+
 def _move(obj: Any, device: torch.device, float_dtype: torch.dtype | None = None) -> Any:
     """Copy every tensor in a nested structure to ``device`` (floating ones cast to ``float_dtype``).
 
@@ -157,8 +224,13 @@ def _move(obj: Any, device: torch.device, float_dtype: torch.dtype | None = None
     dtype: a CPU reference, a CPU target): each side runs on its own copy of the caller's inputs,
     so a computation that changes an input in place (``x.sub_(mean)``, ``masked_fill_`` on a mask
     argument) changes neither the caller's tensor nor what the next side is given. A copy of a
-    tensor that requires grad stays connected to it, as a copy to another device is.
+    tensor that requires grad stays connected to it, as a copy to another device is. A Hugging
+    Face key/value cache (``compare.is_cache``) is copied too (``copy_state``, its tensors moved
+    this way): a forward given ``past_key_values`` adds to the cache, and each side must start from
+    the caller's.
     """
+    if is_cache(obj):
+        return copy_state(obj, lambda t: _move(t, device, float_dtype), device)
     if isinstance(obj, torch.Tensor):
         if float_dtype is not None and obj.is_floating_point():
             moved = obj.to(device=device, dtype=float_dtype)
