@@ -89,3 +89,27 @@ def test_the_torchvision_example_compares_green_there(pytester: pytest.Pytester,
     result.assert_outcomes(passed=2)
     out = result.stdout.str()
     assert "stale" not in out and out.count("replayed the recorded inputs") == 2, out
+
+
+def test_parity_replay_limit_bounds_what_a_recording_carries(pytester: pytest.Pytester) -> None:
+    pytester.makeini("""
+        [pytest]
+        parity_dtypes = fp32
+        parity_replay_limit = 0
+    """)
+    (pytester.path / "test_tagger.py").write_text(EXAMPLES["test_tagger.py"], encoding="utf-8")
+    result = pytester.runpytest("--update-baselines", "test_tagger.py")
+    assert result.ret == 0, result.stdout.str()
+    from safetensors import safe_open
+
+    (path,) = (pytester.path / "baselines").rglob("*.safetensors")
+    with safe_open(str(path), framework="pt") as fh:
+        assert not [key for key in fh.keys() if key.startswith("@")]
+        assert "over the 0 MiB replay limit" in fh.metadata()["checks"]
+    pytester.makeini("""
+        [pytest]
+        parity_replay_limit = -1
+    """)
+    result = pytester.runpytest("--npu-parity", "test_tagger.py")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*ini parity_replay_limit='-1': give MiB, a finite number >= 0*"])
