@@ -191,6 +191,19 @@ def test_train_step_under_golden_passes_unchanged_and_fails_a_fault():
             "step", TinyNet(), inputs)
 
 
+def test_bf16_weights_train_step_trains_bf16_weights_and_fails_a_fault():
+    # the step's module copy is cast as its inputs are: before, every bf16-weights step failed with a
+    # RecipeUnsupportedError ("mat1 and mat2 must have the same dtype, but got BFloat16 and Float")
+    y = torch.linspace(-1, 1, 32)
+    inputs = {"x": X, "y": y}
+    record = case("bf16-weights").train_step("step", TinyNet(), inputs)
+    assert record.status == "pass"
+    params = [leaf for leaf in record.result.leaves if leaf.path.startswith("param.")]
+    assert params and {leaf.dtype for leaf in params} == {"bfloat16"}
+    with pytest.raises(ParityError):
+        case("bf16-weights", target_patch(scale=1 + 5e-2)).train_step("step", TinyNet(), inputs)
+
+
 def test_compare_uses_a_given_golden_and_notes_a_missing_one():
     golden = torch.linspace(0, 1, 100, dtype=torch.float64)
     expected = golden.float() + 1e-7

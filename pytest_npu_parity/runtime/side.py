@@ -115,9 +115,11 @@ class _CopyOnEntry:
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
 
-    def copy(self, device: torch.device) -> torch.nn.Module:
-        """``trainable_copy(module).to(device)``."""
-        return trainable_copy(self.module).to(device)
+    def copy(self, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """``trainable_copy(module).to(device)``, its floating tensors in ``dtype`` when given (the
+        recipe's ``weights_dtype``: a ``bf16-weights`` step trains bf16 weights, as its inputs are)."""
+        copy = trainable_copy(self.module).to(device)
+        return copy.to(dtype) if dtype is not None else copy
 
 
 class _RunRecipe:
@@ -481,8 +483,8 @@ def _call(side: Side, spec: RunSpec, device: torch.device, patched: bool, audit:
             # A patch context that names no patches (a user's parity_patches override) is named
             # after its factory, so that the report never says "none" while patches ran.
             side.patches_applied.update(names if names is not None else (patch_factory_name(side.patches),))
-        args = tuple(a.copy(device) if isinstance(a, _CopyOnEntry) else side.recipe if a is RUN_RECIPE else a
-                     for a in spec.args)
+        args = tuple(a.copy(device, weights_dtype) if isinstance(a, _CopyOnEntry) else side.recipe if a is RUN_RECIPE
+                     else a for a in spec.args)
         call = _placed_call(side, spec.fn, device)
         args_d, kwargs_d = _move(args, device, weights_dtype), _move(spec.kwargs, device, weights_dtype)
         stack.enter_context(side.recipe.context(device) if spec.recipe_context else strict_fp32_flags())
