@@ -541,3 +541,12 @@ def test_bad_ini_parity_rng_is_a_usage_error(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--npu-parity")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*ini parity_rng='cpu': use shared or device*"])
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_bad_ini_parity_lock_timeout_is_a_usage_error(pytester: pytest.Pytester, value: str) -> None:
+    pytester.makeini(f"[pytest]\nparity_lock_timeout = {value}\n")
+    pytester.makepyfile("def test_a():\n    pass\n")
+    result = pytester.runpytest("--npu-parity")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*ini parity_lock_timeout='{value}': give seconds, a finite number >= 0*"])

@@ -110,10 +110,10 @@ def _parse_localize_budget(value: Any, where: str) -> float:
 def _parse_lock_timeout(value: Any, where: str) -> float:
     try:
         seconds = float(value)
-        if seconds < 0:
+        if not 0 <= seconds < float("inf"):  # also refuses nan
             raise ValueError
     except ValueError:
-        raise pytest.UsageError(f"ini parity_lock_timeout={value!r}: give seconds, a number >= 0") from None
+        raise pytest.UsageError(f"ini parity_lock_timeout={value!r}: give seconds, a finite number >= 0") from None
     return seconds
 
 
@@ -173,7 +173,7 @@ _POLICY_HELP = (
     "verdict policy of every recipe and check: allclose (rtol/atol/budget), golden (target and "
     "reference errors against a higher-precision CPU golden run, ratio limits 2/10/2/2) or "
     "golden-floor (golden, a leaf within allclose passes; the default of bf16 and of fp32 "
-    "training checks; fp32 eval checks default to allclose); "
+    "training checks; fp32 eval checks default to allclose; "
     "'golden msprobe op=…' in ini or the marker for msprobe 26.2.0's standard); replaces ini parity_<recipe>_policy, "
     "while ini parity_policies lines, the marker's policy= and parity.check(policy=...) still choose per check")
 
