@@ -105,7 +105,8 @@ _UNINITIALIZED = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.n
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
-_TORCH_NN_DIR = _TORCH_DIR + "nn" + os.sep
+_TORCH_NN_MODULES = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
+_TORCH_MODULE_PY = _TORCH_NN_MODULES + "module.py"
 
 
 def op_budget(dtype: torch.dtype) -> float:
@@ -346,7 +347,8 @@ def _user_frame() -> str | None:
     """``"<file>:<line>: <code>"`` of the innermost Python frame outside torch, the standard library and
     this package (the model's line that issued the op). Where the op comes from a torch module's own
     forward called directly by the trace (an ``nn.LayerNorm`` traced alone), there is no such frame
-    inside the call: then the innermost ``torch/nn`` frame (``torch/nn/modules/normalization.py:…``).
+    inside the call: then the innermost frame of ``torch/nn/modules`` other than ``module.py`` (the torch
+    module's ``forward``: ``torch/nn/modules/normalization.py:…``).
     None when there is neither."""
     frame = sys._getframe(2)
     fallback = None
@@ -354,8 +356,8 @@ def _user_frame() -> str | None:
         filename = os.path.abspath(frame.f_code.co_filename)
         if not (filename.startswith((_TORCH_DIR, _PACKAGE_DIR, _STDLIB_DIR)) or filename.startswith("<")):
             return _where(frame, filename)
-        if fallback is None and filename.startswith(_TORCH_NN_DIR):
-            fallback = frame
+        if fallback is None and filename.startswith(_TORCH_NN_MODULES) and filename != _TORCH_MODULE_PY:
+            fallback = frame  # the torch module's forward (not functional.py below it, not Module.__call__)
         frame = frame.f_back
     return _where(fallback, os.path.abspath(fallback.f_code.co_filename)) if fallback is not None else None
 
@@ -427,11 +429,18 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def relative_error(target: torch.Tensor, golden: torch.Tensor) -> float:
-    """``max|target − golden| / max|golden|`` over the elements finite on both sides (the golden
-    rounded to the target's dtype decides finiteness, so an overflow in the target's dtype matches);
-    infinite where a non-finite element differs (NaN matches NaN) or the shapes differ; integer and
-    bool tensors: 0.0 when equal, else infinite. The denominator is at least the dtype's smallest
-    normal number (an all-zero golden).
+    """``max|target − golden| / max|golden|`` over the ordinary elements, with the exceptions below.
+
+    * Non-finite elements (the golden rounded to the target's dtype decides, so an overflow in the
+      target's dtype matches): a non-finite element must be the same value on both sides (NaN matches
+      NaN), else the error is infinite.
+    * Elements at the dtype's extremes, ``|golden| ≥ finfo(dtype).max / 2`` (masking sentinels such
+      as ``finfo(float32).min`` added to attention scores), are judged elementwise,
+      ``|target − golden| / |golden|``, and left out of the scale, which they would otherwise set to
+      ~3e38 and so hide every other error.
+    * Integer and bool tensors: 0.0 when equal, else infinite; other shapes: infinite.
+
+    The denominator is at least the dtype's smallest normal number (an all-zero golden).
 
     Args:
         target: the op's output (any device, any dtype).
@@ -459,13 +468,28 @@ def relative_error(target: torch.Tensor, golden: torch.Tensor) -> float:
         if not bool(finite.any()):
             return 0.0
         t, g = t[finite], g[finite]
-    diff = float((t.to(wide) - g).abs().max())
-    scale = float(g.abs().max())
-    return diff / max(scale, float(torch.finfo(t.dtype).tiny))
+    return _scaled_error(t.to(wide), g, float(torch.finfo(t.dtype).max) / 2, float(torch.finfo(t.dtype).tiny))
 
 
-def _distance(value: torch.Tensor, chain: torch.Tensor) -> float | None:
-    """Relative distance of an (upcast) input from its chain value, or None for a non-floating one."""
+def _scaled_error(value: torch.Tensor, reference: torch.Tensor, extreme: float, tiny: float) -> float:
+    """``max|value − reference| / max|reference|`` over the elements with ``|reference| < extreme``,
+    and ``|value − reference| / |reference|`` for the others (``relative_error``)."""
+    diff = (value - reference).abs()
+    size = reference.abs()
+    big = size >= extreme
+    if bool(big.any()):
+        worst_big = float((diff[big] / size[big]).max())
+        diff, size = diff[~big], size[~big]
+    else:
+        worst_big = 0.0
+    if diff.numel() == 0:
+        return worst_big
+    return max(worst_big, float(diff.max()) / max(float(size.max()), tiny))
+
+
+def _distance(value: torch.Tensor, chain: torch.Tensor, dtype: torch.dtype) -> float | None:
+    """Relative distance of an (upcast) input from its chain value (as ``relative_error``, finite
+    elements only; ``dtype``: the input's own dtype, for its extremes), or None for a non-floating one."""
     if not (value.is_floating_point() or value.is_complex()) or value.shape != chain.shape:
         return None
     if value.numel() == 0:
@@ -473,8 +497,8 @@ def _distance(value: torch.Tensor, chain: torch.Tensor) -> float | None:
     both = torch.isfinite(value) & torch.isfinite(chain)
     if not bool(both.any()):
         return 0.0
-    diff = float((value[both] - chain[both].to(value.dtype)).abs().max())
-    return diff / max(float(chain[both].abs().max()), float(torch.finfo(torch.float64).tiny))
+    info = torch.finfo(dtype)
+    return _scaled_error(value[both], chain[both].to(value.dtype), float(info.max) / 2, float(info.tiny))
 
 
 @contextlib.contextmanager
@@ -610,7 +634,7 @@ class _OpTracer(TorchDispatchMode):
             if value is not None and id(t) in copies:
                 chain_inputs[id(t)] = value
                 moved = True
-                d = _distance(copies[id(t)], value)
+                d = _distance(copies[id(t)], value, t.dtype)
                 if d is not None:
                     distance = d if distance is None else max(distance, d)
             elif distance is None and id(t) in copies and (t.is_floating_point() or t.is_complex()):
