@@ -27,6 +27,15 @@ instead of four. The descent stops at a module without submodules, or at a scope
 whose children diverges locally: then the divergence starts in that module's own code (e.g. a mask
 its ``forward`` builds and hands to a child), and the table shows which child first inherits it.
 
+One step further down, the op trace (``op_trace.trace_ops``): where the descent ended at such a
+module (also the check's own module, when none of its submodules diverges), that module's call is
+run once more on the target, from the reference's recorded inputs of the call, under a dispatch
+mode that re-runs every op in float64 on the CPU from the target op's own inputs; the message then
+names the first op whose own (local) error is beyond its dtype's budget, with its module path and
+source line (``Localization.op_trace``; the report's ``localization_ops``). It is not run where the
+descent stopped at the budget, where the levels came from another check's localization, or for a
+train step whose forward agrees.
+
 The hooks exist only inside ``localize``: a passing check never runs it (``failure_hook`` is a
 ``ParitySession`` failure hook), so a passing run pays nothing. Computation done outside
 ``nn.Module.__call__`` (a free function, a direct ``.forward`` call) belongs to the calling module.

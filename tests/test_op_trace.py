@@ -391,3 +391,13 @@ def test_budgets_follow_the_dtype():
     assert op_budget(torch.complex64) == op_budget(torch.float32) and op_budget(torch.int64) == 0.0
     with pytest.raises(ValueError, match="max_ops"):
         trace_ops(torch.nn.Identity(), (torch.ones(1),), device="cpu", max_ops=0)
+
+
+def test_module_paths_without_module_tracker_come_from_forward_hooks(net, x, monkeypatch):
+    with torch.no_grad():
+        tracked = trace_ops(net, (x,), device="cpu", path="net")
+        monkeypatch.setattr(op_trace, "ModuleTracker", None)  # a torch without torch.utils.module_tracker
+        hooked = trace_ops(net, (x,), device="cpu", path="net")
+    assert [r.module for r in hooked.rows] == [r.module for r in tracked.rows]
+    assert {r.module for r in hooked.rows} >= {"net.inp", "net.norm", "net.attn", "net.attn.q", "net.out"}
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
