@@ -401,3 +401,15 @@ def test_module_paths_without_module_tracker_come_from_forward_hooks(net, x, mon
     assert [r.module for r in hooked.rows] == [r.module for r in tracked.rows]
     assert {r.module for r in hooked.rows} >= {"net.inp", "net.norm", "net.attn", "net.attn.q", "net.out"}
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
+
+
+def test_a_spent_localization_budget_skips_the_op_trace_and_says_so(net, x, monkeypatch):
+    import pytest_npu_parity.localize as localize_module
+
+    monkeypatch.setattr(localize_module, "COST_FACTOR", 0.0)  # the descent may start; the budget ends in it
+    localizer = Localizer(budget_s=1e-9)
+    case = ParityCase(_session(localizer), "t::budget", patches=_kernel({aten.native_layer_norm.default}, _other_eps))
+    message, extra = _fail(case, "net", net, x)
+    assert "First divergence: norm (LayerNorm)" in message  # one pass answers it
+    assert "no op trace of norm: the session's localization budget is spent" in message
+    assert "localization_ops" not in extra and "Op trace of" not in message
