@@ -27,6 +27,15 @@ instead of four. The descent stops at a module without submodules, or at a scope
 whose children diverges locally: then the divergence starts in that module's own code (e.g. a mask
 its ``forward`` builds and hands to a child), and the table shows which child first inherits it.
 
+One step further down, the op trace (``op_trace.trace_ops``): where the descent ended at such a
+module (also the check's own module, when none of its submodules diverges), that module's call is
+run once more on the target, from the reference's recorded inputs of the call, under a dispatch
+mode that re-runs every op in float64 on the CPU from the target op's own inputs; the message then
+names the first op whose own (local) error is beyond its dtype's budget, with its module path and
+source line (``Localization.op_trace``; the report's ``localization_ops``). It is not run where the
+descent stopped at the budget, where the levels came from another check's localization, or for a
+train step whose forward agrees.
+
 The hooks exist only inside ``localize``: a passing check never runs it (``failure_hook`` is a
 ``ParitySession`` failure hook), so a passing run pays nothing. Computation done outside
 ``nn.Module.__call__`` (a free function, a direct ``.forward`` call) belongs to the calling module.
@@ -199,6 +208,10 @@ class Localization:
         loss_agrees: train steps: the ``loss`` leaf is within tolerance (then a difference no
             submodule call explains lies in the backward pass, a buffer update or the optimizer
             step, not in the module's own forward code).
+        op_trace: the ``op_trace.OpTrace`` of the module where the descent ended (a module without
+            submodules, or the one whose own code diverges), naming the first op beyond its budget;
+            None where the descent did not end at a module (a bound method's own code, a budget
+            stop, levels reused from another check, a train step whose forward agrees).
     """
 
     check: str
@@ -220,6 +233,7 @@ class Localization:
     buffer_owner: str | None = None
     first_param: str | None = None
     loss_agrees: bool = False
+    op_trace: Any = None
 
     def to_rows(self) -> list[dict[str, Any]]:
         """The table as JSON-able dicts (``record.localized.localization``): activation rows, then
@@ -228,6 +242,11 @@ class Localization:
         rows += [dict(row, reference=self.reference) for row in self.gradients]
         rows += [dict(row, reference=self.reference) for row in self.buffers]
         return rows
+
+    def op_rows(self) -> list[dict[str, Any]] | None:
+        """The op table (``op_trace.OpTrace.to_rows``: the first culprit op first) as JSON-able dicts
+        (``record.localized.localization_ops``), or None without an op trace."""
+        return None if self.op_trace is None else self.op_trace.to_rows()
 
     def summary(self) -> str:
         """One line naming the first divergence and its local vs inherited error."""
@@ -280,6 +299,9 @@ class Localization:
             lines.append("")
             lines.append("Buffers out of tolerance, with the module that owns each:")
             lines += _buffer_table(self.buffers)
+        if self.op_trace is not None:
+            lines.append("")
+            lines.append(self.op_trace.format())
         return "\n".join(lines)
 
 
@@ -942,6 +964,7 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
     shared: list[tuple[int, tuple]] = []  # (level index, cache key) of the scopes that can be shared
     first_pass: _Recorder | None = None
     views: tuple[_View, _View] | None = None  # the next level's calls, when the last pass recorded them
+    ended: _Call | str | None = None  # where the descent ended at a module's own code: its call, or "root"
     while len(levels) < MAX_LEVELS:
         base = _join(prefix, scope_name or "")
         key = None
@@ -989,10 +1012,12 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
         loc.levels += 1
         loc.local_runs += _judge_level(level, ref, tgt, tol, prefix, context_rows, max_local_runs, loc)
         if level.culprit is None:
+            ended = scope_pair[0] if scope_pair is not None else ("root" if scope_key is not None else None)
             break
         ref_call, tgt_call = level.pairs[level.culprit]
         module = ref.root().get_submodule(ref_call.name)
         if not any(True for _ in module.children()):
+            ended = ref_call
             break  # a module without submodules: the divergence is in its own computation
         scope_pair = (ref_call, tgt_call)
         scope_key = (ref_call.name, 0)  # in a pass of the scope alone, its call is the first
@@ -1011,12 +1036,46 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
         for index, key in shared:
             cache.put(key, _Answer.of(origin, levels[index:], loc.stopped))
     _conclude(loc, levels, root_name, context_rows)
+    if ended is not None and loc.stopped is None and (loc.first is not None or call.kind == "check"):
+        _trace_culprit(loc, case, ref, tgt, ended, prefix, deadline)
     if call.kind == "train_step" and first_pass is not None:
         _gradients(loc, result, first_pass.last_done, context_rows)
     if call.kind == "train_step":
         _state(loc, result, call.module)
     _conversion_notes(loc, ref.notes, tgt.notes, prefix=prefix)
     return loc
+
+
+def _trace_culprit(loc: Localization, case: Any, ref: _Side, tgt: _Side, ended: _Call | str, prefix: str,
+                   deadline: float | None) -> None:
+    """The op trace (``op_trace.trace_ops``) of the module where the descent ended: ``ended`` is its
+    reference call (a leaf module, or the scope whose own code diverges) or ``"root"`` (the check's
+    module itself). It runs on the target from the *reference's* inputs of that call (moved to the
+    target), in the call's context (patch set, recipe, random stream restored, grad/autocast mode), as
+    the local re-run did; it is kept in ``loc.op_trace``, or a note says why not."""
+    from .op_trace import trace_ops
+
+    if ended == "root":
+        inputs, rng, state = ref.entry()
+        name, path = "", loc.own_code or prefix
+    else:
+        inputs, rng, state = ended.inputs, ended.rng, ended.state
+        name = ended.name
+        path = _join(prefix, name)
+    if inputs is None:
+        return
+    if deadline is not None and time.perf_counter() >= deadline:
+        loc.notes.append(f"no op trace of {path}: the session's localization budget is spent")
+        return
+    try:
+        with tgt.running(rng, state) as root:
+            args, kwargs = _to_device(inputs, tgt.device)
+            module = root.get_submodule(name) if name else root
+            loc.op_trace = trace_ops(module, args, kwargs, device=tgt.device, recipe=case.recipe,
+                                     path=path if name or prefix else "", enter_recipe=False, deadline=deadline)
+    except Exception as exc:  # noqa: BLE001 - the module-level localization stands without it
+        loc.notes.append(f"no op trace of {path}: its traced forward raised ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})")
 
 
 def _conversion_notes(loc: Localization, *notes: dict[str, set[str]], prefix: str = "") -> None:
@@ -1200,6 +1259,7 @@ def failure_hook(case: Any, record: Any, call: Any, result: CompareResult) -> st
     if loc is None:
         return None
     record.localized.localization = loc.to_rows()
+    record.localized.localization_ops = loc.op_rows()
     return loc.format()
 
 
@@ -1292,6 +1352,7 @@ class Localizer:
                     f"localization budget of {self.budget_s:g} s ({self.spent_s:.2g} s went to earlier failures). "
                     f"To localize this check: {command})")
         record.localized.localization = loc.to_rows()
+        record.localized.localization_ops = loc.op_rows()
         if loc.reused_from is not None:
             record.localized.localization_reused = loc.reused_from
         if loc.levels:

@@ -138,6 +138,8 @@ class LocalizationOutcome:
         localization_reused: the check whose localization was reused, or None.
         localization_skipped: why it was not run (``structure``, ``budget``), or None.
         localization_stopped: why a descent stopped early (``budget``), or None.
+        localization_ops: the op table of the module where the descent ended
+            (``localize.Localization.op_rows()``: JSON-able dicts, the first culprit op first), or None.
     """
 
     localization: list | None = None
@@ -145,6 +147,7 @@ class LocalizationOutcome:
     localization_reused: str | None = None
     localization_skipped: str | None = None
     localization_stopped: str | None = None
+    localization_ops: list | None = None
 
 
 #: ``LocalizationOutcome`` fields exported on a check's first row, besides the JSON table.
@@ -269,8 +272,8 @@ class CheckRecord:
 
     def _extra_columns(self, first: bool) -> dict[str, Any]:
         """Vacuity and self-check columns (``vacuous``/``vacuous_ok``/``teeth``/``teeth_problem``) on
-        every row, the localization columns and the first-divergence table ``localization`` (JSON
-        text) on the check's first row only."""
+        every row, the localization columns, the first-divergence table ``localization`` and the op
+        table ``localization_ops`` (JSON text) on the check's first row only."""
         columns = dict(_set_items(self.vacuity))
         columns.update((k, v) for k, v in _set_items(self.self_check) if k != "selfcheck")
         if first:
@@ -278,4 +281,6 @@ class CheckRecord:
             columns.update({k: localized[k] for k in _LOCALIZATION_COLUMNS if k in localized})
             if self.localized.localization is not None:
                 columns["localization"] = json.dumps(self.localized.localization, default=str)
+            if self.localized.localization_ops is not None:
+                columns["localization_ops"] = json.dumps(self.localized.localization_ops, default=str)
         return columns

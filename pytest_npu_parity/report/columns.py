@@ -160,6 +160,7 @@ LOCALIZATION_S = "localization_s"
 LOCALIZATION_REUSED = "localization_reused"
 LOCALIZATION_SKIPPED = "localization_skipped"
 LOCALIZATION_STOPPED = "localization_stopped"
+LOCALIZATION_OPS = "localization_ops"
 WORKER = "worker"
 
 
@@ -287,6 +288,8 @@ EXTRA_TABLE: tuple[Column, ...] = (
     Column(LOCALIZATION_REUSED, TEXT, "the check whose localization answered this one (first row only)"),
     Column(LOCALIZATION_SKIPPED, TEXT, "why localization did not run: budget (spent) or structure (outputs do not match) (first row only)"),
     Column(LOCALIZATION_STOPPED, TEXT, "budget: the localization descent stopped between levels (first row only)"),
+    Column(LOCALIZATION_OPS, JSON, "op table of the module where the localization ended: each op's local error vs "
+           "its float64 CPU golden, the first culprit op first (JSON list of rows; first row only)"),
     Column(WORKER, TEXT, "pytest-xdist worker that ran the check (gw0, gw1, ...); absent without xdist"),
 )
 
