@@ -67,3 +67,30 @@ def test_a_compiled_module_still_fails_a_planted_fault():
 def test_a_compiled_train_step_passes_without_graph_breaks():
     record, breaks = run(torch.compile(mlp(), backend="eager"), step=True)
     assert record.status == "pass" and breaks == 0 and "layer check off" in record.extra["policy_note"]
+
+
+COMPILED_TEST = '''
+import torch
+
+def test_compiled(parity):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).eval()
+    parity.check("compiled", torch.compile(model), torch.randn(8, 16))
+'''
+
+
+def test_a_compiled_check_recorded_here_passes_on_another_kernel_path(pytester: pytest.Pytester,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path) -> None:
+    pytester.makeini("[pytest]\nparity_dtypes = fp32\n")
+    pytester.makepyfile(test_compiled=COMPILED_TEST)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-here"))
+    result = pytester.runpytest_subprocess("--update-baselines", "test_compiled.py")
+    assert result.ret == 0, result.stdout.str()
+    # another kernel path, with its own inductor cache (a shared one hands it code built for this one)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-there"))
+    result = pytester.runpytest_subprocess("--npu-parity", "--parity-reference", "baseline", "-p", "no:randomly")
+    result.assert_outcomes(passed=1)
+    out = result.stdout.str()
+    assert "stale" not in out and "layer check off" in out, out
