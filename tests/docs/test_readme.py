@@ -11,7 +11,7 @@ README = ROOT / "README.md"
 #: The two commands of "Set up on a fresh machine (Python 3.11)", byte for byte (.ci/run runs them).
 MAIN_JOB = ('python3.11 -m venv .venv && . .venv/bin/activate && pip install -e ".[aurora]" && '
             "pytest --npu-parity parity_suites/aurora")
-TESTS = 'python3.11 -m venv .venv && . .venv/bin/activate && pip install -e ".[dev]" && pytest'
+TESTS = 'python3.11 -m venv .venv && . .venv/bin/activate && pip install -e ".[dev]" && pytest -n 2'
 
 
 def test_readme_is_short() -> None:
@@ -23,7 +23,7 @@ def test_readme_keeps_the_two_set_up_commands() -> None:
     assert "## Set up on a fresh machine (Python 3.11)" in lines
     assert MAIN_JOB in lines and TESTS in lines
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    assert 'pip install -q -e ".[dev]"' in ci and "run_pytest_step tests" in ci
+    assert 'pip install -q -e ".[dev]"' in ci and "run_pytest_step tests 1800 pytest -p no:cacheprovider -n 2" in ci
     assert "--npu-parity parity_suites/aurora" in ci
 
 
