@@ -234,3 +234,26 @@ def test_golden_source_refuses_a_malformed_record():
     with pytest.raises(CorruptBaselineError, match="malformed golden record"):
         S.golden_source(entry)
     assert S.golden_source(None).kind == "live"
+
+
+def test_the_terminal_summary_counts_the_live_goldens_in_one_line():
+    from pytest_npu_parity.plugin.summary import _summarize_policies
+
+    class Lines:
+        def __init__(self):
+            self.lines = []
+
+        def write_line(self, text):
+            self.lines.append(text)
+
+    def row(check, note):
+        return {"test_id": "t", "check": check, "recipe": "bf16", "verdict": "pass", "policy": "golden",
+                "golden_policy": "golden floor", "policy_note": note}
+
+    tr = Lines()
+    _summarize_policies(tr, [row("a", S.NOT_STORED), row("b", S.NOT_STORED), row("c", f"{S.NOT_STORED}; other note"),
+                             row("d", None)])
+    assert tr.lines[0] == "verdicts: 4 by golden floor"
+    assert tr.lines[1] == "  t check 'c' (bf16): other note"
+    assert tr.lines[2].startswith("  3 checks computed the golden live: the baseline stores none")
+    assert len(tr.lines) == 3
