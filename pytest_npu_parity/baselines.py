@@ -42,7 +42,9 @@ Plain safetensors (never pickle), readable with ``safetensors.safe_open`` alone:
 * a check's *extras* (the inputs and weights it was computed from, recorded for replay on a machine
   whose own random draws differ, :mod:`pytest_npu_parity.checks.replay`) under content addresses
   ``"@<32 hex digits>"``: a tensor that several checks recorded (the same weights, the same batch)
-  is stored once; each check's record maps ``extras: {"input:<i>" | "weight:<name>": key}``;
+  is stored once; each check's record maps ``extras: {"input:<i>" | "weight:<name>": key}``; a check judged
+  by a golden verdict also stores its golden leaves there, ``"golden:<leaf path>": key``
+  (:mod:`pytest_npu_parity.checks.stored_golden`: a compare run against the entry runs no golden);
 * string metadata: ``format`` (:data:`FORMAT`), ``format_version`` (:data:`FORMAT_VERSION`),
   ``test_id``, ``provenance`` (JSON, see :mod:`pytest_npu_parity.provenance`), ``checks`` (JSON:
   ``{check: {"leaves": {leaf: key}, "none_leaves": [...], "meta": {...}}}``, where ``meta``
@@ -211,7 +213,8 @@ class CheckBaseline:
             and ``dtypes`` (leaf -> ``"bfloat16"``...) from ``tensors``.
         extras: what the check was computed from, for replay on a machine whose own draws differ
             (``checks.replay``): ``"input:<i>"`` (the i-th tensor leaf of the call's inputs) and
-            ``"weight:<state_dict name>"`` -> CPU tensor. Stored content-addressed (``"@<digest>"``
+            ``"weight:<state_dict name>"`` -> CPU tensor; and its golden, ``"golden:<leaf path>"``
+            (``checks.stored_golden``, described by ``meta["golden"]``). Stored content-addressed (``"@<digest>"``
             keys, one copy per distinct tensor in the file) and covered by the checksum; never
             compared as outputs. Empty in files recorded before format version 3.
     """

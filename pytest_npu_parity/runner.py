@@ -46,11 +46,13 @@ from .baselines import BaselineError
 from .checks.hooks import check_hook_problems, failure_diagnosis
 from .checks.plan import CaseFacts, CheckPlan
 from .checks.replay import REPLAY_LIMIT_BYTES, plan_replay, recorded_extras
+from .checks.stored_golden import golden_source
 # Moved to the checks package; re-exported here, where tests, scripts and other modules import them.
 from .checks.record import _LOCALIZATION_COLUMNS, CheckRecord  # noqa: F401
 from .checks.reference import (STALE_CAUSES, Expected, ReferenceSource, StaleSuite,  # noqa: F401
                                baseline_error_record, check_hashes, expected_for, golden_for, load_baseline,
-                               memo_key, recording, recording_provenance, stale_cause, stale_suites,
+                               memo_key, recorded_golden_run, recording, recording_provenance, stale_cause,
+                               stale_suites,
                                thread_count_mismatch, torch_version_mismatch, write_recording)
 from .checks.verdict import (LEAVES, DistributionVerdict, LeafVerdict, Sides, compared_sides, given_sides,
                              optimizer_replay, split_layer_records, verdict_for)
@@ -596,11 +598,13 @@ class ParityCase:
         the check's inputs as the caller passed them (recorded for replay, ``checks.replay``)."""
         __tracebackhide__ = True
         if self.session.update_baselines:
-            return self._record(plan, run, hashes, call, given)
+            return self._record(plan, run, hashes, call, given, golden_run)
         weights = hashes["config_hash"] if call.module is not None else None
         try:
             baseline = self._load_baseline() if self.session.reference in ("auto", "baseline") else None
             expected = expected_for(self._source(), baseline, plan.name, run, hashes, call)
+            # a baseline entry's stored golden, else the live golden run (checks.stored_golden)
+            source = golden_source(expected.entry, expected.path) if plan.golden_policy is not None else None
         except BaselineError as exc:
             self._keep(baseline_error_record(self._facts(), plan, exc, weights))
             raise
@@ -611,20 +615,23 @@ class ParityCase:
         if judge is LEAVES:  # samples judged as distributions are compared as they are
             replay = optimizer_replay(call, sides.actual, sides.expected.leaves, plan.tolerance, expected.compact)
             golden = golden_for(self.session.golden, memo_key(plan.name, self.recipe.name, hashes, call), plan,
-                                call.fn, golden_run)
+                                call.fn, golden_run, source)
             sides = compared_sides(sides, call, replay, golden, plan.golden_policy)
         return self._settle(plan, sides, call, judge)
 
     def _record(self, plan: CheckPlan, run: Callable, hashes: dict[str, Any], call: CheckCall,
-                given: tuple) -> CheckRecord:
+                given: tuple, golden_run: Callable[[], dict]) -> CheckRecord:
         """Record mode: the reference computation on the target, kept for ``finish``, with the inputs and
-        weights it was computed from (``checks.replay.recorded_extras``)."""
+        weights it was computed from (``checks.replay.recorded_extras``) and, under a golden verdict
+        policy, its golden (``checks.stored_golden``: a compare run against the entry runs none)."""
         __tracebackhide__ = True
         extras, replay_meta = recorded_extras(call.fn, given, self.session.replay_limit)
         leaves, _ = run(self.target, patched=False)
         rng = "device" if call.sample_dim is not None and self.session.rng == "device" else "shared"
+        golden = recorded_golden_run(self.session.golden, memo_key(plan.name, self.recipe.name, hashes, call), plan,
+                                     call.fn, golden_run, rng)
         self._pending[plan.name], record = recording(self._facts(), plan, leaves, hashes, call, rng,
-                                                     extras=extras, replay_meta=replay_meta)
+                                                     extras=extras, replay_meta=replay_meta, golden=golden)
         self._keep(record)
         return record
 

@@ -32,6 +32,8 @@ from ..runtime.side import CheckCall
 from ..structure import module_structure, pack_structure, structure_hash
 from .plan import CaseFacts, CheckPlan
 from .record import BaselineProblem, CheckRecord
+from .stored_golden import META_KEY as GOLDEN_META_KEY
+from .stored_golden import GoldenSource, recorded_golden
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class Expected:
             for baselines that predate it), a live run's the session's for a sampling check.
         compact: the baseline entry's ``compact`` record (``compact.compact_leaves``), or None.
         recorded: the baseline file's provenance dict (for the version and thread-count notes), or None.
+        entry: the baseline entry as ``BaselineStore.check_fresh`` returned it (its stored golden,
+            ``checks.stored_golden``), or None.
+        path: the baseline file, or None.
     """
 
     leaves: dict
@@ -54,6 +59,8 @@ class Expected:
     rng: str = "shared"
     compact: dict | None = None
     recorded: dict | None = None
+    entry: CheckBaseline | None = None
+    path: Any = None
 
 
 @dataclass(frozen=True)
@@ -173,7 +180,7 @@ def _baseline_entry(source: ReferenceSource, baseline: Any, name: str, hashes: d
     compact = entry.meta.get("compact") if isinstance(entry.meta.get("compact"), dict) else None
     # "<file> — <device, date, versions>"
     return Expected(expected, "baseline", baseline.describe(), str(entry.meta.get("rng") or "shared"), compact,
-                    baseline.provenance)
+                    baseline.provenance, entry, baseline.path)
 
 
 def baseline_error_record(facts: CaseFacts, plan: CheckPlan, exc: BaselineError,
@@ -189,37 +196,70 @@ def baseline_error_record(facts: CaseFacts, plan: CheckPlan, exc: BaselineError,
 
 
 def recording(facts: CaseFacts, plan: CheckPlan, leaves: dict, hashes: dict[str, Any], call: CheckCall,
-              rng: str, extras: dict | None = None, replay_meta: dict | None = None) -> tuple[CheckBaseline, CheckRecord]:
+              rng: str, extras: dict | None = None, replay_meta: dict | None = None,
+              golden: tuple[dict | None, str | None] | None = None) -> tuple[CheckBaseline, CheckRecord]:
     """Record mode: ``(the baseline entry, the recorded record)`` of the reference run's ``leaves``
     (a train step's compacted as ``plan.train_store`` says, ``compact``; ``rng`` the run's stream mode),
-    with the ``extras`` and ``replay_meta`` of ``checks.replay.recorded_extras``."""
+    with the ``extras`` and ``replay_meta`` of ``checks.replay.recorded_extras`` and, for a check judged
+    by a golden verdict, ``golden``: ``(golden leaves or None, why it is unavailable or None)``, stored
+    as ``checks.stored_golden.recorded_golden`` says (reduced like the leaves of a compact step)."""
 
 
     __tracebackhide__ = True
-    extra_meta = {"replay": replay_meta} if replay_meta else {}
+    extra_meta: dict[str, Any] = {"replay": replay_meta} if replay_meta else {}
+    compact = None
     if plan.train_store is not None and plan.train_store.mode != "full":
         leaves, compact = compact_leaves(leaves, plan.train_store)
         extra_meta.update({"train_store": plan.train_store.describe(), "compact": compact})
+    golden_extras: dict = {}
+    if golden is not None:
+        golden_extras, extra_meta[GOLDEN_META_KEY] = recorded_golden(golden[0], golden[1], plan.golden_policy, compact)
     entry = pending_entry(plan.name, leaves, hashes, call.seed, plan.submodule, facts.recipe.name, rng=rng,
                           extra_meta=extra_meta or None)
-    entry.extras = dict(extras or {})
+    entry.extras = {**(extras or {}), **golden_extras}
     return entry, facts.record(plan, "recorded", status="recorded")
 
 
 def golden_for(golden_memo: Callable[[tuple, Any, Callable[[], dict]], dict], key: tuple, plan: CheckPlan,
-               owner: Any, golden_run: Callable[[], dict] | None) -> tuple[dict | None, str | None]:
-    """``(golden leaves, None)`` of a check under a golden verdict policy (``golden_memo`` is
-    ``ParitySession.golden``, memoized by ``key``, ``memo_key``), ``(None, why)`` when the golden is
-    unavailable (``golden.GoldenUnavailableError``), else ``(None, None)``."""
+               owner: Any, golden_run: Callable[[], dict] | None,
+               source: GoldenSource | None = None) -> tuple[dict | None, str | None]:
+    """``(golden leaves, note or None)`` of a check under a golden verdict policy, ``(None, why)`` when
+    the golden is unavailable (``golden.GoldenUnavailableError``), else ``(None, None)``.
+
+    ``source`` (``checks.stored_golden.golden_source`` of the check's baseline entry; None: a live
+    reference) says where the golden comes from: the stored leaves (no golden run), unavailable at
+    recording (no run, judged by allclose), or the live run, ``golden_memo(key, owner, golden_run)``
+    (``ParitySession.golden``, memoized by ``key``, ``memo_key``), with the source's note."""
 
 
     __tracebackhide__ = True
     if plan.golden_policy is None or golden_run is None:
         return None, None
+    source = source or GoldenSource("live")
+    if source.kind == "stored":
+        return source.leaves, source.note
+    if source.kind == "unavailable":
+        return None, source.note
+    try:
+        return golden_memo(key, owner, golden_run), source.note
+    except GoldenUnavailableError as exc:
+        return None, f"golden unavailable, judged by allclose: {exc}"
+
+
+def recorded_golden_run(golden_memo: Callable[[tuple, Any, Callable[[], dict]], dict], key: tuple, plan: CheckPlan,
+                        owner: Any, golden_run: Callable[[], dict] | None,
+                        rng: str) -> tuple[dict | None, str | None] | None:
+    """Record mode: what ``recording`` stores of the check's golden — ``(leaves, None)`` from
+    ``golden_memo(key, owner, golden_run)``, ``(None, why)`` when it is unavailable — for a check whose
+    verdict policy is golden and whose recording is judged leaf by leaf; None for the others (allclose,
+    or samples drawn from the device's own stream, ``rng == "device"``, which are judged as distributions)."""
+    __tracebackhide__ = True
+    if plan.golden_policy is None or golden_run is None or rng == "device":
+        return None
     try:
         return golden_memo(key, owner, golden_run), None
     except GoldenUnavailableError as exc:
-        return None, f"golden unavailable, judged by allclose: {exc}"
+        return None, str(exc)
 
 
 def pending_entry(name: str, leaves: dict, hashes: dict[str, Any], seed: int, submodule: str | None,

@@ -158,8 +158,19 @@ def _summarize_policies(tr: Any, rows: list[dict]) -> None:
                                            + [f"{n_allclose} by allclose"] * bool(n_allclose))
                   + (" (distribution: sampling checks whose sides drew their own noise, --parity-rng device)"
                      if distribution else ""))
+    # Checks whose baseline stores no golden (recorded before goldens were stored): one line for all of them.
+    from ..checks.stored_golden import NOT_STORED
+
+    live = 0
     for row in sorted(notes, key=lambda r: (r["test_id"], r["check"], r["recipe"])):
-        tr.write_line(f"  {row['test_id']} check {row['check']!r} ({row['recipe']}): {row['policy_note']}")
+        parts = str(row["policy_note"]).split("; ")
+        rest = "; ".join(part for part in parts if part != NOT_STORED)
+        live += len(rest) < len(row["policy_note"])
+        if rest:
+            tr.write_line(f"  {row['test_id']} check {row['check']!r} ({row['recipe']}): {rest}")
+    if live:
+        tr.write_line(f"  {live} check{'s' * (live != 1)} computed the golden live: the baseline stores none for "
+                      "them (re-record with --update-baselines to store it)")
 
 
 def _summarize_teeth(tr: Any, rows: list[dict]) -> None:

@@ -1,0 +1,151 @@
+"""Goldens stored with the baseline: a compare run against a baseline judges the golden verdict without
+running the golden.
+
+A check judged by a golden verdict (``golden.judge_golden``; the default of every bf16 check and of fp32
+training checks, see ``checks.settings``) compares both sides with a CPU run of the same computation in
+float64 (``golden.GoldenRunner``). Against a live CPU reference that run is part of the reference's cost;
+against a stored baseline it used to be the only CPU work left on the target host. So a recording
+(``--update-baselines``) of a check whose verdict policy is golden — the same decision the compare run
+makes, ``CheckPlan.golden_policy`` — runs the golden once and stores it in the check's baseline entry:
+
+* its leaves as ``CheckBaseline.extras`` named ``"golden:<leaf path>"`` (content-addressed and covered by
+  the file's checksum, ``baselines``), in the dtype the golden run returned them (float64; float32 where
+  only a float32 golden runs, bf16 work), so the verdict is the live golden's bit for bit. Rounded to
+  float32 they would take half the bytes, but the verdict's ratios of float32 outputs moved by up to 16 %
+  (48 of the calibration's 58 fp32 cases by more than 1e-3; no verdict flipped among its 107 cases:
+  ``benchmarks/stored_golden_precision.py``) — the rounding floor of a float32 output, the golden rounded
+  to float32, is then the golden itself; rounding only the goldens of bf16 outputs moved no ratio by more
+  than 3.1e-7 but would save 1.3 of the Aurora suite's 14 MiB of goldens;
+* for a compact training step (``compact``) reduced as its leaves were (``compact.apply_recorded``:
+  ``@sample``/``@stats``), which is what a compare run reduces a live golden to;
+* in the entry's meta under ``golden`` (:data:`META_KEY`): ``dtype`` (the golden's floating dtypes),
+  ``policy`` (the verdict policy the recording was made under), ``leaves`` (the stored leaf paths) and
+  ``none_leaves`` (the golden's ``None`` leaves) — or ``unavailable`` (why the golden could not run,
+  ``golden.GoldenUnavailableError``: the compare run then judges by allclose with the same note, and runs
+  no golden either).
+
+At compare time :func:`golden_source` says where a check's golden comes from: the stored one when the
+entry has it and the check runs on exactly the recorded inputs (bitwise, or the recorded ones replayed,
+``checks.replay``); else the live golden run as before, with a one-line note — the entry stores none (a
+file recorded before this, or under another policy), or the inputs differ from the recorded ones within
+the summary rule of ``BaselineStore.check_fresh`` (the stored golden was computed from the recorded
+inputs and the target runs on the current ones: a live golden of the current inputs keeps the verdict
+measured in docs/explanation/verdict-accuracy.md). A live CPU reference runs the live golden, no note. A
+stored golden that lacks a leaf its meta names, or holds a non-tensor, is a ``CorruptBaselineError``
+(the check is an error, never a silent pass).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..baselines import CorruptBaselineError
+from ..compact import apply_recorded
+
+__all__ = ["GOLDEN_PREFIX", "META_KEY", "GoldenSource", "recorded_golden", "golden_source"]
+
+#: Name prefix of a stored golden leaf among a check's extras.
+GOLDEN_PREFIX = "golden:"
+#: Key of the stored golden's record in a check's meta.
+META_KEY = "golden"
+#: The note of a check whose baseline entry stores no golden.
+NOT_STORED = "golden computed live: the baseline stores none for this check (re-record it to store one)"
+#: The note of a check whose inputs differ from the recorded ones within the summary rule.
+OTHER_INPUTS = ("golden computed live: the inputs differ from the recorded ones (within the summary rule) "
+                "that the stored golden was computed from")
+
+
+@dataclass(frozen=True)
+class GoldenSource:
+    """Where a check's golden comes from at compare time (:func:`golden_source`).
+
+    Attributes:
+        kind: ``stored`` (``leaves`` from the baseline, no golden run), ``unavailable`` (the recording
+            found none could run: judged by allclose, ``note`` says why) or ``live`` (the golden run).
+        leaves: the stored golden leaves (``{leaf path: CPU tensor or None}``), for ``stored``.
+        note: one line for the check's notes, or None.
+    """
+
+    kind: str
+    leaves: dict | None = None
+    note: str | None = None
+
+
+def _dtype_names(leaves: dict) -> list[str]:
+    return sorted({str(t.dtype).removeprefix("torch.") for t in leaves.values()
+                   if isinstance(t, torch.Tensor) and t.is_floating_point()})
+
+
+def recorded_golden(golden: dict | None, why: str | None, policy: Any,
+                    compact: dict | None) -> tuple[dict[str, torch.Tensor], dict]:
+    """What a recording stores of a check's golden: ``(extras, meta)``.
+
+    Args:
+        golden: the golden leaves (``{leaf path: CPU tensor or None}``, ``golden.GoldenRunner.run``), or
+            None when it could not run.
+        why: the ``golden.GoldenUnavailableError`` text when ``golden`` is None.
+        policy: the check's ``golden.GoldenPolicy`` (its description is recorded).
+        compact: the entry's ``compact`` record (``compact.compact_leaves``), or None: the golden is
+            reduced the same way.
+
+    Returns:
+        ``extras``: ``{"golden:<leaf>": tensor}`` (detached CPU copies in the golden's dtype);
+        ``meta``: the entry's ``golden`` record (module docstring).
+    """
+    described = policy.describe() if hasattr(policy, "describe") else str(policy)
+    if golden is None:
+        return {}, {"unavailable": str(why), "policy": described}
+    leaves = apply_recorded(dict(golden), compact) or {}
+    extras = {GOLDEN_PREFIX + path: t.detach().to("cpu", copy=True)
+              for path, t in leaves.items() if isinstance(t, torch.Tensor)}
+    return extras, {"dtype": ",".join(_dtype_names(leaves)) or None, "policy": described,
+                    "leaves": sorted(p for p, t in leaves.items() if isinstance(t, torch.Tensor)),
+                    "none_leaves": sorted(p for p, t in leaves.items() if t is None)}
+
+
+def golden_source(entry: Any, path: Any = None) -> GoldenSource:
+    """Where the golden of a check compared against baseline ``entry`` comes from (module docstring).
+
+    Args:
+        entry: the check's fresh baseline entry (``BaselineStore.check_fresh``: its meta's
+            ``bitwise_input`` says whether the inputs were the recorded ones), or None for a live CPU
+            reference.
+        path: the baseline file (named by the error).
+
+    Returns:
+        A ``GoldenSource``.
+
+    Raises:
+        baselines.CorruptBaselineError: the entry's golden record is malformed, or a leaf it names is
+            not stored.
+    """
+    if entry is None:
+        return GoldenSource("live")
+    record = entry.meta.get(META_KEY)
+    if record is None:
+        return GoldenSource("live", note=NOT_STORED)
+    where = f"baseline {path}" if path is not None else "the baseline"
+    if not isinstance(record, dict):
+        raise CorruptBaselineError(f"{where} has a malformed golden record for check {entry.name!r}; re-record it", path)
+    if "unavailable" in record:
+        return GoldenSource("unavailable", note=f"golden unavailable, judged by allclose: {record['unavailable']}")
+    if entry.meta.get("bitwise_input") is False:
+        return GoldenSource("live", note=OTHER_INPUTS)
+    names, none_leaves = record.get("leaves"), record.get("none_leaves", [])
+    if not isinstance(names, list) or not isinstance(none_leaves, list) or not (names or none_leaves):
+        raise CorruptBaselineError(f"{where} has a golden record without leaves for check {entry.name!r}; "
+                                   "re-record it", path)
+    stored = {k[len(GOLDEN_PREFIX):]: v for k, v in entry.extras.items() if k.startswith(GOLDEN_PREFIX)}
+    missing = [name for name in names if not isinstance(stored.get(name), torch.Tensor)]
+    if missing:
+        raise CorruptBaselineError(f"{where} lacks the stored golden of output {missing[0]!r} of check "
+                                   f"{entry.name!r} (its golden record names it); re-record it", path)
+    extra = sorted(set(stored) - set(names))
+    if extra:
+        raise CorruptBaselineError(f"{where} stores golden leaves {extra[:3]} of check {entry.name!r} that its "
+                                   "golden record does not name; re-record it", path)
+    leaves: dict[str, torch.Tensor | None] = {name: stored[name] for name in names}
+    leaves.update({name: None for name in none_leaves})
+    return GoldenSource("stored", leaves=leaves)

@@ -1,0 +1,259 @@
+"""Goldens stored with the baseline (``checks.stored_golden``): a recording under a golden verdict stores
+its golden, a compare run against it runs none and reaches the live golden's verdict; an entry without
+one falls back to the live golden with a note; a damaged one is an error."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pytest_npu_parity import golden as G
+from pytest_npu_parity.baselines import CorruptBaselineError, SuiteStores
+from pytest_npu_parity.checks import stored_golden as S
+from pytest_npu_parity.compare import ParityError
+from pytest_npu_parity.runner import ParityCase, ParitySession
+from test_runner import X, Proj, TinyNet, target_patch
+
+CPU = torch.device("cpu")
+TEST_ID = "tests/test_stored_golden.py::t"
+TRAIN_INPUTS = {"x": X, "y": torch.linspace(-1, 1, 32)}
+
+
+class Counting(G.GoldenRunner):
+    """A golden runner that counts its golden runs, or raises on one (``forbid``)."""
+
+    def __init__(self, forbid: bool = False):
+        super().__init__()
+        self.forbid = forbid
+        self.runs = 0
+        self._depth = 0
+
+    def run(self, fn, args=(), kwargs=None, **kw):
+        if self.forbid:
+            raise AssertionError("a golden computation ran")
+        self.runs += self._depth == 0  # the dtype tries inside one run are not counted again
+        self._depth += 1
+        try:
+            return super().run(fn, args, kwargs, **kw)
+        finally:
+            self._depth -= 1
+
+
+def record(baselines, recipe: str, what: str, module, inputs, **kwargs) -> dict:
+    """Record one check (``check`` or ``train_step``) into ``baselines``; the stored baseline."""
+    session = ParitySession(CPU, update_baselines=True, store=baselines, **kwargs.pop("session", {}))
+    case = ParityCase(session, TEST_ID, recipe)
+    if what == "train_step":
+        case.train_step("step", module, inputs, **kwargs)
+    else:
+        case.check("proj", module, inputs, **kwargs)
+    assert case.finish() in ("created", "changed")
+    return baselines.load(TEST_ID)
+
+
+def compare_run(baselines, recipe: str, what: str, module, inputs, runner=None, patches=None, **kwargs):
+    """A compare run of the recorded check against ``baselines``; the record, or the ParityError."""
+    session = ParitySession(CPU, store=baselines, golden_runner=runner or Counting(forbid=True),
+                            **kwargs.pop("session", {}))
+    case = ParityCase(session, TEST_ID, recipe, patches=patches)
+    try:
+        if what == "train_step":
+            return case.train_step("step", module, inputs, **kwargs)
+        return case.check("proj", module, inputs, **kwargs)
+    except ParityError as exc:
+        exc.record = case.records[-1]
+        return exc
+
+
+def without_stored_golden(baselines) -> None:
+    """Rewrite the test's baseline as a recording made before goldens were stored."""
+    baseline = baselines.load(TEST_ID)
+    for entry in baseline.checks.values():
+        entry.meta.pop(S.META_KEY, None)
+        entry.extras = {k: v for k, v in entry.extras.items() if not k.startswith(S.GOLDEN_PREFIX)}
+    baselines.write(TEST_ID, baseline.checks, baseline.provenance)
+
+
+def ratios(result) -> dict:
+    return {leaf.path: (leaf.passed, dict(getattr(leaf, "ratios", {}) or {})) for leaf in result.result.leaves}
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_recording_stores_the_golden_it_computed_and_a_compare_run_runs_none(tmp_path):
+    store = SuiteStores(tmp_path)
+    module = Proj()
+    entry = record(store, "bf16", "check", module, X).checks["proj"]
+    live = G.GoldenRunner().run(module, (X,), {}, recipe="bf16")
+    assert entry.meta["golden"]["dtype"] == "float64" and entry.meta["golden"]["leaves"] == [""]
+    assert entry.meta["golden"]["policy"].startswith("golden floor")  # provenance: the policy it was recorded under
+    assert torch.equal(entry.extras["golden:"], live[""]) and entry.extras["golden:"].dtype == torch.float64
+    runner = Counting(forbid=True)
+    result = compare_run(store, "bf16", "check", module, X, runner)
+    assert not isinstance(result, Exception), result
+    assert result.status == "pass" and result.policy == "golden" and result.reference == "baseline"
+    assert {leaf.golden_dtype for leaf in result.result.leaves} == {"float64"}
+    assert not result.extra.get("policy_note")
+
+
+def test_an_allclose_check_stores_no_golden(tmp_path):
+    store = SuiteStores(tmp_path)
+    entry = record(store, "fp32", "check", Proj(), X).checks["proj"]  # fp32 eval: allclose
+    assert "golden" not in entry.meta and not any(k.startswith("golden:") for k in entry.extras)
+
+
+@pytest.mark.parametrize("what, recipe, scale", [("check", "bf16", 1 + 3e-2), ("train_step", "fp32", 1 + 1e-4)])
+def test_the_stored_golden_reaches_the_live_goldens_verdict_on_a_planted_fault(tmp_path, what, recipe, scale):
+    # bf16: a 3e-2 weight scale the golden floor fails; fp32 training (golden floor by default): a 1e-4 one.
+    store = SuiteStores(tmp_path)
+    module = TinyNet() if what == "train_step" else Proj()
+    inputs = TRAIN_INPUTS if what == "train_step" else X
+    record(store, recipe, what, module, inputs)
+    clean = compare_run(store, recipe, what, module, inputs)
+    assert not isinstance(clean, Exception) and clean.status == "pass" and clean.policy == "golden"
+    stored = compare_run(store, recipe, what, module, inputs, patches=target_patch(scale=scale))
+    assert isinstance(stored, ParityError) and "golden policy" in str(stored)
+    # the same fault against a live CPU reference and live golden: the same leaves fail with the same ratios
+    live = compare_run(store, recipe, what, module, inputs, Counting(), target_patch(scale=scale),
+                       session={"reference": "cpu"})
+    assert isinstance(live, ParityError)
+    assert ratios(stored.record) == ratios(live.record)
+    assert not all(passed for passed, _ in ratios(stored.record).values())
+
+
+def test_a_compact_training_baseline_stores_the_golden_reduced_as_its_leaves(tmp_path):
+    store = SuiteStores(tmp_path)
+    module = TinyNet()
+    entry = record(store, "fp32", "train_step", module, TRAIN_INPUTS, store="summary min_numel=1000 samples=100")
+    entry = entry.checks["step"]
+    assert "grad.proj.w" in entry.meta["compact"]
+    assert {"golden:grad.proj.w@sample", "golden:grad.proj.w@stats"} <= set(entry.extras)
+    assert "golden:grad.proj.w" not in entry.extras
+    stored = compare_run(store, "fp32", "train_step", module, TRAIN_INPUTS, patches=target_patch(scale=1 + 1e-4))
+    without_stored_golden(store)
+    live = compare_run(store, "fp32", "train_step", module, TRAIN_INPUTS, Counting(), target_patch(scale=1 + 1e-4))
+    assert isinstance(stored, ParityError) and isinstance(live, ParityError)
+    assert ratios(stored.record) == ratios(live.record)
+    assert S.NOT_STORED in live.record.extra["policy_note"]
+
+
+def test_an_entry_without_a_stored_golden_runs_the_live_golden_and_says_so(tmp_path):
+    store = SuiteStores(tmp_path)
+    module = Proj()
+    record(store, "bf16", "check", module, X)
+    without_stored_golden(store)
+    runner = Counting()
+    result = compare_run(store, "bf16", "check", module, X, runner)
+    assert result.status == "pass" and result.policy == "golden" and runner.runs == 1
+    assert result.extra["policy_note"] == S.NOT_STORED
+
+
+def test_a_live_cpu_reference_runs_the_live_golden_without_a_note(tmp_path):
+    runner = Counting()
+    session = ParitySession(CPU, reference="cpu", golden_runner=runner)
+    result = ParityCase(session, TEST_ID, "bf16").check("proj", Proj(), X)
+    assert result.policy == "golden" and runner.runs == 1 and not result.extra.get("policy_note")
+
+
+def test_a_golden_unavailable_at_recording_is_recorded_and_judged_by_allclose_without_a_run(tmp_path):
+    def hard_coded_float32(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).to(torch.float32)
+
+    store = SuiteStores(tmp_path)
+    session = ParitySession(CPU, update_baselines=True, store=store, recipe_policies={"fp32": "golden"})
+    case = ParityCase(session, TEST_ID, "fp32")
+    case.check("f", hard_coded_float32, X)
+    case.finish()
+    meta = store.load(TEST_ID).checks["f"].meta["golden"]
+    assert "float32" in meta["unavailable"] and "leaves" not in meta
+    compare = ParitySession(CPU, store=store, recipe_policies={"fp32": "golden"}, golden_runner=Counting(forbid=True))
+    result = ParityCase(compare, TEST_ID, "fp32").check("f", hard_coded_float32, X)
+    assert result.policy == "allclose" and result.status == "pass"
+    assert result.extra["policy_note"].startswith("golden unavailable, judged by allclose:")
+    assert "float32" in result.extra["policy_note"]
+
+
+def test_replayed_inputs_use_the_stored_golden_inputs_beyond_the_draws_run_the_live_one(tmp_path):
+    store = SuiteStores(tmp_path)
+    module = Proj()
+    record(store, "bf16", "check", module, X)
+    # another machine's draws (1e-7 of the largest value): the recorded inputs are replayed, the stored golden applies
+    drawn = X.clone()
+    drawn[0, 0] += 1e-7 * X.abs().max()
+    result = compare_run(store, "bf16", "check", module, drawn)
+    assert result.status == "pass" and "replayed the recorded inputs" in result.extra["policy_note"]
+    # beyond the draws but within the summary rule: run on the current inputs, with a live golden of them
+    moved = X.clone()
+    moved[0, 0] += 1e-5 * X.abs().max()
+    runner = Counting()
+    result = compare_run(store, "bf16", "check", module, moved, runner)
+    assert result.status == "pass" and runner.runs == 1 and S.OTHER_INPUTS in result.extra["policy_note"]
+
+
+def test_a_golden_leaf_missing_from_the_entry_is_an_error(tmp_path):
+    store = SuiteStores(tmp_path)
+    module = Proj()
+    baseline = record(store, "bf16", "check", module, X)
+    entry = baseline.checks["proj"]
+    entry.extras = {k: v for k, v in entry.extras.items() if not k.startswith("golden:")}  # meta still names it
+    store.write(TEST_ID, baseline.checks, baseline.provenance)  # a valid checksum: only the golden is gone
+    session = ParitySession(CPU, store=store, golden_runner=Counting(forbid=True))
+    case = ParityCase(session, TEST_ID, "bf16")
+    with pytest.raises(CorruptBaselineError, match="lacks the stored golden of output '' of check 'proj'"):
+        case.check("proj", module, X)
+    assert case.records[-1].status == "error" and case.records[-1].extra["baseline_error"] == "corrupt"
+
+
+def test_a_flipped_bit_in_a_stored_golden_fails_the_checksum(tmp_path):
+    store = SuiteStores(tmp_path)
+    module = Proj()
+    record(store, "bf16", "check", module, X)
+    path = store.path_for(TEST_ID)
+    data = bytearray(path.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + header_len])
+    key = json.loads(header["__metadata__"]["checks"])["proj"]["extras"]["golden:"]
+    start = header[key]["data_offsets"][0]
+    data[8 + header_len + start + 3] ^= 0x10
+    path.write_bytes(bytes(data))
+    session = ParitySession(CPU, store=store, golden_runner=Counting(forbid=True))
+    with pytest.raises(CorruptBaselineError, match="fails its checksum"):
+        ParityCase(session, TEST_ID, "bf16").check("proj", module, X)
+
+
+def test_golden_source_refuses_a_malformed_record():
+    from pytest_npu_parity.baselines import CheckBaseline
+
+    entry = CheckBaseline("c", {"": torch.zeros(2)}, meta={"golden": {"dtype": "float64", "leaves": ["x"]}},
+                          extras={"golden:": torch.zeros(2, dtype=torch.float64)})
+    with pytest.raises(CorruptBaselineError, match="lacks the stored golden of output 'x'"):
+        S.golden_source(entry)
+    entry.meta["golden"] = "float64"
+    with pytest.raises(CorruptBaselineError, match="malformed golden record"):
+        S.golden_source(entry)
+    assert S.golden_source(None).kind == "live"
+
+
+def test_the_terminal_summary_counts_the_live_goldens_in_one_line():
+    from pytest_npu_parity.plugin.summary import _summarize_policies
+
+    class Lines:
+        def __init__(self):
+            self.lines = []
+
+        def write_line(self, text):
+            self.lines.append(text)
+
+    def row(check, note):
+        return {"test_id": "t", "check": check, "recipe": "bf16", "verdict": "pass", "policy": "golden",
+                "golden_policy": "golden floor", "policy_note": note}
+
+    tr = Lines()
+    _summarize_policies(tr, [row("a", S.NOT_STORED), row("b", S.NOT_STORED), row("c", f"{S.NOT_STORED}; other note"),
+                             row("d", None)])
+    assert tr.lines[0] == "verdicts: 4 by golden floor"
+    assert tr.lines[1] == "  t check 'c' (bf16): other note"
+    assert tr.lines[2].startswith("  3 checks computed the golden live: the baseline stores none")
+    assert len(tr.lines) == 3
