@@ -5,8 +5,9 @@
 1. **Draw differences.** Builds, under ``torch.manual_seed(0)``, the tensors a user's test draws
    (``nn.Linear``/``nn.LSTM`` weights, ``torch.randn``, ``normal_``, ``trunc_normal_``, ``xavier_normal_``)
    in two subprocesses — this machine's ATen kernel path and ``ATEN_CPU_CAPABILITY=<capability>`` — and
-   prints, per tensor that differs, the share of elements that differ and the largest difference relative
-   to the tensor's largest magnitude: the quantity ``checks.replay.DRAW_RTOL`` bounds.
+   prints, per tensor, the share of elements that differ, the largest difference relative to the tensor's
+   largest magnitude, and ``checks.replay.draw_distance`` (each element against its own magnitude, floored
+   at the tensor's median): the quantity ``checks.replay.DRAW_RTOL`` bounds.
 2. **Cost.** Records the GPT-2 and tagger examples of docs/tutorial/own-model.md (fp32 and bf16) with
    replay on (ini ``parity_replay_limit`` 16) and off (0) and prints the baseline bytes and the record and
    compare wall times; the compare runs under the other kernel path (with replay off those checks are
@@ -43,8 +44,9 @@ save_file({k: v.contiguous() for k, v in out.items()}, sys.argv[1])
 
 
 def draw_differences(capability: str) -> list[dict]:
-    import torch
     from safetensors.torch import load_file
+
+    from pytest_npu_parity.checks.replay import draw_distance
 
     with tempfile.TemporaryDirectory() as tmp:
         files = {}
@@ -57,7 +59,8 @@ def draw_differences(capability: str) -> list[dict]:
             b = files[capability][name]
             diff = (a.double() - b.double()).abs()
             rows.append({"tensor": name, "elements": a.numel(), "differ": int((diff > 0).sum()),
-                         "max_diff_over_max_abs": float(diff.max() / a.double().abs().max())})
+                         "max_diff_over_max_abs": float(diff.max() / a.double().abs().max()),
+                         "draw_distance": draw_distance(a, b)})
         return rows
 
 

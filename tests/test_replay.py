@@ -66,7 +66,7 @@ def test_stable_weights_and_oversized_weights_are_not_recorded():
     assert sorted(extras) == ["input:0"] and "stable_init_" in meta["weights"]
     extras, meta = recorded_extras(Net(), ((x,), {}), limit_bytes=200)
     assert sorted(extras) == ["input:0"]
-    assert "MiB of weights, over the" in meta["weights"] and "stable_init_" in meta["weights"]
+    assert "MiB of weights beside 0.0 MiB of inputs, over the" in meta["weights"] and "stable_init_" in meta["weights"]
     extras, meta = recorded_extras(Net(), ((x,), {}), limit_bytes=0)
     assert extras == {} and "over the 0 MiB replay limit" in meta["inputs"]
 
@@ -75,6 +75,11 @@ def test_draw_distance():
     t = torch.tensor([1.0, -2.0, 0.5])
     assert draw_distance(t, t.clone()) == 0.0
     assert draw_distance(t, t * (1 + 1e-4)) == pytest.approx(1e-4, rel=1e-3)
+    # each element against its own magnitude (floored at the median): one large column hides nothing
+    stamps = torch.tensor([[1.7e9, 0.5, -0.3], [1.7e9, 0.2, 0.9]])
+    other = stamps.clone()
+    other[:, 1:] *= 1.001
+    assert draw_distance(stamps, other) == pytest.approx(1e-3, rel=1e-2)
     assert draw_distance(torch.tensor([1, 2]), torch.tensor([1, 3])) == float("inf")
     assert draw_distance(t, torch.tensor([1.0, float("nan"), 0.5])) == float("inf")
     with pytest.raises(ValueError, match="float32"):
@@ -151,6 +156,49 @@ def test_inputs_beyond_other_draws_are_left_to_the_summary_rule():
     replay, why = plan_replay(extras, meta, torch.nn.functional.relu, ((other_ids,), {}),
                               check_hashes(torch.nn.functional.relu, (other_ids,), {}))
     assert replay is None
+
+
+def test_an_input_that_requires_grad_is_replayed_requiring_grad():
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(3, 8, requires_grad=True)
+    extras, meta = _recorded(model, x)
+    y = _other_draws(x.detach()).requires_grad_()
+    replay, _ = plan_replay(extras, meta, model, ((y,), {}), check_hashes(model, (y,), {}))
+    assert replay.given[0][0].requires_grad and torch.equal(replay.given[0][0].detach(), x.detach())
+
+
+def test_a_changed_non_tensor_argument_is_not_called_a_draw():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(3, 8)
+    extras, replay_meta = recorded_extras(model, ((x,), {"scale": 2.0}))
+    h = check_hashes(model, (x,), {"scale": 2.0})
+    meta = {"input_hash": h["input_hash"], "config_hash": h["config_hash"], "replay": replay_meta}
+    replay, why = plan_replay(extras, meta, model, ((x,), {"scale": 3.0}), check_hashes(model, (x,), {"scale": 3.0}))
+    assert replay is None and why is None  # the tensors are the recorded ones: nothing to replay
+
+
+def test_a_module_that_cannot_be_copied_is_not_replayed_and_says_why():
+    import threading
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(3, 8)
+    extras, meta = _recorded(model, x)
+    other, y = _elsewhere(model, x)
+    other.lock = threading.Lock()
+    replay, why = plan_replay(extras, meta, other, ((y,), {}), check_hashes(other, (y,), {}))
+    assert replay is None and why.startswith("the module cannot be copied to replay its recorded weights (TypeError")
+
+
+def test_a_wrapper_around_stable_weights_records_none():
+    torch.manual_seed(0)
+    model = Net()
+    stable_init_(model)
+    wrapper = torch.nn.Sequential(model)  # holds no tensors of its own, as a module collecting intermediates
+    extras, meta = recorded_extras(wrapper, ((torch.randn(3, 8),), {}))
+    assert "stable_init_" in meta["weights"]
+    wrapper.extra = torch.nn.Linear(2, 2)  # an unmarked module with weights of its own: recorded
+    assert recorded_extras(wrapper, ((torch.randn(3, 8),), {}))[1]["weights"] == 6
 
 
 def test_weights_that_were_not_recorded_say_why_when_they_differ():

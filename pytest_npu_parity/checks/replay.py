@@ -5,8 +5,8 @@ A user's own test builds its model and input the way PyTorch teaches (``torch.ma
 and ``normal_`` (and the ``nn.init`` functions built on them) take vectorized code paths on the CPU
 whose rounding depends on the instruction set, so on another CPU kernel path the same seed draws
 other last bits. Measured between ``ATEN_CPU_CAPABILITY=avx512`` and ``default`` on torch 2.14.1
-(``benchmarks/replay_draws.py``): 40–60 % of the elements of every ``nn.Linear``/``nn.LSTM`` weight,
-``torch.randn`` input and ``trunc_normal_``/``xavier_normal_`` draw differ, by at most 7.2e-7 of the
+(``benchmarks/replay_draws.py``): 40–60 % of the elements of ``nn.Linear``/``nn.LSTM`` weights,
+``torch.randn`` inputs and ``trunc_normal_``/``xavier_normal_`` draws differ, by at most 7.2e-7 of the
 tensor's largest magnitude (about 6 float32 ULPs of it). A baseline that stored only fingerprints then
 reports "weights changed" there and can never be compared.
 
@@ -14,11 +14,12 @@ So a recording stores, beside the reference outputs, the check's tensor inputs a
 weights are version-stable (:func:`pytest_npu_parity.stable_init.stable_init_` marks them) or too large —
 its ``state_dict`` (``CheckBaseline.extras``; content-addressed, so a batch or model recorded by several
 checks is stored once per file). A compare run whose fingerprints differ from the recording's then decides
-per tensor (:func:`plan_replay`):
+per tensor (:func:`plan_replay`, :func:`draw_distance`):
 
 * **same computation, other draws** — same structure (``structure.structure_hash``), the same tensor
   names, shapes and dtypes, integer/bool tensors bitwise equal, and every floating tensor within
-  :data:`DRAW_RTOL` of the recorded one, relative to the recorded tensor's largest magnitude: the check
+  :data:`DRAW_RTOL` of the recorded one, each element against its own magnitude floored at the tensor's
+  median magnitude (so one large column cannot hide a change of the others): the check
   runs on the *recorded* inputs and on a copy of the module holding the *recorded* weights, and its note
   says so (the user's module and inputs are never changed);
 * **a real change** — anything else (the user edited the model, its config, its init, the data
@@ -45,11 +46,12 @@ from ..stable_init import STABLE_MARK  # set by stable_init_: weights the same o
 __all__ = ["DRAW_RTOL", "REPLAY_LIMIT_BYTES", "STABLE_MARK", "Replay", "recorded_extras", "plan_replay",
            "draw_distance"]
 
-#: Largest difference, relative to the recorded tensor's largest magnitude, that a tensor may have from
-#: the recorded one and still count as the same draw recomputed on another machine. Measured: 7.2e-7
-#: (``trunc_normal_``; ``randn`` 4.3e-7, ``kaiming_uniform_`` 8.5e-8) between ATen's avx512 and default
-#: kernel paths; 4e-6 (about 34 float32 ULPs) leaves a margin of 5× and still refuses a 1e-5 edit.
-DRAW_RTOL = 4e-6
+#: Largest ``draw_distance`` a tensor may have from the recorded one and still count as the same draw
+#: recomputed on another machine. Measured between ATen's avx512 and default kernel paths (torch 2.14.1,
+#: ``benchmarks/replay_draws.py``): up to 2.3e-6 for ``randn``/``normal_``/``trunc_normal_``/``xavier_normal_``
+#: (an element near zero carries the rounding error of the values around it) and 2.2e-7 for uniform draws.
+#: 8e-6 leaves a margin of 3.4× and still refuses a weight or input edit of 1e-5.
+DRAW_RTOL = 8e-6
 #: Default bound on the bytes one check records for replay (inputs and weights together, before the
 #: per-file deduplication; ini ``parity_replay_limit``, in MiB). 16 MiB holds a 4 M-parameter fp32 model; a
 #: resnet18 (45 MiB) is better seeded with ``stable_init_``, which every machine draws the same. Above it the weights are not recorded (and the inputs too, if they alone
@@ -82,6 +84,14 @@ def _input_leaves(given: Any) -> tuple[list, Any]:
     return leaves, spec
 
 
+def _stable(module: torch.nn.Module) -> bool:
+    """Every submodule that holds tensors of its own carries ``stable_init_``'s mark (a wrapper around a
+    stable-initialized model, such as a module collecting intermediates, holds none of its own)."""
+    owners = [m for m in module.modules()
+              if next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None]
+    return bool(owners) and all(getattr(m, STABLE_MARK, None) is not None for m in owners)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -104,7 +114,8 @@ def recorded_extras(fn: Any, given: tuple, limit_bytes: int = REPLAY_LIMIT_BYTES
     in_bytes = sum(_nbytes(t) for t in inputs.values())
     meta: dict[str, Any] = {}
     if in_bytes > limit_bytes:
-        meta["inputs"] = f"not recorded: {in_bytes / 2**20:.1f} MiB of inputs, over the {limit_bytes / 2**20:.0f} MiB replay limit"
+        meta["inputs"] = (f"not recorded: {in_bytes / 2**20:.1f} MiB of inputs, over the {limit_bytes / 2**20:g} MiB "
+                          "replay limit (ini parity_replay_limit)")
         inputs = {}
     else:
         meta["inputs"] = len(inputs)
@@ -112,14 +123,16 @@ def recorded_extras(fn: Any, given: tuple, limit_bytes: int = REPLAY_LIMIT_BYTES
     weights: dict[str, torch.Tensor] = {}
     if module is None:
         meta["weights"] = "a function: no weights"
-    elif getattr(module, STABLE_MARK, None) is not None:
+    elif _stable(module):
         meta["weights"] = "not recorded: stable_init_ weights are the same on every machine"
     else:
         state = {f"{_WEIGHT}{k}": v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
         w_bytes = sum(_nbytes(t) for t in state.values())
-        if in_bytes + w_bytes > limit_bytes:
-            meta["weights"] = (f"not recorded: {w_bytes / 2**20:.1f} MiB of weights, over the "
-                               f"{limit_bytes / 2**20:.0f} MiB replay limit; seed them with "
+        kept_in = sum(_nbytes(t) for t in inputs.values())
+        if kept_in + w_bytes > limit_bytes:
+            beside = f" beside {kept_in / 2**20:.1f} MiB of inputs" if kept_in else ""
+            meta["weights"] = (f"not recorded: {w_bytes / 2**20:.1f} MiB of weights{beside}, over the "
+                               f"{limit_bytes / 2**20:g} MiB replay limit (ini parity_replay_limit); seed them with "
                                "pytest_npu_parity.stable_init.stable_init_ or load a checkpoint, so that "
                                "every machine builds the same model")
         else:
@@ -130,9 +143,12 @@ def recorded_extras(fn: Any, given: tuple, limit_bytes: int = REPLAY_LIMIT_BYTES
 
 
 def draw_distance(recorded: torch.Tensor, now: torch.Tensor) -> float:
-    """How far ``now`` is from ``recorded``: ``max |now - recorded| / max |recorded|`` (float64) for
-    floating tensors (0.0 when equal, ``inf`` when they differ and ``recorded`` is all zeros or a value is
-    not finite), 0.0 or ``inf`` (equal or not) for integer, bool and complex-free exact types.
+    """How far ``now`` is from ``recorded``: ``max_i |now_i - recorded_i| / max(|recorded_i|, median |recorded|)``
+    (float64) for floating tensors — each element against its own magnitude, floored at the tensor's
+    typical one (a draw's rounding error is about an ULP of the values around it, so elements near zero
+    are not held to their own tiny magnitude, while one large column cannot hide a change of the others);
+    0.0 when equal, ``inf`` when a value is not finite or an element differs where the floor is 0; 0.0 or
+    ``inf`` (equal or not) for integer and bool tensors.
 
     Raises:
         ValueError: shapes or dtypes differ (the caller reports that as a change).
@@ -146,11 +162,12 @@ def draw_distance(recorded: torch.Tensor, now: torch.Tensor) -> float:
         return float("inf")
     diff = (now.to(torch.complex128 if now.is_complex() else torch.float64)
             - recorded.to(torch.complex128 if recorded.is_complex() else torch.float64)).abs()
-    scale = recorded.abs().max().double().item() if recorded.numel() else 0.0
-    worst = diff.max().item() if diff.numel() else 0.0
-    if not (worst == worst and scale > 0.0) or worst == float("inf"):
-        return float("inf")
-    return worst / scale
+    magnitude = recorded.abs().double().flatten()
+    floor = magnitude.median().item() if magnitude.numel() else 0.0
+    ratio = diff.flatten() / magnitude.clamp_min(floor)
+    ratio = torch.where(diff.flatten() == 0, torch.zeros_like(ratio), ratio)  # 0/0 where both are 0
+    worst = ratio.max().item() if ratio.numel() else 0.0
+    return worst if worst == worst else float("inf")
 
 
 def _closest(recorded: dict[str, torch.Tensor], now: dict[str, Any], what: str) -> tuple[float, str | None, str | None]:
@@ -168,9 +185,9 @@ def _closest(recorded: dict[str, torch.Tensor], now: dict[str, Any], what: str) 
         except ValueError as exc:
             return float("inf"), key, f"{what} {key} changed ({exc})"
         if d > DRAW_RTOL:
-            how = "differs" if d == float("inf") else f"differs by {d:.2g} of its largest value"
+            how = "differs" if d == float("inf") else f"differs by {d:.2g} of its values"
             return d, key, (f"{what} {key} {how}, beyond the {DRAW_RTOL:g} that another machine's random "
-                            "draws explain: a real change, not replayed")
+                            "draws explain: a real change")
         if d > worst:
             worst, name = d, key
     return worst, name, None
@@ -206,11 +223,11 @@ def plan_replay(extras: dict[str, torch.Tensor], meta: dict, fn: Any, given: tup
         now_in = {str(i): t for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
         if recorded_in:
             worst, _, why = _closest(recorded_in, now_in, "input leaf")
-            if why is None:
-                replaced = [recorded_in[str(i)].clone() if str(i) in recorded_in else leaf
-                            for i, leaf in enumerate(leaves)]
+            if why is None and worst > 0.0:  # equal tensors: a non-tensor argument changed, not a draw
+                replaced = [recorded_in[str(i)].clone().requires_grad_(leaf.requires_grad)
+                            if str(i) in recorded_in else leaf for i, leaf in enumerate(leaves)]
                 new_given = tree_unflatten(replaced, spec)
-                notes.append(f"the recorded inputs (largest draw difference {worst:.2g} of a tensor's largest value)")
+                notes.append(f"the recorded inputs (largest draw difference {worst:.2g} of their values)")
     replay_fn = fn
     if weights_differ:
         recorded_w = {k[len(_WEIGHT):]: v for k, v in extras.items() if k.startswith(_WEIGHT)}
@@ -223,10 +240,14 @@ def plan_replay(extras: dict[str, torch.Tensor], meta: dict, fn: Any, given: tup
         worst, name, why = _closest(recorded_w, dict(state), "weight")
         if why is not None:
             return None, why
-        clone = copy.deepcopy(module)
+        try:
+            clone = copy.deepcopy(module)
+        except Exception as exc:  # a lock, an open file, a process group
+            return None, (f"the module cannot be copied to replay its recorded weights ({type(exc).__name__}: "
+                          f"{exc}); seed it with stable_init_ or load a checkpoint")
         clone.load_state_dict({k: v.clone() for k, v in recorded_w.items()}, strict=True)
         replay_fn = clone if fn is module else types.MethodType(fn.__func__, clone)
-        notes.append(f"the recorded weights (largest draw difference {worst:.2g} of the largest value of {name!r})")
+        notes.append(f"the recorded weights (largest draw difference {worst:.2g}, in {name!r})")
     if not notes:
         return None, None
     return Replay(replay_fn, new_given,
