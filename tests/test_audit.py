@@ -506,8 +506,10 @@ def test_aurora_patch_set_removes_the_mask_copies(aurora_tiny):
 
 def test_audit_overhead_is_bounded(aurora_tiny):
     """Logical audit vs plain CPU forward of the tiny Aurora, CPU time of this process (min of 3).
-    Measured here: about 5.5x (no-op dispatch + function modes alone: 2.5x); the bound catches a
-    cost that grows with the run (e.g. a record that is searched linearly per op)."""
+    Measured here: about 5.5x on a quiet machine (no-op dispatch + function modes alone: 2.5x), 12.1x
+    once beside another pytest-xdist worker; the bound catches a cost that grows with the run (e.g. a
+    record that is searched linearly per op), which is far larger. The figure itself is the benchmark's
+    (benchmarks/bench_suite.py), not this test's."""
     model, x = aurora_tiny
     _aurora_forward(model, x)  # warm up
     _audit_aurora(model, x)
@@ -521,7 +523,7 @@ def test_audit_overhead_is_bounded(aurora_tiny):
         audited.append(time.process_time() - start)
     ratio = min(audited) / min(plain)
     print(f"tiny Aurora eval forward: plain {min(plain):.4f} s, audited {min(audited):.4f} s, ratio {ratio:.2f}")
-    assert ratio < 12.0
+    assert ratio < 25.0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -173,6 +173,8 @@ def out(x, k):
     return x * k + VERSION
 
 def _one(parity, i):
+    if HOLD:  # this run holds the store's lock from its start: say it has got that far
+        open(HOLD + ".reached", "w").close()
     deadline = time.monotonic() + 60
     while HOLD and not os.path.exists(HOLD) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -258,7 +260,11 @@ def test_two_record_runs_on_one_store_run_one_after_the_other(tmp_path: Path) ->
     project = _kill_project(tmp_path)
     hold = tmp_path / "go-on"
     first = _start(project, 1.0, DEMO_HOLD=str(hold))  # holds the lock, waits in its first test
-    time.sleep(0.5)
+    reached = Path(str(hold) + ".reached")
+    deadline = time.monotonic() + 120  # a loaded machine may take many seconds to import torch
+    while not reached.exists():
+        assert time.monotonic() < deadline and first.poll() is None, "the first record run did not start"
+        time.sleep(0.05)
     second = _start(project, 2.0)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(second.stdout.readline, "")), daemon=True)
