@@ -211,7 +211,8 @@ def test_sentence_torch_npu_library_missing_points_at_reinstall():
     assert "one row of the version matrix" in sentence
 
 
-def test_sentence_two_accelerators_cuda():
+def test_sentence_two_accelerators_cuda(monkeypatch):
+    monkeypatch.setattr(npu, "_torch_pin_of_torch_npu", lambda: (None, None))  # no wheel metadata to read
     exc = RuntimeError("Two accelerators cannot be used at the same time in PyTorch: npu and cuda. "
                        "You can install the cpu version of PyTorch to use your npu device, or use "
                        "the cuda device with 'export TORCH_DEVICE_BACKEND_AUTOLOAD=0'.")

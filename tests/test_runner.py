@@ -194,6 +194,10 @@ def test_train_step_under_golden_passes_unchanged_and_fails_a_fault():
 def test_bf16_weights_train_step_trains_bf16_weights_and_fails_a_fault():
     # the step's module copy is cast as its inputs are: before, every bf16-weights step failed with a
     # RecipeUnsupportedError ("mat1 and mat2 must have the same dtype, but got BFloat16 and Float")
+    try:
+        torch.nn.functional.mse_loss(torch.ones(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.bfloat16))
+    except RuntimeError:  # torch 2.5.1: "mse_cpu" not implemented for 'BFloat16' (the check says so, correctly)
+        pytest.skip("this torch has no bf16 mse_loss on the CPU")
     y = torch.linspace(-1, 1, 32)
     inputs = {"x": X, "y": y}
     record = case("bf16-weights").train_step("step", TinyNet(), inputs)
