@@ -245,11 +245,15 @@ def test_doctor_environment_reports_each_item(monkeypatch, tmp_path):
     monkeypatch.setattr(troubleshoot, "_aurora_util_functions", lambda: [planted])
     monkeypatch.setattr(troubleshoot, "missing_torch_npu_deps", lambda: "DEPS SENTENCE")
     monkeypatch.setattr(troubleshoot, "torchvision_mismatch", lambda: "TORCHVISION SENTENCE")
+    # numpy 2 beside a torch_npu wheel (as in CI's torch-npu 2.14.0 leg) is a detail line, not a fix
+    monkeypatch.setattr(troubleshoot, "numpy_for_old_cann", lambda: "NUMPY SENTENCE")
+    monkeypatch.setattr(troubleshoot, "hccl_timeout_set", lambda: None)
     result = doctor.SectionResult("environment")
     doctor._guide_troubleshooting(doctor._Context(requested="cpu"), result)
     assert result.status == "fail"
-    assert set(result.data["troubleshooting"]) == {"rope_decoder", "torch_npu_deps", "torchvision"}
+    assert set(result.data["troubleshooting"]) == {"rope_decoder", "torch_npu_deps", "torchvision", "numpy"}
     assert result.fixes[1:] == ["DEPS SENTENCE", "TORCHVISION SENTENCE"]
+    assert "NUMPY SENTENCE" in result.details
     assert "RoPE_decoder" in result.fixes[0]
 
 
