@@ -46,7 +46,7 @@ from .baselines import BaselineError
 from .checks.hooks import check_hook_problems, failure_diagnosis
 from .checks.plan import CaseFacts, CheckPlan
 from .checks.replay import REPLAY_LIMIT_BYTES, plan_replay, recorded_extras
-from .checks.stored_golden import golden_source
+from .checks.stored_golden import add_goldens, addable, golden_source
 # Moved to the checks package; re-exported here, where tests, scripts and other modules import them.
 from .checks.record import _LOCALIZATION_COLUMNS, CheckRecord  # noqa: F401
 from .checks.reference import (STALE_CAUSES, Expected, ReferenceSource, StaleSuite,  # noqa: F401
@@ -190,6 +190,9 @@ class ParitySession:
         self.golden_runner = golden_runner if golden_runner is not None else GoldenRunner()
         #: bytes a check may record for replay (its inputs and weights, ``checks.replay``).
         self.replay_limit = REPLAY_LIMIT_BYTES
+        #: a compare run adds the goldens it computes live to baseline entries that store none
+        #: (``--parity-store-goldens``, ``checks.stored_golden.add_goldens``).
+        self.store_goldens = False
         self._golden_memo: dict[tuple, Any] = {}
         self.records: list[CheckRecord] = []
         self.baseline_writes: dict[str, str] = {}  # test_id -> created/changed/unchanged/not written
@@ -356,6 +359,7 @@ class ParityCase:
         self.layer_policy = self.marker.layers
         self.records: list[CheckRecord] = []
         self._pending: dict[str, Any] = {}
+        self._golden_additions: dict[str, tuple] = {}  # --parity-store-goldens: check -> (golden, why, policy)
         self._baseline: Any = None
         self._baseline_loaded = False
         self.not_written: str | None = None
@@ -581,12 +585,24 @@ class ParityCase:
         Raises:
             OSError: the file cannot be written (the old baseline is left intact).
         """
+        if self._golden_additions:  # --parity-store-goldens (a compare run)
+            return self._store_goldens()
         if not (self.session.update_baselines and self._pending):
             return None
         outcome = "failed" if failed else outcome
         if outcome != "passed":
             self.not_written = outcome
         return write_recording(self.session, self.test_id, self.recipe.name, self._pending, outcome)
+
+    def _store_goldens(self) -> str:
+        """``--parity-store-goldens``: add the goldens this test's checks computed live (their baseline
+        entries store none) to its baseline file, whatever the verdicts (a golden does not depend on the
+        target); the status is kept in ``session.baseline_writes`` like a recording's."""
+        facts = recording_provenance(self.session.target, self.recipe.name, self.session.seed, self.session.rng)
+        status = add_goldens(self.session.store, self.test_id, self._golden_additions, facts)
+        self._golden_additions = {}
+        self.session.baseline_writes[self.test_id] = status
+        return status
 
     # -- the check's pipeline: settings -> reference (record mode stops there) -> target -> verdict ------
     def _record_or_compare(self, plan: CheckPlan, run: Callable, hashes: dict[str, Any], call: CheckCall,
@@ -616,6 +632,10 @@ class ParityCase:
             replay = optimizer_replay(call, sides.actual, sides.expected.leaves, plan.tolerance, expected.compact)
             golden = golden_for(self.session.golden, memo_key(plan.name, self.recipe.name, hashes, call), plan,
                                 call.fn, golden_run, source)
+            if self.session.store_goldens:  # --parity-store-goldens: keep it for the baseline (finish)
+                found = addable(expected.entry, source, golden)
+                if found is not None:
+                    self._golden_additions[plan.name] = (*found, plan.golden_policy)
             sides = compared_sides(sides, call, replay, golden, plan.golden_policy)
         return self._settle(plan, sides, call, judge)
 

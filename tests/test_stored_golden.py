@@ -256,4 +256,105 @@ def test_the_terminal_summary_counts_the_live_goldens_in_one_line():
     assert tr.lines[0] == "verdicts: 4 by golden floor"
     assert tr.lines[1] == "  t check 'c' (bf16): other note"
     assert tr.lines[2].startswith("  3 checks computed the golden live: the baseline stores none")
+    assert "--parity-store-goldens" in tr.lines[2]
     assert len(tr.lines) == 3
+    tr = Lines()  # a --parity-store-goldens run stored them
+    _summarize_policies(tr, [row("a", S.NOT_STORED)], stored_now=True)
+    assert tr.lines[1] == ("  1 check computed the golden live, and it is now stored in their baselines "
+                           "(--parity-store-goldens): later compare runs run none")
+
+
+# -- --parity-store-goldens: a compare run adds the goldens it computed live ----------------------------
+
+
+def store_run(baselines, recipe: str, what: str, module, inputs, runner=None, patches=None):
+    """A compare run with ``store_goldens`` on, ended as the plugin ends a test; (record or error, status)."""
+    session = ParitySession(CPU, store=baselines, golden_runner=runner or Counting())
+    session.store_goldens = True
+    case = ParityCase(session, TEST_ID, recipe, patches=patches)
+    try:
+        result = (case.train_step("step", module, inputs) if what == "train_step"
+                  else case.check("proj", module, inputs))
+    except ParityError as exc:
+        result = exc
+    return result, case.finish(outcome="failed" if isinstance(result, Exception) else "passed")
+
+
+def reference_bits(baseline) -> dict:
+    return {(name, leaf): (t.dtype, tuple(t.shape), bytes(t.contiguous().view(-1).view(torch.uint8).numpy()))
+            for name, entry in baseline.checks.items() for leaf, t in entry.tensors.items()}
+
+
+@pytest.mark.parametrize("what, recipe, scale", [("check", "bf16", 1 + 3e-2), ("train_step", "fp32", 1 + 1e-4)])
+def test_store_goldens_adds_the_live_golden_and_keeps_every_reference_bit(tmp_path, what, recipe, scale):
+    store = SuiteStores(tmp_path)
+    module = TinyNet() if what == "train_step" else Proj()
+    inputs = TRAIN_INPUTS if what == "train_step" else X
+    recorded = record(store, recipe, what, module, inputs)
+    name = next(iter(recorded.checks))
+    without_stored_golden(store)
+    before = store.load(TEST_ID)
+    runner = Counting()
+    result, status = store_run(store, recipe, what, module, inputs, runner)
+    assert not isinstance(result, Exception) and result.status == "pass" and runner.runs == 1
+    assert status == "changed"
+    after = store.load(TEST_ID)
+    assert reference_bits(after) == reference_bits(before) and reference_bits(after)  # every reference bit kept
+    for key in ("input_hash", "config_hash"):
+        assert after.checks[name].meta.get(key) == before.checks[name].meta.get(key)
+    assert after.provenance["goldens_added"]["recipe"] == recipe
+    assert {k: v for k, v in after.provenance.items() if k != "goldens_added"} == before.provenance
+    # what was added is what a recording stores
+    assert after.checks[name].meta["golden"] == recorded.checks[name].meta["golden"]
+    for key, tensor in recorded.checks[name].extras.items():
+        if key.startswith(S.GOLDEN_PREFIX):
+            assert torch.equal(after.checks[name].extras[key], tensor), key
+    # a later compare run runs no golden, and the planted fault still fails with the live golden's ratios
+    clean = compare_run(store, recipe, what, module, inputs)
+    assert not isinstance(clean, Exception) and clean.status == "pass"
+    stored = compare_run(store, recipe, what, module, inputs, patches=target_patch(scale=scale))
+    live = compare_run(store, recipe, what, module, inputs, Counting(), target_patch(scale=scale),
+                       session={"reference": "cpu"})
+    assert isinstance(stored, ParityError) and isinstance(live, ParityError)
+    assert ratios(stored.record) == ratios(live.record)
+    # a second store run has nothing to add
+    assert store_run(store, recipe, what, module, inputs, Counting(forbid=True))[1] is None
+
+
+def test_store_goldens_stores_a_failing_targets_golden_too(tmp_path):
+    store = SuiteStores(tmp_path)
+    module = Proj()
+    record(store, "bf16", "check", module, X)
+    without_stored_golden(store)
+    result, status = store_run(store, "bf16", "check", module, X, patches=target_patch(scale=1 + 3e-2))
+    assert isinstance(result, ParityError) and status == "changed"  # the golden does not depend on the target
+    assert "golden" in store.load(TEST_ID).checks["proj"].meta
+
+
+def test_store_goldens_adds_nothing_computed_from_other_inputs(tmp_path):
+    store = SuiteStores(tmp_path)
+    module = Proj()
+    record(store, "bf16", "check", module, X)
+    without_stored_golden(store)
+    moved = X.clone()
+    moved[0, 0] += 1e-5 * X.abs().max()  # within the summary rule, beyond the draws: a live golden of other inputs
+    result, status = store_run(store, "bf16", "check", module, moved)
+    assert not isinstance(result, Exception) and S.NOT_STORED in result.extra["policy_note"]
+    assert status is None and "golden" not in store.load(TEST_ID).checks["proj"].meta
+
+
+def test_store_goldens_records_a_golden_that_could_not_run(tmp_path, monkeypatch):
+    store = SuiteStores(tmp_path)
+    module = Proj()
+    record(store, "bf16", "check", module, X)
+    without_stored_golden(store)
+
+    class Unavailable(Counting):
+        def run(self, *args, **kwargs):
+            raise G.GoldenUnavailableError("no float64 kernel for this op")
+
+    result, status = store_run(store, "bf16", "check", module, X, Unavailable())
+    assert status == "changed"
+    assert store.load(TEST_ID).checks["proj"].meta["golden"]["unavailable"] == "no float64 kernel for this op"
+    later = compare_run(store, "bf16", "check", module, X)  # judged by allclose, no golden run
+    assert "golden unavailable, judged by allclose: no float64 kernel" in later.extra["policy_note"]

@@ -33,7 +33,7 @@ from ..structure import module_structure, pack_structure, structure_hash
 from .plan import CaseFacts, CheckPlan
 from .record import BaselineProblem, CheckRecord
 from .stored_golden import META_KEY as GOLDEN_META_KEY
-from .stored_golden import GoldenSource, recorded_golden
+from .stored_golden import UNAVAILABLE_NOTE, GoldenSource, recorded_golden
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,7 @@ def golden_for(golden_memo: Callable[[tuple, Any, Callable[[], dict]], dict], ke
     try:
         return golden_memo(key, owner, golden_run), source.note
     except GoldenUnavailableError as exc:
-        return None, f"golden unavailable, judged by allclose: {exc}"
+        return None, UNAVAILABLE_NOTE + str(exc)
 
 
 def recorded_golden_run(golden_memo: Callable[[tuple, Any, Callable[[], dict]], dict], key: tuple, plan: CheckPlan,

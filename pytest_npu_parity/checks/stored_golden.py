@@ -36,22 +36,24 @@ stored golden that lacks a leaf its meta names, or holds a non-tensor, is a ``Co
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ..baselines import CorruptBaselineError
+from ..baselines import BaselineError, CorruptBaselineError
 from ..compact import apply_recorded
 
-__all__ = ["GOLDEN_PREFIX", "META_KEY", "GoldenSource", "recorded_golden", "golden_source"]
+__all__ = ["GOLDEN_PREFIX", "META_KEY", "GoldenSource", "recorded_golden", "golden_source", "addable",
+           "add_goldens"]
 
 #: Name prefix of a stored golden leaf among a check's extras.
 GOLDEN_PREFIX = "golden:"
 #: Key of the stored golden's record in a check's meta.
 META_KEY = "golden"
 #: The note of a check whose baseline entry stores no golden.
-NOT_STORED = "golden computed live: the baseline stores none for this check (re-record it to store one)"
+NOT_STORED = ("golden computed live: the baseline stores none for this check (add it with --parity-store-goldens, "
+              "or re-record)")
 #: The note of a check whose inputs differ from the recorded ones within the summary rule.
 OTHER_INPUTS = ("golden computed live: the inputs differ from the recorded ones (within the summary rule) "
                 "that the stored golden was computed from")
@@ -149,3 +151,74 @@ def golden_source(entry: Any, path: Any = None) -> GoldenSource:
     leaves: dict[str, torch.Tensor | None] = {name: stored[name] for name in names}
     leaves.update({name: None for name in none_leaves})
     return GoldenSource("stored", leaves=leaves)
+
+
+#: The prefix of ``golden_for``'s note when the golden could not run (its ``GoldenUnavailableError`` follows).
+UNAVAILABLE_NOTE = "golden unavailable, judged by allclose: "
+
+
+def addable(entry: Any, source: GoldenSource | None, golden: tuple[dict | None, str | None]) -> tuple | None:
+    """What ``--parity-store-goldens`` may add to baseline ``entry`` from a compare run's live golden.
+
+    Args:
+        entry: the check's fresh baseline entry (``BaselineStore.check_fresh``), or None (a live CPU
+            reference: nothing to add to).
+        source: the check's ``golden_source`` (None: not a golden-judged check).
+        golden: ``checks.reference.golden_for``'s ``(golden leaves or None, note or None)``.
+
+    Returns:
+        ``(golden leaves or None, why it is unavailable or None)`` when the entry stores no golden
+        (``NOT_STORED``) and the check ran on exactly the recorded inputs (a golden of other inputs is
+        not the recorded reference's golden: ``OTHER_INPUTS`` is never added), else None.
+    """
+    if entry is None or source is None or source.kind != "live" or source.note != NOT_STORED:
+        return None
+    if entry.meta.get("bitwise_input") is False:
+        return None
+    leaves, note = golden
+    if leaves is not None:
+        return dict(leaves), None
+    if note and note.startswith(UNAVAILABLE_NOTE):
+        return None, note[len(UNAVAILABLE_NOTE):]
+    return None
+
+
+def add_goldens(store: Any, test_id: str, additions: dict[str, tuple[dict | None, str | None, Any]],
+                facts: dict) -> str:
+    """Add goldens computed by a compare run to ``test_id``'s baseline file, nothing else changed.
+
+    Every other byte of meaning stays as recorded: each check's reference leaves, ``None`` leaves,
+    fingerprints and replay extras, and the file's provenance (the machine that recorded the reference);
+    the provenance gains ``goldens_added`` (``facts``: where and with what the goldens were computed).
+    The file is rewritten atomically with a new checksum (``BaselineStore.write``).
+
+    Args:
+        store: the ``baselines.SuiteStores``/``BaselineStore`` holding the file.
+        test_id: the file's test id (``ParityCase.test_id``).
+        additions: ``{check name: (golden leaves or None, why unavailable or None, GoldenPolicy)}``, from
+            :func:`addable`. A check the file no longer holds, or whose entry has a golden already, is
+            left alone.
+        facts: JSON-serializable provenance of the golden runs (``recording_provenance``'s keys).
+
+    Returns:
+        ``BaselineStore.write``'s status, or ``"unchanged"`` when nothing was added.
+
+    Raises:
+        BaselineError: the file is gone or unreadable (``BaselineStore.load``'s errors).
+        OSError: it cannot be written (the old file is left intact).
+    """
+    baseline = store.load(test_id)
+    if baseline is None:
+        raise BaselineError(f"cannot add goldens to the baseline of {test_id!r}: the file is gone", None)
+    checks = dict(baseline.checks)
+    added = 0
+    for name, (golden, why, policy) in sorted(additions.items()):
+        entry = checks.get(name)
+        if entry is None or META_KEY in entry.meta:
+            continue
+        extras, meta = recorded_golden(golden, why, policy, entry.meta.get("compact"))
+        checks[name] = replace(entry, meta={**entry.meta, META_KEY: meta}, extras={**entry.extras, **extras})
+        added += 1
+    if not added:
+        return "unchanged"
+    return store.write(test_id, checks, {**baseline.provenance, "goldens_added": facts})

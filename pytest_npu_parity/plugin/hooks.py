@@ -154,6 +154,7 @@ def _make_session(cfg: ParityConfig) -> Any:
         rng=cfg.rng, settings=cfg.settings,
     )
     session.replay_limit = cfg.replay_limit
+    session.store_goldens = bool(cfg.option("parity_store_goldens"))
     return session
 
 
@@ -259,6 +260,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if session_.update_baselines:
         _lock_store(config, store)
         config.stash[TEMP_KEY] = ("removed", store.remove_temporary_files())
+    elif session_.store_goldens:  # it writes baseline files too: not beside a record run
+        _lock_store(config, store)
+        config.stash[TEMP_KEY] = ("found", [(p, p.stat().st_size) for p in store.temporary_files() if p.exists()])
     else:
         config.stash[TEMP_KEY] = ("found", [(p, p.stat().st_size) for p in store.temporary_files() if p.exists()])
 

@@ -207,6 +207,11 @@ def table() -> tuple[Setting, ...]:
         Setting("--update-baselines", "update_baselines", None, kwargs={"action": "store_true"}, default=False,
                 help="record mode: run each check's reference computation on --parity-device and write "
                      "it to the baseline store (implies --npu-parity)"),
+        Setting("--parity-store-goldens", "parity_store_goldens", None, kwargs={"action": "store_true"},
+                default=False,
+                help="compare run: add the golden that each golden-judged check computes live (its baseline "
+                     "entry stores none, e.g. recorded before goldens were stored) to that entry, its reference "
+                     "leaves untouched, so later compare runs run no golden"),
         Setting("--baseline-dir", "baseline_dir", "parity_baseline_dir", kwargs={"metavar": "DIR"},
                 help="baseline store root (default: ini parity_baseline_dir or <rootdir>/baselines)",
                 ini_help="default for --baseline-dir (relative to rootdir)", ini_default="baselines"),
@@ -507,6 +512,12 @@ class ParityConfig:
         recipes = raw.parsed("parity_dtypes")
         device = target(raw)
         reference = raw.parsed("parity_reference")
+        if raw.options["parity_store_goldens"] and raw.options["update_baselines"]:
+            raise pytest.UsageError("--parity-store-goldens adds goldens to existing baselines in a compare run; "
+                                    "--update-baselines stores them already: give one of the two")
+        if raw.options["parity_store_goldens"] and reference == "cpu":
+            raise pytest.UsageError("--parity-store-goldens adds goldens to the stored baselines, which "
+                                    "--parity-reference=cpu does not use: use --parity-reference=auto or baseline")
         check_tolerances, recipe_tolerances = _tolerance_overrides(raw, config)
         recipe_policies, check_policies = _policy_overrides(raw)
         seed, rng = raw.parsed("parity_seed"), raw.parsed("parity_rng")

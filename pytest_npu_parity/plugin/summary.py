@@ -48,7 +48,7 @@ def terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Conf
         tr.write_line("no parity checks ran")
     _summarize_references(tr, rows)
     _summarize_audit(tr, rows)
-    _summarize_policies(tr, rows)
+    _summarize_policies(tr, rows, stored_now=getattr(session, "store_goldens", False))
     _summarize_teeth(tr, rows)
     _summarize_baseline_problems(tr, rows, session)
     _summarize_localization(tr, rows, session)
@@ -143,9 +143,10 @@ def _summarize_audit(tr: Any, rows: list[dict]) -> None:
                       + (", or report without failing with --parity-audit-mode=warn" if failed else ""))
 
 
-def _summarize_policies(tr: Any, rows: list[dict]) -> None:
+def _summarize_policies(tr: Any, rows: list[dict], stored_now: bool = False) -> None:
     """When any check was judged by the golden policy: how many checks each verdict policy judged,
-    then every check that asked for the golden and fell back to allclose (and why)."""
+    then every check that asked for the golden and fell back to allclose (and why). ``stored_now``: a
+    ``--parity-store-goldens`` run, which stored the goldens it computed live."""
     judged = [row for row in _per_check(rows).values() if row.get("verdict") not in ("recorded", "error")]
     notes = [row for row in judged if row.get("policy_note") and row.get("policy") != "distribution"]
     distribution = [row for row in judged if row.get("policy") == "distribution"]
@@ -168,9 +169,13 @@ def _summarize_policies(tr: Any, rows: list[dict]) -> None:
         live += len(rest) < len(row["policy_note"])
         if rest:
             tr.write_line(f"  {row['test_id']} check {row['check']!r} ({row['recipe']}): {rest}")
-    if live:
+    if live and stored_now:
+        tr.write_line(f"  {live} check{'s' * (live != 1)} computed the golden live, and it is now stored in "
+                      "their baselines (--parity-store-goldens): later compare runs run none")
+    elif live:
         tr.write_line(f"  {live} check{'s' * (live != 1)} computed the golden live: the baseline stores none for "
-                      "them (re-record with --update-baselines to store it)")
+                      "them (add it with --parity-store-goldens: the reference stays as recorded; or re-record "
+                      "with --update-baselines)")
 
 
 def _summarize_teeth(tr: Any, rows: list[dict]) -> None:
