@@ -557,6 +557,13 @@ def _nbytes(*groups: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for g in groups for t in g.values())
 
 
+def script_text(spec: dict[str, Any]) -> str:
+    """``repro.py`` for ``spec``: ``repro_script.SCRIPT`` with the spec as a raw JSON string literal (JSON
+    escapes every quote inside its strings and puts separators between tokens, so it never holds the
+    three quotes that would end the literal)."""
+    return SCRIPT.replace("__SPEC__", 'r"""' + json.dumps(spec, indent=1, ensure_ascii=True) + '"""')
+
+
 def _failure_line(record: Any) -> str:
     """One sentence on the check's failure: its worst leaf's numbers."""
     text = f"Parity check `{record.check}` failed (recipe {record.recipe}, target {record.target} vs {record.reference})"
@@ -739,7 +746,7 @@ class ReproWriter:
                 _save(tmp / "weights.safetensors", weights)
             _save(tmp / "expected.safetensors", expected)
             _save(tmp / "actual.safetensors", actual)
-            (tmp / "repro.py").write_text(SCRIPT.replace("__SPEC__", repr(json.dumps(spec, indent=1))))
+            (tmp / "repro.py").write_text(script_text(spec))
             (tmp / "README.md").write_text(self._readme(record, case, culprit, spec, inputs, weights, expected,
                                                         actual, notes, module_note))
             for item in tmp.iterdir():  # mkdtemp's folder is private; a repro is meant to be handed over
