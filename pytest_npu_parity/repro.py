@@ -416,16 +416,18 @@ def _capture_target(case: Any, call: Any, culprit: Culprit, ops: bool) -> _Captu
     return got
 
 
-def _reference(case: Any, call: Any, culprit: Culprit, got: _Capture) -> tuple[dict, dict]:
-    """(expected leaves, weights) of the culprit module: the reference side (CPU, no patch set) run
-    on the target's inputs of the call, in the call's random and grad/autocast state."""
+def _reference(case: Any, call: Any, culprit: Culprit, got: _Capture) -> tuple[dict, dict, dict]:
+    """(expected leaves, state_dict, every parameter and buffer by name) of the culprit module: the
+    reference side (CPU, no patch set) run on the target's inputs of the call, in the call's random
+    and grad/autocast state. The last also holds non-persistent buffers (an op replay may use them)."""
     side = _Side(case, call, torch.device("cpu"), patched=False)
     with side.running(got.rng, got.state) as root:
         module = root.get_submodule(culprit.name) if culprit.name else root
         args, kwargs = _to_device(got.inputs, torch.device("cpu"))
         out = module(*args, **kwargs)
         weights = {k: _cpu(v) for k, v in module.state_dict(keep_vars=False).items()}
-    return {k: _cpu(t) for k, t in _leaf_tensors(out)}, weights
+        named = {k: _cpu(v) for k, v in list(module.named_parameters()) + list(module.named_buffers())}
+    return {k: _cpu(t) for k, t in _leaf_tensors(out)}, weights, named
 
 
 def _upcast(value: Any) -> Any:
@@ -557,6 +559,20 @@ def _nbytes(*groups: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for g in groups for t in g.values())
 
 
+def _recorded_note(actual: dict, expected: dict, tol: Any) -> list[str]:
+    """A note when the target's recorded outputs of the piece agree with the expected ones under the
+    check's tolerance: the piece alone does not show the failure (the difference it inherited from
+    earlier layers, or another call of a module that runs several times, carried it)."""
+    from .compare import compare
+
+    plain = {k: v for k, v in expected.items() if not k.startswith("golden.")}
+    if not plain or compare(actual, plain, tol).passed:
+        return ["the target's recorded outputs of this piece are within the check's tolerance of the expected "
+                "ones: run alone on the inputs the target gave it, the piece does not show the failure (what it "
+                "inherited from earlier layers, or another call of it, did); the localization table says more"]
+    return []
+
+
 def script_text(spec: dict[str, Any]) -> str:
     """``repro.py`` for ``spec``: ``repro_script.SCRIPT`` with the spec as a raw JSON string literal (JSON
     escapes every quote inside its strings and puts separators between tokens, so it never holds the
@@ -680,10 +696,15 @@ class ReproWriter:
             inputs, weights, actual = rec.tensors, {}, rec.actual
             expected = {**expected, **golden}
         else:
-            probe = _capture_target(case, call, culprit, ops=False)
-            expected, weights = _reference(case, call, culprit, probe)
             root = _Side(case, call, torch.device("cpu"), patched=False).root()
             module = root.get_submodule(culprit.name) if culprit.name else root
+            held = sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+            if held > self.max_bytes:  # before any run: a whole model's weights are known up front
+                raise ReproUnsupported(f"the weights of {culprit.display} take {held / 2**20:.0f} MiB, more than the "
+                                       f"{self.max_bytes / 2**20:.0f} MiB a repro may hold")
+            probe = _capture_target(case, call, culprit, ops=False)
+            expected, weights, named_weights = _reference(case, call, culprit, probe)
+            autocast = str(probe.state[2]).removeprefix("torch.") if probe.state and probe.state[1] else None
             args, kwargs = probe.inputs
             ids, named = _input_names(args, kwargs)
             inputs, actual = {k: _cpu(t) for k, t in named.items()}, probe.actual
@@ -694,7 +715,7 @@ class ReproWriter:
                 encode = lambda t: {"$t": ids[id(t)]}  # noqa: E731
                 spec = {"mode": "module", "module": {
                     "module": path, "qualname": qual, "kwargs": _encode_plain(ctor, encode),
-                    "training": module.training,
+                    "training": module.training, "autocast": autocast,
                     "eval_children": [n for n, m in module.named_modules() if n and not m.training],
                     "args": _encode_plain(list(args), encode), "kwargs_call": _encode_plain(dict(kwargs), encode)}}
             except ReproUnsupported as exc:
@@ -705,7 +726,8 @@ class ReproWriter:
             folder = None
             if spec is not None:
                 spec["grad"] = bool(call.grad)
-                folder = self._commit(record, case, culprit, spec, inputs, weights, expected, actual, notes, None)
+                folder = self._commit(record, case, culprit, spec, inputs, weights, expected, actual,
+                                      notes + _recorded_note(actual, expected, record.tolerance), None)
                 problem = _verify(folder, expected)
                 if problem is None:
                     return folder
@@ -716,7 +738,7 @@ class ReproWriter:
                 raise ReproUnsupported(f"{module_note}; and its ops cannot be replayed: {rec.error}")
             spec = {"mode": "ops", "ops": rec.ops, "outputs": rec.outputs}
             inputs = rec.tensors
-            weights = {k: v for k, v in weights.items() if k in rec.weights_used}
+            weights = {k: v for k, v in named_weights.items() if k in rec.weights_used}
             if rec.random:
                 notes.append("the piece draws random numbers (dropout, sampling); the replayed ops draw from this "
                              "torch's own generator, so their outputs differ from the recorded ones")
@@ -724,6 +746,7 @@ class ReproWriter:
             raise ReproUnsupported(f"its inputs and weights take {_nbytes(inputs, weights) / 2**20:.0f} MiB, more "
                                    f"than the {self.max_bytes / 2**20:.0f} MiB a repro may hold")
         spec["grad"] = bool(call.grad)
+        notes += _recorded_note(actual, expected, record.tolerance)
         return self._commit(record, case, culprit, spec, inputs, weights, expected, actual, notes, module_note)
 
     def _too_big(self, inputs: dict, weights: dict) -> bool:

@@ -40,6 +40,10 @@ REL_EPS = 1e-10  # the max_rel guard of the project's compare: max |a - e| / (|e
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool, "C64": torch.complex64}
+for _code, _name in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("U16", "uint16"),
+                     ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _name):  # newer dtypes, where this torch has them
+        _DTYPES[_code] = getattr(torch, _name)
 
 
 def load_safetensors(name):
@@ -203,7 +207,9 @@ def run_module(device, tensors, weights):
     module.to(device)
     args = decode(piece["args"], tensors, {}, [], device)
     kwargs = decode(piece["kwargs_call"], tensors, {}, [], device)
-    with torch.set_grad_enabled(SPEC["grad"]):
+    autocast = piece.get("autocast")  # the recipe's autocast, as the piece ran under it
+    with torch.set_grad_enabled(SPEC["grad"]), torch.autocast(device.type, dtype=getattr(torch, autocast or "float32"),
+                                                             enabled=bool(autocast)):
         return dict(leaves(module(*args, **kwargs)))
 
 

@@ -210,6 +210,27 @@ def test_a_scaled_linear_weight_gives_a_repro_that_reproduces_the_verdict(tmp_pa
     assert _run_script(folder, "--recorded-only")[0] == 1
 
 
+def _spec(folder: Path) -> dict:
+    return json.loads(re.search(r'SPEC = json.loads\(r"""(.*?)"""\)', (folder / "repro.py").read_text(), re.S)[1])
+
+
+def test_a_bf16_check_rebuilds_its_module_under_the_recipe_autocast(tmp_path, net, x):
+    writer = ReproWriter(tmp_path)
+    session = ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[Localizer(None), writer],
+                            recipe_policies={"bf16": "allclose"})
+    case = ParityCase(session, "t::bf16", "bf16",
+                      patches=lambda device: scaled_parameter(net, "blocks.1.b.weight", 1.05))
+    _fail(case, "net", net, x)
+    folder = repro_dir(tmp_path, "t::bf16", "net")
+    spec = _spec(folder)
+    # Without the autocast the rebuilt Linear would compute in float32, not reproduce the reference
+    # bitwise, and the repro would fall back to an op replay.
+    assert spec["mode"] == "module" and spec["module"]["autocast"] == "bfloat16"
+    assert load_file(folder / "expected.safetensors")["output"].dtype == torch.bfloat16
+    code, out = _run_script(folder)
+    assert code == 0 and _verdicts(out) == ["FAIL", "PASS"] and "rtol=0.001 atol=0.001" in out
+
+
 def test_a_wrong_softmax_kernel_gives_an_op_repro_with_its_golden(tmp_path):
     torch.manual_seed(0)
     attn = Attention().eval()
@@ -218,7 +239,7 @@ def test_a_wrong_softmax_kernel_gives_an_op_repro_with_its_golden(tmp_path):
     case = ParityCase(_session(writer), "t::softmax", patches=lambda device: _SoftmaxInHalf())
     _fail(case, "attn", attn, x)
     folder = repro_dir(tmp_path, "t::softmax", "attn")
-    spec = json.loads(re.search(r'SPEC = json.loads\(r"""(.*?)"""\)', (folder / "repro.py").read_text(), re.S)[1])
+    spec = _spec(folder)
     assert spec["mode"] == "ops" and [op["op"] for op in spec["ops"]] == [["aten", "_softmax", "default"]]
     assert "the op trace named aten._softmax.default" in (folder / "README.md").read_text()
     assert not (folder / "weights.safetensors").exists()
