@@ -20,18 +20,24 @@ For a check out of tolerance, ``ReproWriter`` (a ``ParitySession`` failure hook 
   ``--device`` and prints (a) the stored target outputs vs expected and (b) the piece re-run vs
   expected, with the project's metrics and the check's tolerance; exit code 1 on a mismatch of (b);
 * ``README.md`` — what failed, the commands, the tolerance, the culprit and why it was chosen, the
-  provenance (torch version, target, recipe), and anything the repro cannot reproduce.
+  provenance (torch version, target, recipe), the verdict of the script's replay on the CPU while the
+  repro was written (a FAIL there: the replayed computation itself differs, its code or what it asks
+  for, not a device kernel), and anything the repro cannot reproduce.
 
 How the piece is replayed (``spec["mode"]``):
 
 * ``module`` — rebuilt from ``type(m).__module__`` and ``__qualname__`` with constructor arguments
   read off the instance (``_constructor_kwargs``: every ``__init__`` parameter found as an attribute
   of the same name holding a literal; a tensor-or-None attribute for a boolean parameter, such as
-  ``Linear.bias``, becomes ``bias is not None``), ``load_state_dict(strict=True, assign=True)``. The
-  rebuild is accepted only when the generated script itself, run here on the CPU, reproduces the
-  reference's outputs bitwise (``_verify``), so the arguments found are the ones it was built with;
+  ``Linear.bias``, becomes ``bias is not None``), ``load_state_dict(strict=True, assign=True)``, run
+  under the recipe's autocast. The rebuild is accepted only when the target dispatched the same ops
+  in its call as the reference module did (a patch set that swaps the module's code — a fused device
+  attention, a softmax moved to float16 — makes the target run something the class does not), and
+  when the generated script itself, run here on the CPU, reproduces the reference's outputs bitwise
+  (``_verify``), so the arguments found are the ones it was built with;
 * ``ops`` — otherwise (a class defined inside a function, a constructor argument that is not a
-  literal, a rebuild that computes something else, an op culprit): the aten ops of the piece's call
+  literal, a patch set that changes the module's ops, a rebuild that computes something else, an op
+  culprit): the aten ops of the piece's call
   recorded under a ``TorchDispatchMode`` and replayed one by one as
   ``torch.ops.<namespace>.<op>.<overload>``; tensors an op did not get from an earlier op are stored
   (the call's inputs as ``args.<i>``/``kwargs.<name>``, the module's parameters and buffers by name
@@ -174,7 +180,8 @@ def choose_culprit(record: Any, call: Any) -> Culprit | None:
     if bound:
         return None
     why = ("no submodule diverges locally: the difference starts in the check's module itself"
-           if rows else "no localization ran for this check: the whole checked module is replayed")
+           if record.localized.localization is not None
+           else "no localization ran for this check: the whole checked module is replayed")
     return Culprit("", 0, where, why)
 
 
@@ -332,6 +339,18 @@ class _OpRecorder(TorchDispatchMode):
         return out
 
 
+class _OpNames(TorchDispatchMode):
+    """The names of the ops dispatched while it is on (``aten._softmax.default`` …)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 @dataclass
 class _Capture:
     """What the target's run of the check gave the culprit's call."""
@@ -343,6 +362,7 @@ class _Capture:
     output: Any = None
     recorder: _OpRecorder | None = None
     calls: int = 0
+    op_names: _OpNames | None = None  # the ops the call dispatched (a module culprit's probe)
 
 
 def _input_names(args: tuple, kwargs: dict) -> tuple[dict[int, str], dict[str, torch.Tensor]]:
@@ -389,12 +409,16 @@ def _capture_target(case: Any, call: Any, culprit: Culprit, ops: bool) -> _Captu
                 names, _ = _input_names(args, kwargs)
                 got.recorder = _OpRecorder(culprit.op_index, names, weight_ids)
                 got.recorder.__enter__()
+            else:
+                got.op_names = _OpNames()
+                got.op_names.__enter__()
 
         def post(mod: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if got.calls - 1 != culprit.index or got.output is not None:
                 return
-            if got.recorder is not None:
-                got.recorder.__exit__(None, None, None)
+            for mode in (got.recorder, got.op_names):
+                if mode is not None:
+                    mode.__exit__(None, None, None)
             got.output = output
             got.actual = {k: _cpu(t) for k, t in _leaf_tensors(output)}
             if ops and culprit.op_index is None and got.recorder.error is None:
@@ -408,26 +432,40 @@ def _capture_target(case: Any, call: Any, culprit: Culprit, ops: bool) -> _Captu
         finally:
             for h in handles:
                 h.remove()
-            if got.recorder is not None and got.output is None:
-                got.recorder.__exit__(None, None, None)
+            for mode in (got.recorder, got.op_names):
+                if mode is not None and got.output is None:
+                    mode.__exit__(None, None, None)
     if got.inputs is None:
         raise ReproUnsupported(f"{culprit.display} was not called {culprit.index + 1} time(s) when the check ran "
                                "again on the target")
     return got
 
 
-def _reference(case: Any, call: Any, culprit: Culprit, got: _Capture) -> tuple[dict, dict, dict]:
-    """(expected leaves, state_dict, every parameter and buffer by name) of the culprit module: the
-    reference side (CPU, no patch set) run on the target's inputs of the call, in the call's random
-    and grad/autocast state. The last also holds non-persistent buffers (an op replay may use them)."""
+def _reference(case: Any, call: Any, culprit: Culprit, got: _Capture) -> tuple[dict, dict, dict, list[str]]:
+    """(expected leaves, state_dict, every parameter and buffer by name, op names) of the culprit
+    module: the reference side (CPU, no patch set) run on the target's inputs of the call, in the
+    call's random and grad/autocast state. The third also holds non-persistent buffers (an op replay
+    may use them); the last lists the ops the run dispatched."""
     side = _Side(case, call, torch.device("cpu"), patched=False)
     with side.running(got.rng, got.state) as root:
         module = root.get_submodule(culprit.name) if culprit.name else root
         args, kwargs = _to_device(got.inputs, torch.device("cpu"))
-        out = module(*args, **kwargs)
+        with _OpNames() as names:
+            out = module(*args, **kwargs)
         weights = {k: _cpu(v) for k, v in module.state_dict(keep_vars=False).items()}
         named = {k: _cpu(v) for k, v in list(module.named_parameters()) + list(module.named_buffers())}
-    return {k: _cpu(t) for k, t in _leaf_tensors(out)}, weights, named
+    return {k: _cpu(t) for k, t in _leaf_tensors(out)}, weights, named, names.names
+
+
+def _first_difference(target: list[str], reference: list[str]) -> str | None:
+    """Where two op sequences part (``"op #7: aten._to_copy.default on the target, aten._softmax.default
+    on the reference"``), or None when they are the same."""
+    for i, (t, r) in enumerate(zip(target, reference)):
+        if t != r:
+            return f"op #{i}: {t} on the target, {r} on the reference"
+    if len(target) != len(reference):
+        return f"the target dispatched {len(target)} ops, the reference {len(reference)}"
+    return None
 
 
 def _upcast(value: Any) -> Any:
@@ -602,18 +640,27 @@ def _script_namespace(path: Path) -> dict[str, Any]:
     return namespace
 
 
-def _verify(folder: Path, expected: dict[str, torch.Tensor]) -> str | None:
-    """Run the script's replay on the CPU here; None when it gives ``expected`` bitwise, else why not."""
+def _verify(folder: Path, expected: dict[str, torch.Tensor], tol: Any) -> tuple[str | None, str]:
+    """Run the script's replay on the CPU here: (None when it gives ``expected`` bitwise, else why not;
+    a README note with its verdict under ``tol``)."""
+    from .compare import compare
+
     try:
         outputs = _script_namespace(folder / "repro.py")["replay"]("cpu")
     except Exception as exc:  # noqa: BLE001 - a rebuild that does not run is not a rebuild
-        return f"the rebuilt module raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    for key, want in expected.items():
+        why = f"the replay raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return why, f"replayed on the CPU while this repro was written: {why}"
+    plain = {k: v for k, v in expected.items() if not k.startswith("golden.")}
+    verdict = compare({k: outputs.get(k) for k in plain}, plain, tol).passed
+    note = ("replayed on the CPU while this repro was written: " + ("PASS (a correct device matches the reference)"
+            if verdict else "FAIL — the replayed computation itself differs from the reference's (its code or "
+            "what it asks for, not a device kernel)"))
+    for key, want in plain.items():
         got = outputs.get(key)
         if got is None or got.shape != want.shape or got.dtype != want.dtype or not torch.equal(got.cpu(), want):
             return (f"the module rebuilt from the arguments found computes another {key} than the reference's "
-                    "(its constructor arguments are not all kept as attributes)")
-    return None
+                    "(its constructor arguments are not all kept as attributes)"), note
+    return None, note
 
 
 class ReproWriter:
@@ -703,13 +750,17 @@ class ReproWriter:
                 raise ReproUnsupported(f"the weights of {culprit.display} take {held / 2**20:.0f} MiB, more than the "
                                        f"{self.max_bytes / 2**20:.0f} MiB a repro may hold")
             probe = _capture_target(case, call, culprit, ops=False)
-            expected, weights, named_weights = _reference(case, call, culprit, probe)
+            expected, weights, named_weights, reference_ops = _reference(case, call, culprit, probe)
+            parted = _first_difference(probe.op_names.names if probe.op_names else [], reference_ops)
             autocast = str(probe.state[2]).removeprefix("torch.") if probe.state and probe.state[1] else None
             args, kwargs = probe.inputs
             ids, named = _input_names(args, kwargs)
             inputs, actual = {k: _cpu(t) for k, t in named.items()}, probe.actual
             spec = None
             try:
+                if parted is not None:
+                    raise ReproUnsupported("the patch set changes what it computes on the target (its ops part at "
+                                           f"{parted}), so the module's own class would not run what the target ran")
                 path, qual = _class_path(module)
                 ctor = _constructor_kwargs(module)
                 encode = lambda t: {"$t": ids[id(t)]}  # noqa: E731
@@ -723,15 +774,13 @@ class ReproWriter:
             if self._too_big(inputs, weights):
                 raise ReproUnsupported(f"its inputs and weights take {_nbytes(inputs, weights) / 2**20:.0f} MiB, more "
                                        f"than the {self.max_bytes / 2**20:.0f} MiB a repro may hold")
-            folder = None
             if spec is not None:
                 spec["grad"] = bool(call.grad)
                 folder = self._commit(record, case, culprit, spec, inputs, weights, expected, actual,
-                                      notes + _recorded_note(actual, expected, record.tolerance), None)
-                problem = _verify(folder, expected)
-                if problem is None:
+                                      notes + _recorded_note(actual, expected, record.tolerance), None, bitwise=True)
+                if isinstance(folder, Path):
                     return folder
-                module_note = f"{culprit.display} ({type(module).__name__}) cannot be rebuilt standalone: {problem}"
+                module_note = f"{culprit.display} ({type(module).__name__}) cannot be rebuilt standalone: {folder}"
             got = _capture_target(case, call, culprit, ops=True)
             rec = got.recorder
             if rec.error:
@@ -747,14 +796,20 @@ class ReproWriter:
                                    f"than the {self.max_bytes / 2**20:.0f} MiB a repro may hold")
         spec["grad"] = bool(call.grad)
         notes += _recorded_note(actual, expected, record.tolerance)
-        return self._commit(record, case, culprit, spec, inputs, weights, expected, actual, notes, module_note)
+        folder = self._commit(record, case, culprit, spec, inputs, weights, expected, actual, notes, module_note)
+        assert isinstance(folder, Path)
+        return folder
 
     def _too_big(self, inputs: dict, weights: dict) -> bool:
         return _nbytes(inputs, weights) > self.max_bytes
 
     def _commit(self, record: Any, case: Any, culprit: Culprit, spec: dict, inputs: dict, weights: dict,
-                expected: dict, actual: dict, notes: list[str], module_note: str | None) -> Path:
-        """Write the files into a temporary folder beside the final one, then rename it into place."""
+                expected: dict, actual: dict, notes: list[str], module_note: str | None,
+                bitwise: bool = False) -> Path | str:
+        """Write the files into a temporary folder beside the final one, replay the script there on the
+        CPU (its verdict goes into the README), then rename the folder into place. With ``bitwise`` (a
+        module rebuild) a replay that does not give ``expected`` bitwise publishes nothing: the reason
+        is returned instead of the folder."""
         final = repro_dir(self.root, record.test_id, record.check)
         final.parent.mkdir(parents=True, exist_ok=True)
         tol = record.tolerance
@@ -770,8 +825,12 @@ class ReproWriter:
             _save(tmp / "expected.safetensors", expected)
             _save(tmp / "actual.safetensors", actual)
             (tmp / "repro.py").write_text(script_text(spec))
+            problem, replayed = _verify(tmp, expected, tol)
+            if bitwise and problem is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                return problem
             (tmp / "README.md").write_text(self._readme(record, case, culprit, spec, inputs, weights, expected,
-                                                        actual, notes, module_note))
+                                                        actual, notes + [replayed], module_note))
             for item in tmp.iterdir():  # mkdtemp's folder is private; a repro is meant to be handed over
                 item.chmod(0o666 & ~umask)
             tmp.chmod(0o777 & ~umask)

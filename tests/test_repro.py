@@ -68,7 +68,10 @@ class Attention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = self.q(x) @ self.k(x).transpose(-1, -2) / math.sqrt(x.shape[-1])
-        return torch.softmax(scores, dim=-1) @ self.v(x)
+        return self.softmax(scores) @ self.v(x)
+
+    def softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(scores, dim=-1)
 
 
 class Scaled(torch.nn.Module):
@@ -180,6 +183,7 @@ def test_a_scaled_linear_weight_gives_a_repro_that_reproduces_the_verdict(tmp_pa
     readme = (folder / "README.md").read_text()
     assert "**Piece:** blocks.1.b" in readme and "`torch.nn.modules.linear.Linear`" in readme
     assert "rtol=1e-05 atol=1e-05 budget=0" in readme and f"torch {torch.__version__}" in readme
+    assert "replayed on the CPU while this repro was written: PASS" in readme
     weights = load_file(folder / "weights.safetensors")
     assert torch.equal(weights["weight"], net.blocks[1].b.weight.detach())  # not the target's scaled copy
     # Its input is what the target gave blocks.1.b: tanh(blocks.1.a(blocks.0(x))), before the fault.
@@ -252,6 +256,37 @@ def test_a_wrong_softmax_kernel_gives_an_op_repro_with_its_golden(tmp_path):
     code, out = _run_script(folder)
     assert code == 0 and _verdicts(out) == ["FAIL", "PASS"] and "float64 golden of the op" in out
     assert _run_script(folder, "--recorded-only")[0] == 1
+
+
+@contextlib.contextmanager
+def _half_softmax_code():
+    """A code fault on the target: Attention's own code computes its softmax in float16 and back."""
+    original = Attention.softmax
+    Attention.softmax = lambda self, scores: torch.softmax(scores.half(), dim=-1).to(scores.dtype)
+    try:
+        yield
+    finally:
+        Attention.softmax = original
+
+
+def test_a_code_fault_replayed_as_ops_fails_on_a_correct_device_too(tmp_path):
+    torch.manual_seed(0)
+    attn = Attention().eval()
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    writer = ReproWriter(tmp_path)
+    _fail(ParityCase(_session(writer), "t::code", patches=lambda device: _half_softmax_code()), "attn", attn, x)
+    folder = repro_dir(tmp_path, "t::code", "attn")
+    readme = (folder / "README.md").read_text()
+    # Attention would rebuild from its class, but that class's code is not what the target ran.
+    assert ("cannot be rebuilt standalone: the patch set changes what it computes on the target (its ops part "
+            "at op #") in readme and "aten._to_copy.default on the target" in readme
+    ops = [tuple(op["op"][1:]) for op in _spec(folder)["ops"]]
+    assert ops.count(("_to_copy", "default")) == 2 and ("_softmax", "default") in ops  # the half round trip
+    # The recorded ops ask for the float16 softmax: the CPU replays the fault, so the cause is the
+    # piece's code, not a device kernel, and the README says so.
+    assert "FAIL — the replayed computation itself differs from the reference's" in readme
+    code, out = _run_script(folder)
+    assert code == 1 and _verdicts(out) == ["FAIL", "FAIL"]
 
 
 def test_a_module_that_cannot_be_rebuilt_falls_back_to_its_ops_and_says_why(tmp_path, x):
