@@ -149,13 +149,22 @@ def _make_session(cfg: ParityConfig) -> Any:
         # audited as a logical device. The session mode says whether the other tests are audited.
         audit_factory=target_audit, audit_mode=cfg.audit_mode,
         failure_hooks=[localize.Localizer(cfg.localize_budget, forced=cfg.option("parity_localize"),
-                                          hint=cfg.localize_hint)],
+                                          hint=cfg.localize_hint), *_repro_hooks(cfg)],
         check_hooks=[selfcheck.SelfCheck()] if cfg.option("parity_selfcheck") else [],
         rng=cfg.rng, settings=cfg.settings,
     )
     session.replay_limit = cfg.replay_limit
     session.store_goldens = bool(cfg.option("parity_store_goldens"))
     return session
+
+
+def _repro_hooks(cfg: ParityConfig) -> list[Any]:
+    """``--parity-repro DIR``: a ``repro.ReproWriter`` after the localizer (it reads the localization)."""
+    if cfg.repro_dir is None:
+        return []
+    from ..repro import ReproWriter
+
+    return [ReproWriter(cfg.repro_dir, hint=cfg.localize_hint)]
 
 
 def _launch(config: pytest.Config, target: Any) -> None:
@@ -304,6 +313,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if SESSION_KEY not in config.stash:
         return
     rows = [row for record in config.stash[SESSION_KEY].records for row in record.rows()]
+    _repro_column(config.stash[SESSION_KEY], rows)
     workeroutput = getattr(config, "workeroutput", None)
     if workeroutput is not None:  # pytest-xdist worker: ship rows to the controller
         for row in rows:
@@ -315,6 +325,18 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         workeroutput["parity_collected"] = json.dumps(config.stash[COLLECTED_KEY])
         return
     config.stash[ROWS_KEY].extend(rows)
+
+
+def _repro_column(session: Any, rows: list[dict]) -> None:
+    """The ``repro`` column: the folder ``--parity-repro`` wrote for the row's check (rows of checks
+    without a repro get none)."""
+    writer = next((h for h in session.failure_hooks if hasattr(h, "written")), None)
+    if writer is None or not writer.written:
+        return
+    for row in rows:
+        folder = writer.written.get((row.get(col.TEST_ID), row.get(col.CHECK)))
+        if folder is not None:
+            row[col.REPRO] = folder
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown (and never called) without xdist

@@ -217,6 +217,11 @@ def table() -> tuple[Setting, ...]:
                 ini_help="default for --baseline-dir (relative to rootdir)", ini_default="baselines"),
         Setting("--parity-report", "parity_report", None, kwargs={"metavar": "DIR"},
                 help="write results.parquet/csv, summary.md and report.html for this session to DIR"),
+        Setting("--parity-repro", "parity_repro", None, kwargs={"metavar": "DIR"},
+                help="write a standalone repro of every failing check to DIR/<test id>/<check>/: the culprit's "
+                     "inputs as the target received them, its weights, the expected and the target's outputs "
+                     "(safetensors) and repro.py, which replays the culprit (the op or module the localization "
+                     "named) on --device with torch alone and prints the check's metrics and verdict"),
         Setting("--parity-history", "parity_history", None, kwargs={"metavar": "PATH"},
                 help="append this run's results to the history file PATH (trends, new failures)"),
         Setting("--parity-seed", "parity_seed", "parity_seed", kwargs={"type": int, "metavar": "N"},
@@ -429,6 +434,12 @@ def baseline_root(raw: Raw, config: pytest.Config) -> tuple[Path, str]:
     return root, ("--baseline-dir" if option is not None else "ini parity_baseline_dir")
 
 
+def _repro_dir(raw: Raw, config: pytest.Config) -> Path | None:
+    """``--parity-repro DIR`` from the invocation directory (``paths.validate_paths`` refused a file), or None."""
+    value = raw.options["parity_repro"]
+    return None if value is None else Path(config.invocation_params.dir) / Path(value).expanduser()
+
+
 def recipe_names(cfg: "ParityConfig") -> tuple[str, ...]:
     """The session's recipes: parsed at configure in a parity session, else now (a usage error when bad)."""
     return cfg.recipes if cfg.recipes is not None else _parse_recipes(cfg.raw.value("parity_dtypes")[0], "")
@@ -452,6 +463,8 @@ class ParityConfig:
         settings: ``checks.settings.IniSettings``: tolerances, verdict policies, train store, layer limit.
         baseline_root, baseline_where: the store root and the option or ini key that named it.
         update_command, localize_hint: the commands that re-record / localize (``paths.rerun_command``).
+        repro_dir: where ``--parity-repro`` writes the repros of failing checks (``repro.ReproWriter``),
+            relative paths taken from the invocation directory; None without the option.
     """
 
     raw: Raw
@@ -471,6 +484,7 @@ class ParityConfig:
     baseline_where: str = ""
     update_command: str = ""
     localize_hint: str = ""
+    repro_dir: Path | None = None
 
     def option(self, dest: str) -> Any:
         """The raw command-line value of ``dest`` (None when not given)."""
@@ -530,7 +544,7 @@ class ParityConfig:
         return cls(raw=raw, enabled=True, update_baselines=bool(raw.options["update_baselines"]), recipes=recipes,
                    target=device, reference=reference, seed=seed, rng=rng, audit_mode=audit_mode,
                    localize_budget=budget, lock_timeout=lock_timeout, replay_limit=replay_limit, settings=settings,
-                   baseline_root=root, baseline_where=where,
+                   baseline_root=root, baseline_where=where, repro_dir=_repro_dir(raw, config),
                    update_command=rerun_command(config, "--update-baselines"), localize_hint=localize_command(config))
 
 

@@ -16,7 +16,7 @@ from .options import Raw, baseline_root
 
 #: Path options whose separate value (``--baseline-dir DIR``) pytest reads as a test path while it
 #: chooses its rootdir and ini file, before this plugin's options are known.
-PATH_OPTIONS = ("--baseline-dir", "--parity-report", "--parity-history")
+PATH_OPTIONS = ("--baseline-dir", "--parity-report", "--parity-history", "--parity-repro")
 #: Options a record command depends on (which file, which recipes, which seed, which ini and
 #: rootdir), as (dest, flag); ``rerun_command`` repeats those given on the command line or in
 #: PYTEST_ADDOPTS/addopts. The target device is not one of them: a baseline is recorded on the
@@ -98,10 +98,12 @@ def _creatable(path: Path, kind: str) -> str | None:
 
 
 def _validate_outputs(config: pytest.Config, raw: Raw) -> None:
-    """``--parity-report`` / ``--parity-history``: given, creatable, the history a .parquet or .csv file."""
+    """``--parity-report`` / ``--parity-history`` / ``--parity-repro``: given, creatable, the history a
+    .parquet or .csv file."""
     invocation = Path(config.invocation_params.dir)
     for option, name, kind in (("parity_report", "--parity-report", "directory"),
-                               ("parity_history", "--parity-history", "file")):
+                               ("parity_history", "--parity-history", "file"),
+                               ("parity_repro", "--parity-repro", "directory")):
         value = raw.options[option]
         if value is None:
             continue

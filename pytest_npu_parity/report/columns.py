@@ -161,6 +161,7 @@ LOCALIZATION_REUSED = "localization_reused"
 LOCALIZATION_SKIPPED = "localization_skipped"
 LOCALIZATION_STOPPED = "localization_stopped"
 LOCALIZATION_OPS = "localization_ops"
+REPRO = "repro"
 WORKER = "worker"
 
 
@@ -290,6 +291,7 @@ EXTRA_TABLE: tuple[Column, ...] = (
     Column(LOCALIZATION_STOPPED, TEXT, "budget: the localization descent stopped between levels (first row only)"),
     Column(LOCALIZATION_OPS, JSON, "op table of the module where the localization ended: each op's local error vs "
            "its float64 CPU golden, the first culprit op first (JSON list of rows; first row only)"),
+    Column(REPRO, TEXT, "--parity-repro: the folder holding the check's standalone repro (inputs, weights, expected and actual outputs, repro.py)"),
     Column(WORKER, TEXT, "pytest-xdist worker that ran the check (gw0, gw1, ...); absent without xdist"),
 )
 
