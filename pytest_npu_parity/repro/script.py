@@ -1,6 +1,6 @@
 """The text of a repro's ``repro.py`` (``repro.write_repro``): a standalone script that needs torch alone.
 
-Kept apart from ``repro`` so that the script's source reads as what it is: ``SCRIPT`` is a template
+Kept apart from the rest of ``repro`` so that the script's source reads as what it is: ``SCRIPT`` is a template
 whose one placeholder, ``__SPEC__``, becomes the repro's JSON description (``repro.write_repro``).
 Nothing in the script imports this package: the comparison formulas of ``compare.compare_tensors``
 (max_abs, max_rel, rel_l2, cosine, mismatched, err_ratio, the ``torch.isclose`` rule under the
