@@ -32,8 +32,8 @@ for the file name) gets ``-<10 hex digits of its BLAKE2b>`` appended, so two dif
 share a file. Ids with a NUL byte, an absolute module path or a ``..`` segment are rejected, and
 every path is resolved and verified to lie under ``<root>/<suite>``.
 
-File format (version 3; version 2 is read as a file without extras)
--------------------------------------------------------------------
+File format (version 4; version 3 reads unchanged, version 2 as a file without extras)
+-------------------------------------------------------------------------------------
 Plain safetensors (never pickle), readable with ``safetensors.safe_open`` alone:
 
 * tensors under the key ``"<check>/<leaf path>"`` (``"dec_layer_0/[0]"``,
@@ -42,7 +42,9 @@ Plain safetensors (never pickle), readable with ``safetensors.safe_open`` alone:
 * a check's *extras* (the inputs and weights it was computed from, recorded for replay on a machine
   whose own random draws differ, :mod:`pytest_npu_parity.checks.replay`) under content addresses
   ``"@<32 hex digits>"``: a tensor that several checks recorded (the same weights, the same batch)
-  is stored once; each check's record maps ``extras: {"input:<i>" | "weight:<name>": key}``; a check judged
+  is stored once; from :data:`POOL_MIN_BYTES` (4 KiB) on, an extra goes to the store's object pool instead
+  (:class:`ObjectPool`, ``<root>/.objects/``: one copy for every file of the store, key ``"object:<64 hex>"``,
+  re-hashed on every read); each check's record maps ``extras: {"input:<i>" | "weight:<name>": key}``; a check judged
   by a golden verdict also stores its golden leaves there, ``"golden:<leaf path>": key``
   (:mod:`pytest_npu_parity.checks.stored_golden`: a compare run against the entry runs no golden);
 * string metadata: ``format`` (:data:`FORMAT`), ``format_version`` (:data:`FORMAT_VERSION`),
