@@ -9,8 +9,8 @@
    largest magnitude, and ``checks.replay.draw_distance`` (each element against its own magnitude, floored
    at the tensor's median): the quantity ``checks.replay.DRAW_RTOL`` bounds.
 2. **Cost.** Records the GPT-2 and tagger examples of docs/tutorial/own-model.md (fp32 and bf16) with
-   replay on (ini ``parity_replay_limit`` 16) and off (0) and prints the baseline bytes and the record and
-   compare wall times; the compare runs under the other kernel path (with replay off those checks are
+   replay on (ini ``parity_replay_limit`` 16) and off (0) and prints the baseline bytes (files and object
+   pool, apparent and allocated) and the record and compare wall times; the compare runs under the other kernel path (with replay off those checks are
    stale there: the row says how many).
 
 The figures are in docs/explanation/performance.md.
@@ -83,11 +83,15 @@ def replay_cost(capability: str) -> list[dict]:
             for name in ("test_gpt2.py", "test_tagger.py"):
                 (root / name).write_text(EXAMPLES[name])
             record_s, _ = _pytest(["--update-baselines", "test_gpt2.py", "test_tagger.py"], root)
-            size = sum(p.stat().st_size for p in (root / "baselines").rglob("*.safetensors"))
+            stored = sorted((root / "baselines").rglob("*.safetensors"))  # the files and the object pool
+            pool = [p for p in stored if ".objects" in p.parts]
+            size = sum(p.stat().st_size for p in stored)
             compare_s, out = _pytest(["--npu-parity", "--parity-reference", "baseline", "-rN"], root,
                                      {"ATEN_CPU_CAPABILITY": capability})
             summary = next((line for line in out.splitlines() if " checks: " in line), out.strip().splitlines()[-1])
-            rows.append({"parity_replay_limit": limit, "baseline_bytes": size, "record_s": round(record_s, 1),
+            rows.append({"parity_replay_limit": limit, "baseline_bytes": size, "baseline_files": len(stored) - len(pool),
+                         "pool_objects": len(pool), "pool_bytes": sum(p.stat().st_size for p in pool),
+                         "allocated_bytes": sum(p.stat().st_blocks * 512 for p in stored), "record_s": round(record_s, 1),
                          f"compare_s ({capability})": round(compare_s, 1), "result": summary})
     return rows
 

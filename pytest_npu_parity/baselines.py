@@ -32,8 +32,8 @@ for the file name) gets ``-<10 hex digits of its BLAKE2b>`` appended, so two dif
 share a file. Ids with a NUL byte, an absolute module path or a ``..`` segment are rejected, and
 every path is resolved and verified to lie under ``<root>/<suite>``.
 
-File format (version 3; version 2 is read as a file without extras)
--------------------------------------------------------------------
+File format (version 4; version 3 reads unchanged, version 2 as a file without extras)
+-------------------------------------------------------------------------------------
 Plain safetensors (never pickle), readable with ``safetensors.safe_open`` alone:
 
 * tensors under the key ``"<check>/<leaf path>"`` (``"dec_layer_0/[0]"``,
@@ -42,7 +42,9 @@ Plain safetensors (never pickle), readable with ``safetensors.safe_open`` alone:
 * a check's *extras* (the inputs and weights it was computed from, recorded for replay on a machine
   whose own random draws differ, :mod:`pytest_npu_parity.checks.replay`) under content addresses
   ``"@<32 hex digits>"``: a tensor that several checks recorded (the same weights, the same batch)
-  is stored once; each check's record maps ``extras: {"input:<i>" | "weight:<name>": key}``; a check judged
+  is stored once; from :data:`POOL_MIN_BYTES` (4 KiB) on, an extra goes to the store's object pool instead
+  (:class:`ObjectPool`, ``<root>/.objects/``: one copy for every file of the store, key ``"object:<64 hex>"``,
+  re-hashed on every read); each check's record maps ``extras: {"input:<i>" | "weight:<name>": key}``; a check judged
   by a golden verdict also stores its golden leaves there, ``"golden:<leaf path>": key``
   (:mod:`pytest_npu_parity.checks.stored_golden`: a compare run against the entry runs no golden);
 * string metadata: ``format`` (:data:`FORMAT`), ``format_version`` (:data:`FORMAT_VERSION`),
@@ -93,6 +95,7 @@ import json
 import os
 import re
 import shlex
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,15 +122,26 @@ __all__ = [
     "StoreLock",
     "StoreLockedError",
     "LOCK_NAME",
+    "ObjectPool",
+    "PoolObjectError",
+    "object_digest",
+    "OBJECTS_DIR",
+    "POOLED_KINDS",
+    "POOL_MIN_BYTES",
+    "POOL_VERSION",
 ]
 
 #: Value of the ``format`` metadata field of every baseline file.
 FORMAT = "pytest-npu-parity-baseline"
-#: Version of the layout described in this module's docstring; files with a newer version are refused,
-#: files older than :data:`OLDEST_READABLE` are stale (re-record them). Version 2: the checksum covers the
-#: metadata. Version 3: a check may hold *extras* (recorded inputs and weights for replay, see
-#: ``CheckBaseline.extras``); a version-2 file reads as one without extras.
-FORMAT_VERSION = 3
+#: Newest version of the layout described in this module's docstring; files with a newer version are
+#: refused, files older than :data:`OLDEST_READABLE` are stale (re-record them). Version 2: the checksum covers
+#: the metadata. Version 3: a check may hold *extras* (recorded inputs and weights for replay, see
+#: ``CheckBaseline.extras``); a version-2 file reads as one without extras. Version 4: extras may live in the
+#: store's object pool (:class:`ObjectPool`), referenced as ``"object:<64 hex digits>"``; a version-3 file
+#: holds all of them itself and reads unchanged.
+FORMAT_VERSION = 4
+#: Oldest format version whose check records may reference the object pool.
+POOL_VERSION = 4
 #: Oldest format version this plugin still reads.
 OLDEST_READABLE = 2
 #: File suffix of a baseline.
@@ -140,6 +154,22 @@ MAX_COMPONENT = 120
 #: Default command suggested to (re-)record a baseline; the test id is appended, shell-quoted.
 UPDATE_COMMAND = "pytest --update-baselines"
 
+#: Directory of the object pool under the store root (:class:`ObjectPool`). A dot name: every sanitized
+#: suite and module directory starts with another character, so no baseline path can meet it.
+OBJECTS_DIR = ".objects"
+#: ``format`` metadata of a pool object file.
+OBJECT_FORMAT = "pytest-npu-parity-object"
+#: Extras (by name prefix) that go to the pool: the replay inputs and weights, which the other recipe's file
+#: of the same test and other tests on the same model record again, and the stored goldens: a golden is the
+#: float64 run of the check's computation from the same inputs and weights whatever the recipe, so the fp32
+#: and bf16 files of a training step hold the same one (gradients and parameters: twice the model).
+POOLED_KINDS = ("input:", "weight:", "golden:")
+#: A replay extra of fewer bytes stays in the file (deduplicated within it): a pool object costs a file of
+#: its own (about 130 bytes of safetensors header, a filesystem block, a git blob), more than it saves.
+POOL_MIN_BYTES = 4096
+#: Prefix of an extra's key in a check record when the tensor lives in the pool.
+OBJECT_REF = "object:"
+
 #: Name of the lock file at the store root that serializes record runs (see :class:`StoreLock`).
 LOCK_NAME = ".npu-parity.lock"
 #: Suite directory of test ids outside ``parity_suites/`` (:class:`SuiteStores`); a parity suite of
@@ -149,6 +179,8 @@ ROOTDIR_SUITE = "_rootdir"
 CLASS_SEPARATOR = "+"
 
 _TEMP_NAME = re.compile(r"^\..+\.safetensors\.[A-Za-z0-9_]+\.tmp$")
+_OBJECT_REF_RE = re.compile(r"^object:([0-9a-f]{64})$")
+_OBJECT_NAME = re.compile(r"^[0-9a-f]{62}\.safetensors$")
 _DIR_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own upper bound on the JSON header
@@ -275,6 +307,7 @@ class BaselineStore:
         self.suite_dir = self.root / suite
         self.update_command = update_command
         self.module_prefix = [s for s in module_prefix.replace("\\", "/").split("/") if s not in ("", ".")]
+        self.pool = ObjectPool(self.root)
 
     # ---- paths -----------------------------------------------------------------------------
 
@@ -374,7 +407,7 @@ class BaselineStore:
                 )
         if not path.exists():
             return None
-        baseline = _read(path, rerecord=self.command(test_id))
+        baseline = _read(path, rerecord=self.command(test_id), pool=self.pool)
         if baseline.test_id != test_id:
             raise StaleBaselineError(
                 f"baseline {_show(path)} was recorded for test {baseline.test_id!r}, not for {test_id!r} "
@@ -584,13 +617,13 @@ class BaselineStore:
         """
         path = self.path_for(test_id)
         self._refuse_links(path, test_id, file=False)
-        tensors, records = _encode_checks(checks)
+        tensors, records = _encode_checks(checks, self.pool)  # pool objects first: a file never precedes them
         tensor_hash = _tensor_hash(tensors, records)
         status = "created"
         if path.exists() or path.is_symlink():
             status = "changed"
             try:
-                old = None if path.is_symlink() else _read(path)  # a link is replaced by a regular file
+                old = None if path.is_symlink() else _read(path, pool=self.pool)  # a link: replaced by a file
             except BaselineError:
                 old = None
             if old is not None and old.test_id == test_id and _same_content(old, records, tensor_hash):
@@ -754,6 +787,64 @@ class SuiteStores:
         """The :class:`StoreLock` of this store (not yet acquired)."""
         return StoreLock(self.root)
 
+    @property
+    def pool(self) -> ObjectPool:
+        """The store's :class:`ObjectPool` (``<root>/.objects/``), shared by every suite."""
+        return ObjectPool(self.root)
+
+    def referenced_objects(self) -> dict[str, list[Path]]:
+        """Digest -> the baseline files under ``root`` that reference that pool object (headers only).
+
+        Raises:
+            CorruptBaselineError: a baseline file's header cannot be read (what it references is unknown).
+        """
+        refs: dict[str, list[Path]] = {}
+        for path in _baseline_files(self.root):
+            for digest in _object_refs(path):
+                refs.setdefault(digest, []).append(path)
+        return refs
+
+    def orphan_objects(self) -> list[tuple[Path, int]]:
+        """``(path, size in bytes)`` of the pool objects no baseline file under ``root`` references, sorted.
+
+        Every file under the root counts, not only those of one run: a ``-k`` re-record or one xdist
+        worker's files never make another test's objects orphans.
+
+        Raises:
+            CorruptBaselineError: as :meth:`referenced_objects` (then nothing is called an orphan).
+        """
+        refs = self.referenced_objects()
+        orphans = []
+        for digest, path in self.pool.objects():
+            if digest not in refs:
+                try:
+                    orphans.append((path, path.stat().st_size))
+                except FileNotFoundError:
+                    continue
+        return orphans
+
+    def prune_objects(self) -> list[tuple[Path, int]]:
+        """Delete :meth:`orphan_objects` (and then-empty fan-out directories); returns what was removed.
+
+        Call it only while holding :meth:`lock` (a record run holds it for its session): a record run writes
+        a test's objects before its file, and an object written but not yet referenced would be lost.
+
+        Raises:
+            CorruptBaselineError: a baseline file's header cannot be read; nothing is deleted then.
+        """
+        removed = []
+        for path, size in self.orphan_objects():
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append((path, size))
+            try:
+                path.parent.rmdir()
+            except OSError:
+                pass
+        return removed
+
     def unwritable(self) -> list[Path]:
         """``root`` (or its nearest existing ancestor) and the directories below it that this
         process cannot write to (``os.access``), sorted: a record run could not create or replace a
@@ -842,6 +933,174 @@ class StoreLock:
 
 
 # --------------------------------------------------------------------------------------------
+# object pool
+
+
+class PoolObjectError(Exception):
+    """A pool object cannot be used: ``reason`` says why (missing, not a regular file, not a pool object,
+    content that does not hash to its name); ``path`` is the object's file. :func:`_read` turns it into a
+    :class:`CorruptBaselineError` naming the baseline file and the check that references it."""
+
+    def __init__(self, reason: str, path: Path):
+        super().__init__(f"{_show(path)} {reason}")
+        self.reason = reason
+        self.path = path
+
+
+def object_digest(tensor: torch.Tensor) -> str:
+    """The name of a tensor's pool object: BLAKE2b-256 (64 hex digits, personalization ``npu-parity-obj``)
+    over its dtype name and shape (length-prefixed) and its raw C-order bytes.
+
+    Args:
+        tensor: a CPU tensor of any dtype (bfloat16 and bool included); non-contiguous, conjugate or
+            negative views are hashed as the values they show.
+
+    The digest depends on nothing but those values, so every file, process and machine (of the same byte
+    order; all supported platforms are little-endian) names the same tensor alike.
+    """
+    t = _cpu_copy(tensor) if (not tensor.is_contiguous() or tensor.device.type != "cpu" or tensor.is_conj()
+                              or tensor.is_neg() or tensor.layout != torch.strided) else tensor.detach()
+    hasher = hashlib.blake2b(digest_size=32, person=b"npu-parity-obj")
+    header = f"{_dtype_name(t.dtype)}|{','.join(str(int(d)) for d in t.shape)}".encode()
+    hasher.update(len(header).to_bytes(8, "little"))
+    hasher.update(header)
+    flat = t.reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    hasher.update(memoryview(flat.numpy()))
+    return hasher.hexdigest()
+
+
+class ObjectPool:
+    """Content-addressed tensors shared by every baseline file of a store: ``<root>/.objects/`` (:data:`OBJECTS_DIR`).
+
+    Each object is one safetensors file holding one tensor under the key ``"tensor"``, with metadata
+    ``format`` (:data:`OBJECT_FORMAT`) and ``digest``, named by its :func:`object_digest` and fanned out by the
+    first two hex digits, as git stores loose objects: ``<root>/.objects/3f/<62 hex digits>.safetensors``.
+    A baseline file references an object from a check record (``extras: {"weight:h.0.attn.c_attn.weight":
+    "object:<64 hex>"}``); that record is covered by the file's checksum, and the object by its name: it is
+    re-hashed on every read.
+
+    Writes are idempotent (:meth:`put`): the name is the content, so concurrent writers of one object
+    (pytest-xdist workers recording the fp32 and the bf16 file of a test) write the same bytes, each through
+    its own temporary file and ``os.replace``; whichever rename comes last leaves one complete, valid object.
+    Objects are never loaded with pickle. Objects no file references any more are removed by
+    :meth:`SuiteStores.prune_objects` (under the store's lock).
+
+    Args:
+        root: the baseline store root (``--baseline-dir``).
+    """
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+        self.dir = self.root / OBJECTS_DIR
+
+    def path_for(self, digest: str) -> Path:
+        """The file of the object ``digest`` (64 lower-case hex digits; the file need not exist).
+
+        Raises:
+            ValueError: ``digest`` is not 64 lower-case hex digits.
+        """
+        if not re.fullmatch(r"[0-9a-f]{64}", digest or ""):
+            raise ValueError(f"a pool object's digest is 64 lower-case hex digits, got {digest!r}")
+        return self.dir / digest[:2] / (digest[2:] + SUFFIX)
+
+    def put(self, tensor: torch.Tensor) -> str:
+        """Store ``tensor`` (detached, contiguous CPU copy in its own dtype) and return its digest.
+
+        An existing object of that name is kept when it verifies (:meth:`get`), else replaced, so that a
+        re-record repairs a corrupt or truncated object. Raises ``OSError`` when the pool cannot be written.
+        """
+        copy = _cpu_copy(tensor)
+        digest = object_digest(copy)
+        path = self.path_for(digest)
+        if path.exists():
+            try:
+                self.get(digest)
+                return digest
+            except PoolObjectError:
+                pass
+        from safetensors.torch import save
+
+        _atomic_write(path, save({"tensor": copy}, metadata={"format": OBJECT_FORMAT, "digest": digest}))
+        return digest
+
+    def get(self, digest: str) -> torch.Tensor:
+        """The tensor of object ``digest``, verified: its content must hash to its name.
+
+        Raises:
+            PoolObjectError: the object is missing, is not a regular file, is a pickle/zip file (refused,
+                never loaded), is not a pool object of this plugin, or its tensor does not hash to ``digest``.
+        """
+        path = self.path_for(digest)
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise PoolObjectError("is not a regular file", path)
+        try:
+            with open(path, "rb") as fh:
+                kind = _kind(fh.read(9))
+                if kind == "pickle":
+                    raise PoolObjectError("is a pickle / torch.save file (refused, never loaded)", path)
+                if kind != "safetensors":
+                    raise PoolObjectError("is corrupt: truncated or not a safetensors file", path)
+                from safetensors import safe_open
+
+                try:
+                    with safe_open(_fd_path(fh, path), framework="pt") as handle:
+                        meta = handle.metadata() or {}
+                        keys = list(handle.keys())
+                        tensor = handle.get_tensor("tensor") if keys == ["tensor"] else None
+                except Exception as exc:  # safetensors raises its own SafetensorError
+                    raise PoolObjectError(f"is corrupt or truncated ({exc})", path) from None
+        except FileNotFoundError:
+            raise PoolObjectError("is missing", path) from None
+        except OSError as exc:
+            raise PoolObjectError(f"cannot be read ({exc})", path) from None
+        if tensor is None or meta.get("format") != OBJECT_FORMAT:
+            raise PoolObjectError(f"is not a {OBJECT_FORMAT} file (keys {keys[:3]})", path)
+        actual = object_digest(tensor)
+        if actual != digest:
+            raise PoolObjectError(f"is corrupt: its tensor hashes to {actual[:12]}…, not to the digest its name "
+                                  "gives (disk error, bad merge or hand edit)", path)
+        return tensor
+
+    def objects(self) -> list[tuple[str, Path]]:
+        """``(digest, path)`` of every object file in the pool, sorted (temporary files excluded)."""
+        found = []
+        if not self.dir.is_dir():
+            return found
+        for fan in sorted(self.dir.iterdir()):
+            if not (fan.is_dir() and re.fullmatch(r"[0-9a-f]{2}", fan.name)):
+                continue
+            for entry in sorted(fan.iterdir()):
+                if _OBJECT_NAME.match(entry.name):
+                    found.append((fan.name + entry.name[: -len(SUFFIX)], entry))
+        return found
+
+
+def _object_refs(path: Path) -> set[str]:
+    """Digests of the pool objects the baseline file ``path`` references (its header only).
+
+    Raises:
+        CorruptBaselineError: the header cannot be read (then the caller cannot know what it references).
+    """
+    try:
+        with open(path, "rb") as fh:
+            if _kind(fh.read(9)) != "safetensors":
+                raise CorruptBaselineError(f"baseline {_show(path)} is not a safetensors file", path)
+            fh.seek(0)
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        records = json.loads((header.get("__metadata__") or {}).get("checks") or "{}")
+        keys = [key for record in records.values() for key in (record.get("extras") or {}).values()]
+    except CorruptBaselineError:
+        raise
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        raise CorruptBaselineError(f"baseline {_show(path)} has an unreadable header ({exc})", path) from None
+    return {m.group(1) for key in keys if isinstance(key, str) and (m := _OBJECT_REF_RE.match(key))}
+
+
+# --------------------------------------------------------------------------------------------
 # helpers
 
 
@@ -877,7 +1136,9 @@ def _digest(text: str) -> str:
 
 
 def _baseline_files(top: Path) -> list[Path]:
-    return sorted(p for p in _walk(top) if p.name.endswith(SUFFIX) and not p.name.startswith("."))
+    pool = top / OBJECTS_DIR
+    return sorted(p for p in _walk(top) if p.name.endswith(SUFFIX) and not p.name.startswith(".")
+                  and not p.is_relative_to(pool))
 
 
 def _unused(top: Path, used_paths: set[Path]) -> list[Path]:
@@ -943,7 +1204,7 @@ def _kind(head: bytes) -> str:
     return "other"
 
 
-def _read(path: Path, rerecord: str | None = None) -> Baseline:
+def _read(path: Path, rerecord: str | None = None, pool: "ObjectPool | None" = None) -> Baseline:
     """Read, validate and decode one baseline file (see :meth:`BaselineStore.load`).
 
     The header is read and validated through one open file descriptor, and the tensors are
@@ -952,11 +1213,15 @@ def _read(path: Path, rerecord: str | None = None) -> Baseline:
     new version, never a header of one and data of the other. Tensors are views of a private
     (copy-on-write) mapping of the file: pages are read when the checksum or a comparison touches
     them and can be dropped by the OS, instead of holding the file's bytes plus a decoded copy.
+
+    Extras referenced as ``"object:<digest>"`` (format version 4) are read from ``pool`` after the file's
+    checksum verified, each re-hashed (:meth:`ObjectPool.get`); a missing or corrupt object raises
+    :class:`CorruptBaselineError` naming this file, the check, the object's path and the re-record command.
     """
     shown = _show(path)
     try:
         with open(path, "rb") as fh:
-            return _read_open(path, shown, fh, rerecord)
+            return _read_open(path, shown, fh, rerecord, pool)
     except IsADirectoryError:
         raise CorruptBaselineError(f"baseline {shown} is a directory, not a file", path) from None
     except OSError as exc:
@@ -973,7 +1238,8 @@ def _fd_path(fh: Any, path: Path) -> str:
     return str(path)
 
 
-def _read_open(path: Path, shown: str, fh: Any, rerecord: str | None = None) -> Baseline:
+def _read_open(path: Path, shown: str, fh: Any, rerecord: str | None = None,
+               pool: "ObjectPool | None" = None) -> Baseline:
     size = os.fstat(fh.fileno()).st_size
     kind = _kind(fh.read(9))
     if kind == "pickle":
@@ -1043,6 +1309,8 @@ def _read_open(path: Path, shown: str, fh: Any, rerecord: str | None = None) -> 
         raise CorruptBaselineError(f"baseline {shown} is corrupt or truncated: {exc}; delete it and re-record", path) from None
     used: set[str] = set()
     checks: dict[str, CheckBaseline] = {}
+    referenced: dict[str, dict[str, str]] = {}  # check -> {extra name: digest} of pool objects
+    hashed_extras: dict[str, dict[str, Any]] = {}
     for name, record in records.items():
         try:
             leaves = dict(record["leaves"])
@@ -1054,17 +1322,23 @@ def _read_open(path: Path, shown: str, fh: Any, rerecord: str | None = None) -> 
         if missing:
             raise CorruptBaselineError(f"baseline {shown} lacks tensor(s) {missing} of check {name!r}", path)
         extras = record.get("extras") or {}
-        if not isinstance(extras, dict) or any(key not in stored for key in extras.values()):
+        if not isinstance(extras, dict):
             raise CorruptBaselineError(f"baseline {shown} lacks the recorded inputs/weights of check {name!r}", path)
+        pooled = {what: m.group(1) for what, key in extras.items()
+                  if version >= POOL_VERSION and isinstance(key, str) and (m := _OBJECT_REF_RE.match(key))}
+        if any(key not in stored for what, key in extras.items() if what not in pooled):
+            raise CorruptBaselineError(f"baseline {shown} lacks the recorded inputs/weights of check {name!r}", path)
+        inline = {what: stored[key] for what, key in extras.items() if what not in pooled}
         used.update(leaves.values())
-        used.update(extras.values())
+        used.update(key for what, key in extras.items() if what not in pooled)
+        referenced[name] = pooled
+        hashed_extras[name] = {**inline, **{what: extras[what] for what in pooled}}
         checks[name] = CheckBaseline(name=name, tensors={leaf: stored[key] for leaf, key in leaves.items()},
-                                     none_leaves=none_leaves, meta=meta,
-                                     extras={what: stored[key] for what, key in extras.items()})
+                                     none_leaves=none_leaves, meta=meta, extras=inline)
     extra = set(stored) - used
     if extra:
         raise CorruptBaselineError(f"baseline {shown} holds tensors no check describes: {sorted(extra)}", path)
-    tensor_hash = _checks_hash(checks)
+    tensor_hash = _fingerprint_checks({name: (c.tensors, hashed_extras[name]) for name, c in checks.items()})
     if _content_hash(metadata, tensor_hash) != stored_hash:
         raise CorruptBaselineError(
             f"baseline {shown} fails its checksum: its tensors or metadata (test id, provenance, check "
@@ -1072,11 +1346,42 @@ def _read_open(path: Path, shown: str, fh: Any, rerecord: str | None = None) -> 
             "cannot be trusted either. Delete it and re-record",
             path,
         )
+    _read_pooled(path, shown, checks, referenced, pool, rerecord or f"{UPDATE_COMMAND} {shlex.quote(test_id)}")
     return Baseline(path=path, provenance=provenance, checks=checks, test_id=test_id, tensor_hash=tensor_hash)
 
 
-def _encode_checks(checks: dict[str, CheckBaseline]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """Flatten checks into safetensors tensors (key -> CPU tensor) and JSON-ready records."""
+def _read_pooled(path: Path, shown: str, checks: dict[str, CheckBaseline], referenced: dict[str, dict[str, str]],
+                 pool: "ObjectPool | None", rerecord: str) -> None:
+    """Fill each check's extras with the verified pool objects it references (each object read once)."""
+    loaded: dict[str, torch.Tensor] = {}
+    for name, pooled in referenced.items():
+        for what, digest in sorted(pooled.items()):
+            if digest not in loaded:
+                kind = what.partition(":")[0] if what.startswith(POOLED_KINDS) else "tensor"
+                if pool is None:
+                    raise CorruptBaselineError(
+                        f"baseline {shown}: check {name!r} references its recorded {kind} {what!r} in an object pool, "
+                        f"but it was read without one (read it through BaselineStore or SuiteStores); re-record with: "
+                        f"{rerecord}", path)
+                try:
+                    loaded[digest] = pool.get(digest)
+                except PoolObjectError as exc:
+                    hint = (" (deleted, pruned, or not committed beside the baseline files: commit "
+                            f"{_show(pool.dir)}/ with them)") if exc.reason == "is missing" else ""
+                    raise CorruptBaselineError(
+                        f"baseline {shown}: check {name!r} needs its recorded {kind} {what!r} from the object pool, "
+                        f"but {_show(exc.path)} {exc.reason}{hint}; the check cannot be trusted without it. "
+                        f"Re-record it with: {rerecord}",
+                        path,
+                    ) from None
+            checks[name].extras[what] = loaded[digest]
+
+
+def _encode_checks(checks: dict[str, CheckBaseline],
+                   pool: "ObjectPool | None" = None) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Flatten checks into safetensors tensors (key -> CPU tensor) and JSON-ready records; with a ``pool``,
+    extras of :data:`POOLED_KINDS` of at least :data:`POOL_MIN_BYTES` are written to it and referenced
+    as ``"object:<digest>"``."""
     tensors: dict[str, torch.Tensor] = {}
     records: dict[str, dict] = {}
     for name, check in checks.items():
@@ -1105,17 +1410,21 @@ def _encode_checks(checks: dict[str, CheckBaseline]) -> tuple[dict[str, torch.Te
         meta["dtypes"] = dtypes
         records[name] = {"leaves": leaves, "none_leaves": sorted(set(check.none_leaves)), "meta": meta}
         if check.extras:
-            records[name]["extras"] = {what: _store_extra(tensors, what, tensor, name)
+            records[name]["extras"] = {what: _store_extra(tensors, what, tensor, name, pool)
                                        for what, tensor in sorted(check.extras.items())}
     return tensors, records
 
 
-def _store_extra(tensors: dict[str, torch.Tensor], what: str, tensor: Any, check: str) -> str:
-    """Put one extra (a recorded input or weight) into ``tensors`` under its content address
+def _store_extra(tensors: dict[str, torch.Tensor], what: str, tensor: Any, check: str,
+                 pool: "ObjectPool | None" = None) -> str:
+    """Put one extra (a recorded input, weight or golden) into ``tensors`` under its content address
     ``"@<32 hex digits of its fingerprint>"`` — once, however many checks recorded the same tensor —
-    and return that key."""
+    and return that key; one of :data:`POOLED_KINDS` with at least :data:`POOL_MIN_BYTES` goes to ``pool``
+    instead (key ``"object:<64 hex digits>"``, once per store)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"check {check!r} extra {what!r} is a {type(tensor).__name__}, not a tensor")
+    if pool is not None and what.startswith(POOLED_KINDS) and tensor.numel() * tensor.element_size() >= POOL_MIN_BYTES:
+        return OBJECT_REF + pool.put(tensor)
     copy = _cpu_copy(tensor)
     key = "@" + fingerprint_tensors(copy)[:32]
     tensors.setdefault(key, copy)
@@ -1132,9 +1441,11 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _tensor_hash(tensors: dict[str, torch.Tensor], records: dict[str, dict]) -> str:
-    """``_checks_hash`` of the encoded checks."""
+    """``_checks_hash`` of the encoded checks; an extra in the pool counts as its key (``"object:<digest>"``,
+    a string): the file's checksum covers which object it references, the object's name covers its bytes."""
     return _fingerprint_checks({name: ({leaf: tensors[key] for leaf, key in rec["leaves"].items()},
-                                       {what: tensors[key] for what, key in (rec.get("extras") or {}).items()})
+                                       {what: tensors[key] if key in tensors else key
+                                        for what, key in (rec.get("extras") or {}).items()})
                                 for name, rec in records.items()})
 
 
@@ -1269,3 +1580,84 @@ def _atomic_write(path: Path, data: bytes) -> None:
         pass
     finally:
         os.close(dir_fd)
+
+
+# --------------------------------------------------------------------------------------------
+# command line: python -m pytest_npu_parity baselines {prune,verify}
+
+
+def _cli_parser() -> Any:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m pytest_npu_parity baselines",
+        description="Housekeeping of a baseline store and its object pool (<baseline dir>/.objects/).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in (("prune", "delete the pool objects that no baseline file of the store references"),
+                        ("verify", "read every baseline file of the store as a compare run does (checksum, and "
+                                   "every pool object it references re-hashed) and list unreferenced objects")):
+        cmd = sub.add_parser(name, help=help_, description=help_)
+        cmd.add_argument("--baseline-dir", default="baselines", metavar="DIR",
+                         help="the store root (default: ./baselines, the plugin's <rootdir>/baselines)")
+        if name == "prune":
+            cmd.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+            cmd.add_argument("--lock-timeout", type=float, default=60.0, metavar="S",
+                             help="seconds to wait for a running --update-baselines to finish (default 60)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pytest_npu_parity baselines {prune,verify} [--baseline-dir DIR]``; returns the exit code.
+
+    * ``prune`` takes the store's :class:`StoreLock` (waiting up to ``--lock-timeout`` s for a record run),
+      then deletes :meth:`SuiteStores.orphan_objects`; a baseline file whose header cannot be read stops it
+      before anything is deleted (exit 1). ``--dry-run`` lists them only.
+    * ``verify`` loads every baseline file and prints each problem (exit 1 if any).
+
+    Exit codes: 0 done, 1 a problem named on stderr, 2 usage (argparse, or no such directory).
+    """
+    try:
+        args = _cli_parser().parse_args(argv)
+    except SystemExit as exc:  # --help -> 0, a bad option -> 2
+        return int(exc.code or 0)
+    stores = SuiteStores(args.baseline_dir)
+    if not stores.root.is_dir():
+        print(f"error: no baseline store at {_show(stores.root)} (give --baseline-dir DIR)", file=sys.stderr)
+        return 2
+    if args.command == "verify":
+        bad = 0
+        files = stores.baseline_files()
+        for path in files:
+            try:
+                _read(path, pool=stores.pool)
+            except BaselineError as exc:
+                print(f"FAIL {exc}", file=sys.stderr)
+                bad += 1
+        try:
+            orphans = stores.orphan_objects()
+        except BaselineError:
+            orphans = []
+        print(f"{len(files)} baseline files, {len(files) - bad} read and verified, {bad} failed; "
+              f"{len(stores.pool.objects())} pool objects, {len(orphans)} referenced by no file"
+              + (" (python -m pytest_npu_parity baselines prune removes them)" if orphans else ""))
+        return 1 if bad else 0
+    lock = stores.lock()
+    if not args.dry_run:
+        try:
+            lock.acquire(timeout=args.lock_timeout,
+                         on_wait=lambda message: print(f"npu-parity: {message}", file=sys.stderr, flush=True))
+        except (StoreLockedError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    try:
+        found = stores.orphan_objects() if args.dry_run else stores.prune_objects()
+    except BaselineError as exc:
+        print(f"error: {exc}; nothing was deleted: fix or re-record that file, then prune again", file=sys.stderr)
+        return 1
+    finally:
+        lock.release()
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"{verb} {len(found)} unreferenced pool objects ({sum(size for _, size in found):,} bytes)")
+    for path, size in found:
+        print(f"  {_show(path)}  {size:,} bytes")
+    return 0

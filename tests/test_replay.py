@@ -213,7 +213,7 @@ def test_weights_that_were_not_recorded_say_why_when_they_differ():
 
 def test_extras_are_stored_once_per_file_and_covered_by_the_checksum(tmp_path):
     torch.manual_seed(0)
-    x, w = torch.randn(64, 64), torch.randn(64)
+    x, w = torch.randn(8, 8), torch.randn(64)  # under POOL_MIN_BYTES: in the file (larger: tests/test_replay_pool.py)
     store = BaselineStore(tmp_path, "s")
     checks = {name: CheckBaseline(name, {"": torch.zeros(2) + i}, extras={"input:0": x, "weight:w": w})
               for i, name in enumerate(("a", "b"))}

@@ -13,7 +13,7 @@ reports "weights changed" there and can never be compared.
 So a recording stores, beside the reference outputs, the check's tensor inputs and — unless the module's
 weights are version-stable (:func:`pytest_npu_parity.stable_init.stable_init_` marks them) or too large —
 its ``state_dict`` (``CheckBaseline.extras``; content-addressed, so a batch or model recorded by several
-checks is stored once per file). A compare run whose fingerprints differ from the recording's then decides
+checks is stored once per file, and from 4 KiB on once per store: ``baselines.ObjectPool``). A compare run whose fingerprints differ from the recording's then decides
 per tensor (:func:`plan_replay`, :func:`draw_distance`):
 
 * **same computation, other draws** — same structure (``structure.structure_hash``), the same tensor

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from .state import COLLECTED_KEY, CONFIG_KEY, ROWS_KEY, SESSION_KEY, STALE_KEY, TEMP_KEY
+from .state import COLLECTED_KEY, CONFIG_KEY, LOCK_KEY, ROWS_KEY, SESSION_KEY, STALE_KEY, TEMP_KEY
 
 
 def terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -65,7 +65,28 @@ def terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Conf
                           "`pytest --update-baselines` on a full run prunes them):")
         for path in unused:
             tr.write_line(f"  {_shown(path)}")
+    if session.update_baselines and config.stash.get(LOCK_KEY, None) is not None:
+        _prune_objects(tr, session.store)
     _write_outputs(config, session, rows)
+
+
+def _prune_objects(tr: Any, store: Any) -> None:
+    """End of a record run, on the controller and under its store lock (no other record run is writing):
+    delete the pool objects that no baseline file under the store references any more (every file counts,
+    not only this run's, so a ``-k`` re-record keeps the other tests' objects)."""
+    from ..baselines import BaselineError
+
+    prune = getattr(store, "prune_objects", None)
+    if prune is None:
+        return
+    try:
+        removed = prune()
+    except BaselineError as exc:
+        tr.write_line(f"baselines: pool objects not pruned: {exc}")
+        return
+    if removed:
+        tr.write_line(f"baselines: pruned {len(removed)} pool objects no baseline file references "
+                      f"({sum(size for _, size in removed):,} bytes)")
 
 
 def _full_run(config: pytest.Config) -> bool:
