@@ -60,7 +60,7 @@ from .checks.verdict import vacuity_problems as _vacuity_problems  # the name ru
 from .compare import CompareResult, ParityError, compare, flatten  # noqa: F401  (also runner.compare, as before)
 from .layers import compiled_modules
 from .modules import owner_module  # noqa: F401  (also runner.owner_module, as before)
-from .policy import Tolerance
+from .judge.tolerance import Tolerance
 from .recipes import RECIPES, Recipe, strict_fp32_flags
 from .checks.settings import (DEFAULT_POLICIES, TRAINING_DEFAULT_POLICIES, CheckSettings,  # noqa: F401
                               IniSettings, MarkerSettings, audit_mode as resolve_audit_mode)

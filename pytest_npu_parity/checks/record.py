@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Any, Iterator, Mapping
 
 from ..compare import CompareResult
-from ..policy import Tolerance
+from ..judge.tolerance import Tolerance
 
 
 def _set_items(outcome: Any) -> Iterator[tuple[str, Any]]:

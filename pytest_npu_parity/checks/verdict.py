@@ -26,7 +26,7 @@ from ..compare import compare
 from ..distribution import compare_distributions
 from ..golden import WORK_DTYPES, judge_golden
 from ..layers import judge_layers, split_layers
-from ..policy import Tolerance
+from ..judge.tolerance import Tolerance
 from ..runtime.side import CheckCall, _to_cpu_leaves
 from ..runtime.training import _without, rounding_level_params
 from ..selfcheck import ParityVacuityWarning, below_tolerance, vacuity_problem

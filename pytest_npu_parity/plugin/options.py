@@ -352,7 +352,7 @@ class Raw:
 def _tolerance_overrides(raw: Raw, config: pytest.Config) -> tuple[tuple, dict]:
     """``(per check patches in order, per recipe Tolerance)`` from the ini keys, each parsed once."""
     from ..checks.settings import TolerancePatch
-    from ..policy import default_for_recipe, parse_tolerance_spec
+    from ..judge.tolerance import default_for_recipe, parse_tolerance_spec
 
     per_check: dict = {}
     per_recipe: dict = {}
