@@ -14,10 +14,10 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "compare": "compare",
-    "compare_tensors": "compare",
-    "CompareResult": "compare",
-    "ParityError": "compare",
+    "compare": "judge.allclose",
+    "compare_tensors": "judge.allclose",
+    "CompareResult": "judge.allclose",
+    "ParityError": "judge.allclose",
     "Tolerance": "judge.tolerance",
     "default_for_dtype": "judge.tolerance",
     "default_for_recipe": "judge.tolerance",

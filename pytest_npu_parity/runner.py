@@ -57,7 +57,8 @@ from .checks.reference import (STALE_CAUSES, Expected, ReferenceSource, StaleSui
 from .checks.verdict import (LEAVES, DistributionVerdict, LeafVerdict, Sides, compared_sides, given_sides,
                              optimizer_replay, split_layer_records, verdict_for)
 from .checks.verdict import vacuity_problems as _vacuity_problems  # the name runner had
-from .compare import CompareResult, ParityError, compare, flatten  # noqa: F401  (also runner.compare, as before)
+from .judge.allclose import CompareResult, ParityError, compare  # noqa: F401  (also runner.compare, as before)
+from .leaves import flatten  # noqa: F401  (also runner.flatten, as before)
 from .layers import compiled_modules
 from .modules import owner_module  # noqa: F401  (also runner.owner_module, as before)
 from .judge.tolerance import Tolerance

@@ -48,7 +48,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .compare import compare
+from .judge.allclose import compare
 from .judge.tolerance import Tolerance, default_for_dtype
 from .report import columns as col
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping
 
-from ..compare import CompareResult
+from ..judge.allclose import CompareResult
 from ..judge.tolerance import Tolerance
 
 

@@ -22,7 +22,7 @@ import torch
 
 from ..audit import AuditRecord, ParityAuditWarning
 from ..compact import SAMPLE_SUFFIX, STATS_SUFFIX, apply_recorded
-from ..compare import compare
+from ..judge.allclose import compare
 from ..distribution import compare_distributions
 from ..golden import WORK_DTYPES, judge_golden
 from ..layers import judge_layers, split_layers

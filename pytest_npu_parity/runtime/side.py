@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..audit import DEFAULT_LOGICAL_TARGET, DeviceAudit
-from ..compare import flatten, is_cache
+from ..leaves import flatten, is_cache
 from ..layers import DEFAULT_SAMPLES, capture_layers
 from ..modules import owner_module
 from ..recipes import RECIPES, Recipe, RecipeUnsupportedError, strict_fp32_flags
