@@ -149,7 +149,7 @@ class ParitySession:
                  rng: str = "shared", distribution_policy: Any = None, train_store: Any = None,
                  layers: Any = "default", settings: IniSettings | None = None):
         from .distribution import DistributionPolicy
-        from .golden import GoldenRunner
+        from .runtime.golden_run import GoldenRunner
 
         if reference not in ("auto", "cpu", "baseline"):
             raise ValueError(f"--parity-reference={reference!r}: use auto, cpu or baseline")

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from ..audit import AuditBudget, parse_audit_budget
 from ..compact import TrainStore, parse_train_store
-from ..golden import parse_policy_spec
+from ..judge.golden_policy import parse_policy_spec
 from ..layers import LayerPolicy, default_layer_policy, parse_layer_spec
 from ..judge.tolerance import Tolerance, default_for_recipe, parse_spec_items
 

@@ -24,7 +24,8 @@ from ..audit import AuditRecord, ParityAuditWarning
 from ..compact import SAMPLE_SUFFIX, STATS_SUFFIX, apply_recorded
 from ..judge.allclose import compare
 from ..distribution import compare_distributions
-from ..golden import WORK_DTYPES, judge_golden
+from ..judge.golden import judge_golden
+from ..judge.golden_policy import WORK_DTYPES
 from ..layers import judge_layers, split_layers
 from ..judge.tolerance import Tolerance
 from ..runtime.side import CheckCall, _to_cpu_leaves

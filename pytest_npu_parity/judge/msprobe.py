@@ -9,6 +9,11 @@ an msprobe CSV and a verdict can be taken by msprobe's rules, while our own judg
   blockwise sums (``_msprobe_view``) or of a one-element pair (``_msprobe_scalar``). The sums
   themselves are taken by the allclose judge's one blockwise pass (``judge.allclose._Accumulator``),
   so a tensor is read once for both.
+* the benchmark standard (``msprobe/pytorch/api_accuracy_checker``; our ``golden msprobe`` limit
+  set): the constants of ``standard_config.py::StandardConfig`` (``MSPROBE_SMALL_VALUE`` …, the op
+  levels of ``msprobe_level``), one side's metrics against the golden (``_MsprobeSums``, which fills
+  ``judge.golden_metrics.SideMetrics``) and msprobe's ratio (``msprobe_ratio``). The verdict is
+  taken by the golden judge (``judge.golden``), whose module docstring gives the pipeline reproduced.
 
 The engine does not import pytest.
 """
@@ -19,6 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .golden_metrics import SideMetrics
 
 if TYPE_CHECKING:
     from .allclose import _Accumulator
@@ -164,3 +171,136 @@ def _msprobe_scalar(a: torch.Tensor, e: torch.Tensor) -> MsprobeView:
     reason = "0-d for msprobe (one element): cosine, EucDist and the ratios are not computed"
     return MsprobeView(max_abs_err=MSPROBE_NAN if math.isnan(abs_err) else msprobe_format(abs_err),
                        max_rel_err=MSPROBE_NAN if math.isnan(rel) else msprobe_format(rel), reason=reason)
+
+
+# msprobe 26.2.0's benchmark standard (``golden msprobe``), from
+# msprobe/pytorch/api_accuracy_checker/precision_standard/standard_config.py::StandardConfig.
+
+#: ``_small_value``: |golden| at or below which an element is small, by the output's dtype.
+MSPROBE_SMALL_VALUE: dict[torch.dtype, float] = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -10,
+                                                 torch.float32: 2.0 ** -20}
+#: ``_benchmark_small_value_atol``: absolute error above which a small element is wrong.
+MSPROBE_SMALL_VALUE_ATOL: dict[torch.dtype, float] = {torch.float16: 1e-16, torch.bfloat16: 1e-16,
+                                                      torch.float32: 2.0 ** -30}
+#: ``_minmum_err``: the floor of the reference metric in every ratio (``algorithm.py::calc_ratio``).
+MSPROBE_MIN_ERR: dict[torch.dtype, float] = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8,
+                                             torch.float32: 2.0 ** -14}
+#: ``CompareConst.BFLOAT16_EPS``: the eps of the relative error's denominator for bf16 outputs.
+MSPROBE_BF16_EPS = 2.0 ** -8
+#: ``get_benchmark_ratio_threshold``: (rmse, max_rel, mean_rel) ratio limits per op level.
+MSPROBE_LEVEL_LIMITS: dict[str, tuple[float, float, float]] = {
+    "L0": (2.0, 10.0, 2.0), "L1": (1.5, 5.0, 1.5), "L2": (1.2, 2.0, 1.2)}
+#: ``_small_value_threshold['error_threshold']``: the small-value ratio limit, every level.
+MSPROBE_SMALL_LIMIT = 2.0
+#: ``L1_API_LIST`` and ``L2_API_LIST``: op names (msprobe's API names, case as there) of levels L1/L2.
+MSPROBE_L1_OPS = frozenset({"embedding", "npu_fusion_attention_grad", "npu_fusion_attention", "scatter_",
+                            "scatter_add_"})
+MSPROBE_L2_OPS = frozenset({"addmm", "npu_cross_entropy_loss", "npu_cross_entropy_loss_backward", "GELU",
+                            "layer_norm", "matmul", "mm", "index", "one_hot", "sum", "npu_rms_norm",
+                            "npu_rms_norm_backward", "nonzero"})
+
+
+def msprobe_level(op: str | None) -> str:
+    """msprobe's level of an op name (``StandardConfig.get_api_level``): ``"L2"``, ``"L1"`` or ``"L0"``
+    (also for None and names msprobe does not list)."""
+    if op in MSPROBE_L2_OPS:
+        return "L2"
+    if op in MSPROBE_L1_OPS:
+        return "L1"
+    return "L0"
+
+
+class _MsprobeSums:
+    """Blockwise sums behind msprobe 26.2.0's benchmark metrics of one side (``golden msprobe``).
+
+    ``dtype`` is the side's output dtype (what msprobe's ``BenchmarkCompare`` is given) and
+    ``golden_dtype`` the golden's. Per element, as ``Comparator._compare_torch_tensor`` and
+    ``BenchmarkCompare._pre_compare`` do it: for bf16 the output and the golden are float32 (the
+    golden rounded), ``abs_err = |x − g|`` in the promoted type (float32 for bf16), finite where the
+    output and the golden cast to the output's dtype are, small where ``|g| <= MSPROBE_SMALL_VALUE``,
+    relative error ``abs_err / (|g| + eps)`` elsewhere (eps ``MSPROBE_BF16_EPS`` for bf16, else
+    ``finfo(golden).eps``). Sums are float64 (msprobe's NumPy means run in the array's type, so an
+    RMSE of a bf16 output can differ from msprobe's in its 7th digit).
+    """
+
+    def __init__(self, dtype: torch.dtype, golden_dtype: torch.dtype):
+        self.dtype = dtype
+        self.bf16 = dtype == torch.bfloat16
+        self.side_dtype = torch.float32 if self.bf16 else dtype  # what msprobe's NumPy array holds
+        self.golden_dtype = torch.float32 if self.bf16 else golden_dtype
+        self.arith = torch.promote_types(self.side_dtype, self.golden_dtype)  # NumPy's x - g
+        self.threshold = MSPROBE_SMALL_VALUE.get(dtype, MSPROBE_SMALL_VALUE[torch.float32])
+        self.atol = MSPROBE_SMALL_VALUE_ATOL.get(dtype, MSPROBE_SMALL_VALUE_ATOL[torch.float32])
+        self.eps = MSPROBE_BF16_EPS if self.bf16 else torch.finfo(self.golden_dtype).eps
+        self.size = self.masked = self.normal = self.small = self.small_wrong = self.above = self.below = 0
+        self.sum_sq = self.sum_rel = self.max_rel = 0.0
+
+    def add(self, x64: torch.Tensor, g64: torch.Tensor) -> None:
+        """Fold one block of the side ``x64`` and the golden ``g64`` (float64 holding the exact values)."""
+        x, g = x64.to(self.side_dtype), g64.to(self.golden_dtype)
+        g_side = _round_like_numpy(g64, self.side_dtype)  # NumPy's bench.astype(device.dtype)
+        finite = torch.isfinite(x) & torch.isfinite(g_side)
+        abs_err = (x.to(self.arith) - g.to(self.arith)).abs()
+        abs_g = g.abs()
+        small = (abs_g <= self.threshold) & finite
+        normal = finite & ~small
+        self.size += x.numel()
+        self.masked += x.numel() - int(normal.sum())
+        err_n = abs_err[normal]
+        self.sum_sq += float(err_n.to(torch.float64).square().sum())
+        k = int(normal.sum())
+        if k:
+            rel = err_n / (abs_g[normal] + self.eps)
+            self.normal += k
+            self.sum_rel += float(rel.to(torch.float64).sum())
+            self.max_rel = max(self.max_rel, float(rel.max()))
+        k = int(small.sum())
+        if k:
+            self.small += k
+            self.small_wrong += int((abs_err[small] > self.atol).sum())
+        # get_error_balance compares in the output's dtype
+        self.above += int((x > g_side).sum())
+        self.below += int((x < g_side).sum())
+
+    def result(self) -> SideMetrics:
+        out = SideMetrics(small=self.small, normal=self.normal)
+        if self.size == 0:
+            return out
+        # algorithm.py::get_rmse: mean over all elements of the masked squares, times msprobe's correction
+        mse = self.sum_sq / self.size * (self.size / (self.size - self.masked + 0.0001) + 0.0001)
+        out.rmse = math.sqrt(mse)
+        if self.normal:
+            out.max_rel, out.mean_rel = self.max_rel, self.sum_rel / self.normal
+        if self.small:
+            out.small_share = self.small_wrong / self.small
+        out.balance = abs(self.above - self.below) / self.size
+        return out
+
+
+def _round_like_numpy(x64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x64`` (float64) rounded once to ``dtype``, as NumPy's ``astype`` does. torch converts float64
+    to float16 through float32 (two roundings, which differ from one at ties); rounding to float32
+    *to odd* first makes the second rounding exact."""
+    if dtype != torch.float16:
+        return x64.to(dtype)
+    f = x64.to(torch.float32)
+    inexact = f.to(torch.float64) != x64
+    if bool(inexact.any()):
+        # round to odd: the float32 next to x64 towards zero, with its last mantissa bit set
+        away = inexact & (f.to(torch.float64).abs() > x64.abs())
+        f = torch.where(away, torch.nextafter(f, torch.zeros_like(f)), f)
+        bits = f.view(torch.int32)
+        f = torch.where(inexact & torch.isfinite(f), (bits | 1).view(torch.float32), f)
+    return f.to(torch.float16)
+
+
+def msprobe_ratio(target: float, reference: float, dtype: torch.dtype) -> float:
+    """msprobe 26.2.0's ratio of one metric (``benchmark_compare.py::BenchmarkPrecisionCompare._calc_ratio``):
+    ``|t| / max(|r|, MSPROBE_MIN_ERR[dtype])`` (``algorithm.py::calc_ratio``) for finite metrics; NaN
+    (a pass) when both are NaN or both the same Inf; ``inf`` (an error) when only one is NaN/Inf or
+    the Infs differ (``compare_utils.py::check_inf_or_nan``). ``dtype`` is the target's."""
+    if not (math.isfinite(target) and math.isfinite(reference)):
+        same = (math.isnan(target) and math.isnan(reference)) or (math.isinf(target) and target == reference)
+        return math.nan if same else math.inf
+    floor = MSPROBE_MIN_ERR.get(dtype, MSPROBE_MIN_ERR[torch.float32])
+    return abs(target) / max(abs(reference), floor)

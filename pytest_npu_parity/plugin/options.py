@@ -380,7 +380,7 @@ def _tolerance_overrides(raw: Raw, config: pytest.Config) -> tuple[tuple, dict]:
 def _policy_overrides(raw: Raw) -> tuple[dict, tuple]:
     """``(per recipe, per check)`` verdict policies from ``--parity-policy`` and the ini keys, validated
     now (a bad spec is a usage error naming the key)."""
-    from ..golden import parse_policy_spec
+    from ..judge.golden_policy import parse_policy_spec
 
     per_recipe: dict = {}
     per_check: dict = {}
