@@ -148,7 +148,7 @@ class ParitySession:
                  golden_runner: Any = None, audit_mode: str | None = None, audit_budget: Any = None,
                  rng: str = "shared", distribution_policy: Any = None, train_store: Any = None,
                  layers: Any = "default", settings: IniSettings | None = None):
-        from .distribution import DistributionPolicy
+        from .judge.distribution import DistributionPolicy
         from .runtime.golden_run import GoldenRunner
 
         if reference not in ("auto", "cpu", "baseline"):

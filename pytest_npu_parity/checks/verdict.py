@@ -23,7 +23,7 @@ import torch
 from ..audit import AuditRecord, ParityAuditWarning
 from ..compact import SAMPLE_SUFFIX, STATS_SUFFIX, apply_recorded
 from ..judge.allclose import compare
-from ..distribution import compare_distributions
+from ..judge.distribution import compare_distributions
 from ..judge.golden import judge_golden
 from ..judge.golden_policy import WORK_DTYPES
 from ..layers import judge_layers, split_layers
