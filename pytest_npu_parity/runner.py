@@ -59,7 +59,7 @@ from .checks.verdict import (LEAVES, DistributionVerdict, LeafVerdict, Sides, co
 from .checks.verdict import vacuity_problems as _vacuity_problems  # the name runner had
 from .judge.allclose import CompareResult, ParityError, compare  # noqa: F401  (also runner.compare, as before)
 from .leaves import flatten  # noqa: F401  (also runner.flatten, as before)
-from .layers import compiled_modules
+from .runtime.layer_capture import compiled_modules
 from .modules import owner_module  # noqa: F401  (also runner.owner_module, as before)
 from .judge.tolerance import Tolerance
 from .recipes import RECIPES, Recipe, strict_fp32_flags

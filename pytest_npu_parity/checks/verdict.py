@@ -26,8 +26,9 @@ from ..judge.allclose import compare
 from ..judge.distribution import compare_distributions
 from ..judge.golden import judge_golden
 from ..judge.golden_policy import WORK_DTYPES
-from ..layers import judge_layers, split_layers
+from ..judge.layers import judge_layers
 from ..judge.tolerance import Tolerance
+from ..runtime.layer_capture import split_layers
 from ..runtime.side import CheckCall, _to_cpu_leaves
 from ..runtime.training import _without, rounding_level_params
 from ..selfcheck import ParityVacuityWarning, below_tolerance, vacuity_problem

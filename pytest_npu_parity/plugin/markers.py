@@ -42,7 +42,7 @@ def marker_problems(marker: Any) -> list[str]:
     from ..audit import parse_audit_budget
     from ..compact import parse_train_store
     from ..judge.golden_policy import parse_policy_spec
-    from ..layers import parse_layer_spec
+    from ..judge.layers import parse_layer_spec
     from ..recipes import RECIPES
 
     problems = []

@@ -146,7 +146,7 @@ def _parse_recipes(value: Any, where: str) -> tuple[str, ...]:
 
 
 def _parse_layers(value: Any, where: str) -> Any:
-    from ..layers import parse_layer_spec
+    from ..judge.layers import parse_layer_spec
 
     if value is None or not str(value).strip():
         return "default"
