@@ -114,8 +114,9 @@ import numpy as np
 import torch
 
 from .budgets import DEFAULT_BUDGET_S  # noqa: F401  (the default of Localizer; also localize.DEFAULT_BUDGET_S)
-from .compare import CompareResult, LeafResult, cache_fields, compare
-from .policy import Tolerance
+from .judge.allclose import CompareResult, LeafResult, compare
+from .leaves import cache_fields
+from .judge.tolerance import Tolerance
 from .report import columns as col
 from .rng import same_randomness
 from .runtime.side import _move, copy_state, is_state

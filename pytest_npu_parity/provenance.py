@@ -423,7 +423,7 @@ def _feed(hasher: Any, obj: Any, path: str) -> None:
 
 
 def _cache_fields(obj: Any) -> dict | None:
-    from .compare import cache_fields
+    from .leaves import cache_fields
 
     return cache_fields(obj)
 

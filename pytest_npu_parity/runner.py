@@ -57,10 +57,11 @@ from .checks.reference import (STALE_CAUSES, Expected, ReferenceSource, StaleSui
 from .checks.verdict import (LEAVES, DistributionVerdict, LeafVerdict, Sides, compared_sides, given_sides,
                              optimizer_replay, split_layer_records, verdict_for)
 from .checks.verdict import vacuity_problems as _vacuity_problems  # the name runner had
-from .compare import CompareResult, ParityError, compare, flatten  # noqa: F401  (also runner.compare, as before)
-from .layers import compiled_modules
+from .judge.allclose import CompareResult, ParityError, compare  # noqa: F401  (also runner.compare, as before)
+from .leaves import flatten  # noqa: F401  (also runner.flatten, as before)
+from .runtime.layer_capture import compiled_modules
 from .modules import owner_module  # noqa: F401  (also runner.owner_module, as before)
-from .policy import Tolerance
+from .judge.tolerance import Tolerance
 from .recipes import RECIPES, Recipe, strict_fp32_flags
 from .checks.settings import (DEFAULT_POLICIES, TRAINING_DEFAULT_POLICIES, CheckSettings,  # noqa: F401
                               IniSettings, MarkerSettings, audit_mode as resolve_audit_mode)
@@ -147,8 +148,8 @@ class ParitySession:
                  golden_runner: Any = None, audit_mode: str | None = None, audit_budget: Any = None,
                  rng: str = "shared", distribution_policy: Any = None, train_store: Any = None,
                  layers: Any = "default", settings: IniSettings | None = None):
-        from .distribution import DistributionPolicy
-        from .golden import GoldenRunner
+        from .judge.distribution import DistributionPolicy
+        from .runtime.golden_run import GoldenRunner
 
         if reference not in ("auto", "cpu", "baseline"):
             raise ValueError(f"--parity-reference={reference!r}: use auto, cpu or baseline")

@@ -48,8 +48,8 @@ from typing import Any, Iterator
 
 import torch
 
-from .compare import compare
-from .policy import Tolerance, default_for_dtype
+from .judge.allclose import compare
+from .judge.tolerance import Tolerance, default_for_dtype
 from .report import columns as col
 
 #: The weight is scaled by 1 + WEIGHT_RTOLS·rtol of the check (1 + 1e-4 under fp32's rtol 1e-5:

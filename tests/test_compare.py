@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pytest_npu_parity import compare as compare_mod
+from pytest_npu_parity.judge import allclose as compare_mod  # the home of BLOCK, _Accumulator …: patch it there
 from pytest_npu_parity.compare import (
     REL_EPS,
     CompareResult,

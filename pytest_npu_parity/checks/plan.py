@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..policy import Tolerance
+from ..judge.tolerance import Tolerance
 from ..recipes import Recipe
 from .record import CheckRecord
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping
 
-from ..compare import CompareResult
-from ..policy import Tolerance
+from ..judge.allclose import CompareResult
+from ..judge.tolerance import Tolerance
 
 
 def _set_items(outcome: Any) -> Iterator[tuple[str, Any]]:

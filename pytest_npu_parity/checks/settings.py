@@ -16,9 +16,9 @@ from typing import Any, Mapping
 
 from ..audit import AuditBudget, parse_audit_budget
 from ..compact import TrainStore, parse_train_store
-from ..golden import parse_policy_spec
-from ..layers import LayerPolicy, default_layer_policy, parse_layer_spec
-from ..policy import Tolerance, default_for_recipe, parse_spec_items
+from ..judge.golden_policy import parse_policy_spec
+from ..judge.layers import LayerPolicy, default_layer_policy, parse_layer_spec
+from ..judge.tolerance import Tolerance, default_for_recipe, parse_spec_items
 
 #: Verdict policy per recipe when nothing else is configured (measured: docs/explanation/verdict-accuracy.md).
 #: fp32 eval checks keep allclose 1e-5: no legitimate variant failed it (other torch release, other

@@ -22,11 +22,13 @@ import torch
 
 from ..audit import AuditRecord, ParityAuditWarning
 from ..compact import SAMPLE_SUFFIX, STATS_SUFFIX, apply_recorded
-from ..compare import compare
-from ..distribution import compare_distributions
-from ..golden import WORK_DTYPES, judge_golden
-from ..layers import judge_layers, split_layers
-from ..policy import Tolerance
+from ..judge.allclose import compare
+from ..judge.distribution import compare_distributions
+from ..judge.golden import judge_golden
+from ..judge.golden_policy import WORK_DTYPES
+from ..judge.layers import judge_layers
+from ..judge.tolerance import Tolerance
+from ..runtime.layer_capture import split_layers
 from ..runtime.side import CheckCall, _to_cpu_leaves
 from ..runtime.training import _without, rounding_level_params
 from ..selfcheck import ParityVacuityWarning, below_tolerance, vacuity_problem

@@ -41,8 +41,8 @@ def marker_problems(marker: Any) -> list[str]:
     # engine modules import torch: imported here, in a parity session's collection
     from ..audit import parse_audit_budget
     from ..compact import parse_train_store
-    from ..golden import parse_policy_spec
-    from ..layers import parse_layer_spec
+    from ..judge.golden_policy import parse_policy_spec
+    from ..judge.layers import parse_layer_spec
     from ..recipes import RECIPES
 
     problems = []

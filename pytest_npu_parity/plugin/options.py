@@ -146,7 +146,7 @@ def _parse_recipes(value: Any, where: str) -> tuple[str, ...]:
 
 
 def _parse_layers(value: Any, where: str) -> Any:
-    from ..layers import parse_layer_spec
+    from ..judge.layers import parse_layer_spec
 
     if value is None or not str(value).strip():
         return "default"
@@ -357,7 +357,7 @@ class Raw:
 def _tolerance_overrides(raw: Raw, config: pytest.Config) -> tuple[tuple, dict]:
     """``(per check patches in order, per recipe Tolerance)`` from the ini keys, each parsed once."""
     from ..checks.settings import TolerancePatch
-    from ..policy import default_for_recipe, parse_tolerance_spec
+    from ..judge.tolerance import default_for_recipe, parse_tolerance_spec
 
     per_check: dict = {}
     per_recipe: dict = {}
@@ -385,7 +385,7 @@ def _tolerance_overrides(raw: Raw, config: pytest.Config) -> tuple[tuple, dict]:
 def _policy_overrides(raw: Raw) -> tuple[dict, tuple]:
     """``(per recipe, per check)`` verdict policies from ``--parity-policy`` and the ini keys, validated
     now (a bad spec is a usage error naming the key)."""
-    from ..golden import parse_policy_spec
+    from ..judge.golden_policy import parse_policy_spec
 
     per_recipe: dict = {}
     per_check: dict = {}

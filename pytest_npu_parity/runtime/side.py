@@ -29,11 +29,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..audit import DEFAULT_LOGICAL_TARGET, DeviceAudit
-from ..compare import flatten, is_cache
-from ..layers import DEFAULT_SAMPLES, capture_layers
+from ..leaves import flatten, is_cache
 from ..modules import owner_module
 from ..recipes import RECIPES, Recipe, RecipeUnsupportedError, strict_fp32_flags
 from ..rng import randomness, target_seed
+from .layer_capture import DEFAULT_SAMPLES, capture_layers
 
 PatchFactory = Callable[[torch.device], ContextManager[Any]]
 

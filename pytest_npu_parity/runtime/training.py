@@ -21,9 +21,9 @@ import torch
 from .. import recipes
 from ..audit import not_audited
 from ..compact import SAMPLE_SUFFIX, STATS_SUFFIX, base_leaf
-from ..golden import GoldenUnavailableError, golden_dtypes
 from ..recipes import Recipe, strict_fp32_flags
 from ..structure import train_recipe
+from .golden_run import GoldenUnavailableError, golden_dtypes
 from .side import RUN_RECIPE, RunSpec, Side, _CopyOnEntry, run_side, trainable_copy
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]

@@ -1,0 +1,447 @@
+"""The golden policy: judge the target by how far it strays from a higher-precision golden run,
+relative to how far the reference strays from the same golden.
+
+An allclose tolerance asks "is the target within ``atol + rtol·|e|`` of the reference?". Between two
+legitimate implementations of a bf16 computation the answer is often "no" for many elements (both
+carry bf16 rounding error, in different places), and for a fp32 computation a real fault can hide
+below the tolerance. The golden policy asks instead: "is the target's error no worse than the
+reference's error, within a documented multiple?", both errors measured against a **golden**: the
+same computation on the CPU at higher precision.
+
+=============================  ============================  ================================
+work (recipe)                  golden                        ``golden_dtypes(recipe)``
+=============================  ============================  ================================
+``fp32``                       fp64 run on the CPU           ``(torch.float64,)``
+``bf16``, ``bf16-weights``     fp64 run on the CPU, else     ``(torch.float64, torch.float32)``
+                               fp32 where fp64 cannot run
+=============================  ============================  ================================
+
+For bf16 work the golden is fp64 as well where the computation runs in fp64: under bf16 autocast
+some outputs stay fp32 (layer_norm, softmax, sums; the fp32 op list), and an fp32 golden is no finer
+than those outputs — the CPU reference would equal it exactly and any other correct fp32 kernel
+would look infinitely worse. Where only an fp32 golden is possible, outputs at least as fine as
+the golden are floored at the work dtype's rounding (``judge_golden_tensors``' ``work_dtype``).
+
+The idea is msprobe's "benchmark" comparison (标杆比对法, PyPI ``mindstudio-probe``): NPU and GPU
+outputs are each compared with a high-precision CPU golden and the verdict is taken on the ratios
+NPU-error / GPU-error. Here the target plays msprobe's NPU and the reference its GPU. Two limit sets
+are available:
+
+``golden`` (``limit_set="default"``) — our metrics and limits, as documented since this policy
+exists. Metrics of one side ``x`` (target ``a`` or reference ``e``) against the golden ``g``, per
+leaf, in float64 over the positions finite on all three tensors (``F``); a golden element is
+*small* when ``|g| < small_value_threshold`` and *normal* otherwise:
+
+* ``rmse``       — sqrt(mean over F of (x − g)²)             (tensor units; small values included)
+* ``max_rel``    — max over normal of |x − g| / |g|           (dimensionless, no eps)
+* ``mean_rel``   — mean over normal of |x − g| / |g|          (dimensionless, no eps)
+* ``small_share`` — share of small elements with |x − g| > ``small_value_atol``
+* ``balance``    — |#(x > g) − #(x < g)| / #F (reported, not judged)
+
+Ratios are target metric / max(reference metric, floor); 0/0 is 1 (neither side has the error).
+The floors are ours: the reference's metric is never taken below the metric of the golden rounded
+to the leaf's own dtype (no target can beat correct rounding of its output), and a share never
+below one element's worth (1 / number of small elements). Limits: RMSE ratio 2, max relative error
+ratio 10, mean relative error ratio 2, small-value share ratio 2 (msprobe's default "L0" limits for
+the first three; the small-value limit is msprobe's too). Small-value thresholds (``SMALL_VALUE``):
+``|g| < 1e-6``, error ``> 1e-9`` for fp32 work, ``|g| < 1e-3``, error ``> 1e-5`` for fp16/bf16
+work — the values msprobe 1.0.3 documented, kept as our own; msprobe 26.2.0 uses others (below).
+
+``golden msprobe [op=NAME]`` (``limit_set="msprobe"``) — msprobe 26.2.0's benchmark standard,
+reproduced from its source (paths under ``msprobe/pytorch/api_accuracy_checker/`` of
+mindstudio-probe 26.2.0) so that the verdict equals msprobe's on the same tensors:
+
+* per side, ``compare/compare.py::Comparator._compare_torch_tensor`` (a bf16 output and its golden
+  are both converted to float32 first) and ``precision_standard/benchmark_compare.py::BenchmarkCompare``
+  with ``compare/algorithm.py``: ``abs_err = |x − g|``; small where ``|g| <= 2^-10`` (fp16/bf16) or
+  ``2^-20`` (fp32) among positions finite on both (the golden cast to the output's dtype)
+  (``standard_config.py::StandardConfig._small_value``); ``small_value_err_ratio`` = share of small
+  elements with ``abs_err > 1e-16`` (fp16/bf16) or ``2^-30`` (fp32) (``_benchmark_small_value_atol``);
+  relative error ``abs_err / (|g| + eps)`` over the other finite positions, eps ``2^-8`` for bf16,
+  else ``finfo(golden).eps`` (``get_abs_bench_with_eps``), giving ``max_rel_error`` and
+  ``mean_rel_error``; ``rmse`` over the same positions with msprobe's correction
+  ``sqrt(mean(masked²) · (n / (n − k + 1e-4) + 1e-4))`` (``get_rmse``, k = masked count); ``eb``
+  (``get_error_balance``, reported only);
+* the verdict, ``benchmark_compare.py::BenchmarkPrecisionCompare``: ratio ``|t| / max(|r|, floor)``
+  with floor ``2^-8`` (bf16), ``2^-11`` (fp16), ``2^-14`` (fp32) by the target's dtype
+  (``algorithm.py::calc_ratio``, ``StandardConfig._minmum_err``); a metric that is NaN/Inf on one
+  side only is an error, on both sides alike a pass (``compare_utils.py::check_inf_or_nan``); a
+  ratio above its limit is an error, otherwise pass — 26.2.0 has no warning state here. Limits
+  (``StandardConfig.get_benchmark_ratio_threshold``): rmse / max_rel / mean_rel ratio 2 / 10 / 2 by
+  default ("L0"), 1.5 / 5 / 1.5 for the ops of ``L1_API_LIST`` (embedding, npu_fusion_attention,
+  scatter_, …) and 1.2 / 2 / 1.2 for ``L2_API_LIST`` (matmul, mm, addmm, layer_norm, GELU, sum,
+  index, npu_rms_norm, …): name the op class with ``op=``; small-value ratio 2 always.
+  Thresholds follow each output's own dtype, as in msprobe (an fp32 output of a bf16 recipe is
+  judged as fp32). float64 outputs, which msprobe skips, get its "default" (fp32) values.
+
+Both limit sets add our own NaN/Inf rule: NaN/±Inf positions of the target must equal the
+reference's (NaN/Inf on one side only fails, and so does −Inf against +Inf). msprobe's benchmark
+metrics leave such positions out, so msprobe alone would pass them; ``GoldenLeafResult.msprobe_verdict``
+is msprobe's verdict without our rule. An empty tensor passes (msprobe skips it).
+
+A leaf passes when the structure matches (two floating dtypes may differ: autocast's op lists
+differ between devices and kernels), the NaN/Inf rule holds and every ratio is within its limit.
+Integer and bool leaves are compared exactly (the golden is not used).
+
+Where the pieces live: the limits and the spec texts are ``judge.golden_policy``; one side's metrics
+by our definitions ``judge.golden_metrics``, by msprobe's ``judge.msprobe``; the golden itself is
+run by ``runtime.golden_run.GoldenRunner`` (``golden_dtypes`` there: which golden a recipe gets).
+This module takes the verdict. ``pytest_npu_parity.golden`` is the old import path of all of them
+and re-exports every name.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from ..leaves import _leaves_by_path
+from .allclose import CompareResult, LeafResult, compare_tensors, float64_blocks, format_table
+from .golden_metrics import SideMetrics, _SideSums, ratio
+from .golden_policy import DEFAULT_GOLDEN, METRICS, GoldenPolicy
+from .msprobe import _MsprobeSums, msprobe_ratio
+from .tolerance import EXACT, Tolerance, default_for_dtype
+
+
+# --------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass
+class GoldenLeafResult(LeafResult):
+    """A ``LeafResult`` judged by a ``GoldenPolicy``.
+
+    The inherited metrics (``max_abs``, ``rel_l2``, ``cosine``, ``mismatched`` …) are the target
+    vs reference ones under ``tolerance`` (informative only: they do not decide the verdict).
+    Added fields: ``policy``; ``golden_dtype``; ``target``/``reference``/``floor`` —
+    ``SideMetrics`` against the golden (``floor`` is the golden rounded to the leaf's dtype);
+    ``ratios`` — ``{metric: target / max(reference, floor)}`` for ``METRICS``;
+    ``exact`` — an integer/bool leaf, judged by equality; ``note`` — e.g. that the target's
+    floating dtype differs from the reference's (allowed under the golden policy).
+    """
+
+    policy: GoldenPolicy | None = None
+    golden_dtype: str | None = None
+    target: SideMetrics | None = None
+    reference: SideMetrics | None = None
+    floor: SideMetrics | None = None
+    ratios: dict[str, float] = field(default_factory=dict)
+    exact: bool = False
+    note: str | None = None
+
+    @property
+    def over_limit(self) -> dict[str, float]:
+        """``{metric: ratio}`` of the ratios above the policy's limits."""
+        if self.policy is None:
+            return {}
+        limits = self.policy.limits
+        if self.policy.msprobe:  # msprobe: a NaN ratio (both sides NaN, or the same Inf) passes
+            return {m: r for m, r in self.ratios.items() if r > limits[m]}
+        return {m: r for m, r in self.ratios.items() if not r <= limits[m]}
+
+    @property
+    def msprobe_verdict(self) -> str | None:
+        """msprobe's own benchmark verdict (``"pass"``/``"error"``) under the msprobe limit set,
+        without our NaN/Inf rule (None for the default limit set, structural problems, integer
+        leaves, and empty tensors, which msprobe skips)."""
+        if self.policy is None or not self.policy.msprobe or self.problem is not None or self.exact or not self.numel:
+            return None
+        return "error" if self.over_limit else "pass"
+
+    @property
+    def within_floor(self) -> bool:
+        """Under ``allclose_floor``: the target is within the allclose tolerance of the reference."""
+        return (self.policy is not None and self.policy.allclose_floor and self.problem is None
+                and self.nonfinite_mismatched == 0 and self.mismatched <= self.allowed)
+
+    @property
+    def passed(self) -> bool:
+        """No structural problem, no NaN/Inf on one side only, and every ratio within its limit or
+        (``allclose_floor``) the leaf within the allclose tolerance (integer/bool leaves: no
+        differing element)."""
+        if self.problem is not None:
+            return False
+        if self.exact:
+            return self.mismatched == 0
+        return self.nonfinite_mismatched == 0 and (self.within_floor or not self.over_limit)
+
+    @property
+    def worst_ratio(self) -> tuple[str | None, float]:
+        """``(metric, ratio / limit)`` of the ratio closest to (or furthest over) its limit."""
+        if self.policy is None or not self.ratios:
+            return None, math.nan
+        limits = self.policy.limits
+        metric = max(self.ratios, key=lambda m: -math.inf if math.isnan(self.ratios[m]) else self.ratios[m] / limits[m])
+        return metric, self.ratios[metric] / limits[metric]
+
+    def to_row(self) -> dict[str, Any]:
+        """``LeafResult.to_row()`` plus ``policy``, ``golden_*`` columns and this verdict."""
+        row = super().to_row()
+        row["policy"] = "golden"
+        row["golden_policy"] = self.policy.describe() if self.policy is not None else None
+        row["golden_policy_source"] = self.policy.source if self.policy is not None else None
+        row["golden_policy_reason"] = self.policy.reason if self.policy is not None else None
+        row["golden_dtype"] = self.golden_dtype
+        row["golden_note"] = self.note
+        for metric in METRICS:
+            row[f"golden_{metric}_ratio"] = self.ratios.get(metric)
+            row[f"golden_{metric}_target"] = getattr(self.target, metric) if self.target else None
+            row[f"golden_{metric}_reference"] = getattr(self.reference, metric) if self.reference else None
+        metric, margin = self.worst_ratio
+        row["golden_worst_metric"] = metric
+        row["golden_worst_margin"] = margin
+        row["golden_msprobe_verdict"] = self.msprobe_verdict
+        row["verdict"] = "pass" if self.passed else "fail"
+        return row
+
+
+class GoldenCompareResult(CompareResult):
+    """``CompareResult`` of ``GoldenLeafResult`` leaves; its message shows the golden ratios."""
+
+    def __init__(self, name: str, policy: GoldenPolicy, leaves: list[LeafResult] | None = None):
+        super().__init__(name=name, leaves=list(leaves or []))
+        self.policy = policy
+
+    def format(self, context: str = "") -> str:
+        """The failure message: a header naming the worst golden ratio, the ratio table, then the
+        usual target-vs-reference metrics table (informative)."""
+        failures = self.failures
+        verdict = "failed" if failures else "passed"
+        lines = [f"Parity check {self.name!r} {verdict} under the golden policy"
+                 + (f" ({context})" if context else "")]
+        lines.append(f"policy: {self.policy.describe()}")
+        if failures:
+            worst = max(failures, key=_golden_severity)
+            lines.append(_golden_header(worst))
+        lines.append("")
+        lines += format_golden_table(failures or self.leaves)
+        lines += ["", "target vs reference (informative):"]
+        lines += format_table(failures or self.leaves)
+        return "\n".join(lines)
+
+
+def _golden_severity(leaf: LeafResult) -> float:
+    if leaf.problem is not None or leaf.nonfinite_mismatched:
+        return math.inf
+    if isinstance(leaf, GoldenLeafResult) and not leaf.exact:
+        margin = leaf.worst_ratio[1]
+        return margin if not math.isnan(margin) else math.inf
+    return math.inf if leaf.mismatched else 0.0
+
+
+def _golden_header(leaf: LeafResult) -> str:
+    where = f"output {leaf.path!r}: " if leaf.path else ""
+    if leaf.problem is not None:
+        return where + leaf.problem
+    if leaf.nonfinite_mismatched:
+        return (f"{where}NaN/Inf on one side only at {leaf.nonfinite_mismatched} element(s), first at index "
+                f"{leaf.nonfinite_index} (target {leaf.actual_at_nonfinite}, reference {leaf.expected_at_nonfinite})")
+    if isinstance(leaf, GoldenLeafResult) and not leaf.exact:
+        parts = [f"{m} ratio {r:.3g} > {leaf.policy.limits[m]:g}" for m, r in leaf.over_limit.items()]
+        return (f"{where}target error vs the {leaf.golden_dtype} golden exceeds the reference's: "
+                + ", ".join(parts))
+    return f"{where}{leaf.mismatched} integer/bool element(s) differ"
+
+
+_GOLDEN_COLUMNS = ("leaf", "golden", "rmse t/r (ratio)", "max_rel t/r (ratio)", "mean_rel t/r (ratio)",
+                   "small t/r (ratio)", "verdict")
+
+
+def format_golden_table(leaves: list[LeafResult]) -> list[str]:
+    """Fixed-width table of golden metrics: target / reference error and their ratio per metric."""
+    rows = [_GOLDEN_COLUMNS]
+    for leaf in leaves:
+        name = leaf.path or "<output>"
+        verdict = "pass" if leaf.passed else "FAIL"
+        if not isinstance(leaf, GoldenLeafResult) or leaf.exact or leaf.target is None:
+            rows.append((name, "-", "-", "-", "-", "-", leaf.problem or verdict))
+            continue
+        cells = []
+        for metric in METRICS:
+            t, r = getattr(leaf.target, metric), getattr(leaf.reference, metric)
+            cells.append(f"{t:.3g}/{r:.3g} ({leaf.ratios[metric]:.3g})")
+        rows.append((name, leaf.golden_dtype or "-", *cells, verdict))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(_GOLDEN_COLUMNS))]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def _same_kind(a: torch.dtype, b: torch.dtype) -> bool:
+    """Both real floating or both complex."""
+    return (a.is_floating_point and b.is_floating_point) or (a.is_complex and b.is_complex)
+
+
+def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: torch.Tensor,
+                         policy: GoldenPolicy, *, tolerance: Tolerance | None = None,
+                         path: str = "", work_dtype: torch.dtype | None = None) -> GoldenLeafResult:
+    """Judge one leaf: the target ``actual`` and the reference ``expected`` against ``golden``.
+
+    Args:
+        actual: the target's tensor (any device).
+        expected: the reference's tensor; same shape and dtype as ``actual``.
+        golden: the golden tensor (usually float64 or float32), same shape.
+        policy: the ratio limits and small-value criterion.
+        tolerance: allclose tolerance for the informative target-vs-reference metrics
+            (default: ``policy.default_for_dtype`` of ``expected``).
+        path: the leaf's name.
+        work_dtype: the precision the recipe computes in (``WORK_DTYPES[recipe]``: bfloat16 for
+            bf16 work), or None to judge by the leaf's own dtype. Under a 16-bit work dtype, when
+            the golden is no finer than the leaf (an fp32 golden for an fp32 output, where no fp64
+            golden could run), the rounding floor is the golden rounded to the work dtype: the
+            reference can then equal the golden exactly, and a correct target with another kernel
+            is only exact to the work dtype.
+
+    Returns:
+        A ``GoldenLeafResult`` (its ``passed`` is the verdict). A shape mismatch between target and
+        reference, a dtype mismatch of another kind (float vs integer, real vs complex), or a golden
+        of another shape fail with ``problem`` set. Two floating dtypes may differ (``note`` says
+        so) under a 16-bit work dtype (or none given): the golden judges accuracy, and autocast's op
+        lists differ between devices and kernels. Under fp32/fp64 work a dtype change is a failure
+        (a target that returns bf16 where fp32 was computed lost precision). Integer and bool
+        leaves are judged exactly.
+    """
+    tol = tolerance if tolerance is not None else default_for_dtype(expected.dtype)
+    exact = not (expected.dtype.is_floating_point or expected.dtype.is_complex)
+    coarse = expected.dtype
+    note = None
+    lenient = work_dtype is None or (work_dtype.is_floating_point and torch.finfo(work_dtype).bits <= 16)
+    if actual.dtype != expected.dtype and _same_kind(actual.dtype, expected.dtype) and not exact and lenient:
+        # Autocast op lists differ between devices and kernels (measured: under CPU bf16 autocast
+        # nn.TransformerEncoder's fast path returns bf16, its slow path fp32): the golden judges
+        # accuracy, not the dtype. Informative metrics are taken in the finer dtype, the rounding
+        # floor in the coarser one.
+        common = torch.promote_types(actual.dtype, expected.dtype)
+        coarse = actual.dtype if common == expected.dtype else expected.dtype
+        base = compare_tensors(actual.to(common), expected.to(common), tol, path)
+        base.dtype = str(actual.dtype).removeprefix("torch.")
+        base.expected_dtype = str(expected.dtype).removeprefix("torch.")
+        note = f"dtype differs: target {base.dtype}, reference {base.expected_dtype} (judged against the golden)"
+    else:
+        base = compare_tensors(actual, expected, EXACT if exact else tol, path)
+    leaf = GoldenLeafResult(**{f.name: getattr(base, f.name) for f in dataclasses.fields(LeafResult)})
+    leaf.policy = policy
+    leaf.exact = exact
+    leaf.note = note
+    leaf.golden_dtype = str(golden.dtype).removeprefix("torch.")
+    if leaf.problem is not None or exact:
+        return leaf
+    if tuple(golden.shape) != tuple(expected.shape):
+        leaf.problem = f"golden shape {tuple(golden.shape)} differs from the outputs' {tuple(expected.shape)}"
+        return leaf
+
+    if (lenient and work_dtype is not None and coarse.is_floating_point and golden.is_floating_point()
+            and torch.finfo(golden.dtype).bits <= torch.finfo(coarse).bits
+            and torch.finfo(work_dtype).eps > torch.finfo(coarse).eps):
+        coarse = work_dtype  # a golden no finer than the output: see work_dtype above
+    if policy.msprobe:
+        _judge_msprobe(leaf, actual, expected, golden)
+        return leaf
+    threshold, small_atol = policy.small_values_for(coarse)
+    sides = (_SideSums(), _SideSums(), _SideSums())  # target, reference, golden rounded to the dtype
+    with _one_intra_op_thread():
+        for a, e, g, rounded in float64_blocks(actual, expected, golden, golden.detach().to("cpu").to(coarse)):
+            mask = torch.isfinite(a) & torch.isfinite(e) & torch.isfinite(g)
+            small = mask & (g.abs() < threshold)
+            mask_floor = mask & torch.isfinite(rounded)  # a golden beyond the dtype's range rounds to inf
+            sides[0].add(a, g, mask, small, small_atol)
+            sides[1].add(e, g, mask, small, small_atol)
+            sides[2].add(rounded, g, mask_floor, small & mask_floor, small_atol)
+    leaf.target, leaf.reference, leaf.floor = (side.result() for side in sides)
+    share_floor = 1.0 / leaf.reference.small if leaf.reference.small else 0.0
+    leaf.ratios = {
+        "rmse": ratio(leaf.target.rmse, leaf.reference.rmse, leaf.floor.rmse),
+        "max_rel": ratio(leaf.target.max_rel, leaf.reference.max_rel, leaf.floor.max_rel),
+        "mean_rel": ratio(leaf.target.mean_rel, leaf.reference.mean_rel, leaf.floor.mean_rel),
+        "small_share": ratio(leaf.target.small_share, leaf.reference.small_share,
+                             max(share_floor, leaf.floor.small_share)),
+    }
+    return leaf
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """Torch ops of the block loops on one intra-op thread (restored on exit). Each block
+    (``compare.WORKER_BLOCK`` elements) is a few dozen small elementwise ops and masked copies; with
+    two threads each op opens an OpenMP parallel region, which on a loaded machine costs more than
+    the op: judging a 2 M-element fp32 leaf took 11.8 s with 2 threads and 0.23 s with one (2-core
+    machine, load average 6–8), 11 M elements 75 s before this (a resnet18 training step judges
+    three such sets of leaves)."""
+    before = torch.get_num_threads()
+    if before > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if before > 1:
+            torch.set_num_threads(before)
+
+
+def _real_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.empty(0, dtype=dtype).real.dtype if dtype.is_complex else dtype
+
+
+def _judge_msprobe(leaf: GoldenLeafResult, actual: torch.Tensor, expected: torch.Tensor, golden: torch.Tensor) -> None:
+    """msprobe 26.2.0's benchmark metrics of both sides and their ratios into ``leaf`` (see ``_MsprobeSums``)."""
+    golden_dtype = _real_dtype(golden.dtype)
+    target = _MsprobeSums(_real_dtype(actual.dtype), golden_dtype)
+    reference = _MsprobeSums(_real_dtype(expected.dtype), golden_dtype)
+    with _one_intra_op_thread():
+        for a, e, g in float64_blocks(actual, expected, golden):
+            target.add(a, g)
+            reference.add(e, g)
+    leaf.target, leaf.reference = target.result(), reference.result()
+    dtype = target.dtype  # the floor is chosen by the NPU (target) row's dtype
+    leaf.ratios = {m: msprobe_ratio(getattr(leaf.target, m), getattr(leaf.reference, m), dtype) for m in METRICS}
+    if dtype == torch.float64:
+        leaf.note = ((leaf.note + "; ") if leaf.note else "") + "msprobe skips float64; judged with its fp32 values"
+
+
+def judge_golden(actual: Any, expected: Any, golden: Any, policy: GoldenPolicy = DEFAULT_GOLDEN, *,
+                 tolerance: Tolerance | None = None, name: str = "",
+                 work_dtype: torch.dtype | None = None) -> GoldenCompareResult:
+    """Judge nested outputs under the golden policy, leaf by leaf.
+
+    Args:
+        actual: the target's output (tensors or nested tuples/lists/dicts/ModelOutputs of them).
+        expected: the reference's output, same structure.
+        golden: the golden output, same structure (float leaves in the golden dtype).
+        policy: the ratio limits (see ``GoldenPolicy``; ``default_golden_for_recipe`` for a recipe's).
+        tolerance: allclose tolerance for the informative metrics (default: by dtype).
+        name: the check's name, for messages.
+        work_dtype: the recipe's work dtype (``WORK_DTYPES``), see ``judge_golden_tensors``.
+
+    Returns:
+        A ``GoldenCompareResult``: passed when every leaf passes. A leaf missing on either side, a
+        ``None`` against a tensor, or a leaf without a golden counterpart fails with ``problem``.
+
+    Raises:
+        TypeError, ValueError: as ``compare.compare`` for structures it cannot walk.
+    """
+    result = GoldenCompareResult(name=name, policy=policy)
+    got, want = _leaves_by_path(actual, "actual"), _leaves_by_path(expected, "expected")
+    gold = _leaves_by_path(golden, "golden")
+    for path in list(want) + [p for p in got if p not in want]:
+        a, e, g = got.get(path), want.get(path), gold.get(path)
+        tol = tolerance or default_for_dtype(e.dtype if e is not None else torch.float32)
+        problem = None
+        if path not in got:
+            problem = "missing in actual output"
+        elif path not in want:
+            problem = "not in expected output"
+        elif a is None or e is None:
+            if a is e:
+                continue
+            problem = f"{'actual' if a is None else 'expected'} is None, the other is a tensor"
+        elif path not in gold or (g is None and (e.dtype.is_floating_point or e.dtype.is_complex)):
+            problem = "the golden run has no such output"
+        if problem is not None:
+            result.leaves.append(GoldenLeafResult(path=path, tolerance=tol, problem=problem, policy=policy))
+            continue
+        if g is None:  # integer leaf without golden: exact comparison needs none
+            g = e
+        result.leaves.append(judge_golden_tensors(a, e, g, policy, tolerance=tol, path=path, work_dtype=work_dtype))
+    return result
+

@@ -1,0 +1,168 @@
+"""Layer capture: record every weighted layer's first output (and input), sampled, while a side runs.
+
+Every check of a module also records, on each side, the output of each of its submodules
+that holds parameters of its own (``Linear``, ``Conv2d``, ``LayerNorm``, ``Embedding``,
+``BatchNorm2d``, an ``LSTM`` inside a larger model …; the checked module itself is left out: its
+output is the check's; so are modules whose forward changes path when hooked, ``HOOK_SENSITIVE``),
+at the first call of that submodule in the run:
+
+* the first dense floating tensor of the output (in ``compare.flatten`` order) and of the
+  positional inputs, flattened;
+* of each, the values at ``samples`` positions (``compact.sample_indices``: the same positions for
+  a layer of that name and size on every machine), or all of them when it has no more.
+
+The records travel with the check's leaves as ``layer:<submodule path>`` (output) and
+``layer:<submodule path>@in`` (input) — a baseline stores them beside the outputs, 512 bytes per layer
+at the default 64 samples — and are taken out before the outputs are compared
+(``split_layers``). Why layers are recorded, and how the records are judged, is
+``judge.layers`` (``judge_layers``; its module docstring gives the measurements and the rule): this
+module only takes them, as part of a side's run (``runtime.side``). (Split from ``layers.py``, which
+held the capture and the verdict; ``pytest_npu_parity.layers`` re-exports every name.)
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Iterator
+
+import torch
+
+#: Key prefix of a layer record among a check's leaves.
+LAYER_PREFIX = "layer:"
+#: Values recorded per layer output (default).
+DEFAULT_SAMPLES = 64
+#: Key suffix of a layer's input record.
+INPUT_SUFFIX = "@in"
+#: Key suffix of the marker a recurrent layer's record carries (``capture_layers``): judged at
+#: ``RECURRENT_FACTOR`` times the limit.
+RECURRENT_SUFFIX = "@recurrent"
+_SUFFIXES = (INPUT_SUFFIX, RECURRENT_SUFFIX)
+
+
+def _first_floating(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        ok = (output.is_floating_point() and output.layout == torch.strided and not output.is_nested
+              and output.numel() > 0)
+        return output if ok else None
+    from ..leaves import flatten
+
+    try:
+        for _, leaf in flatten(output):
+            found = _first_floating(leaf) if isinstance(leaf, torch.Tensor) else None
+            if found is not None:
+                return found
+    except (TypeError, ValueError):
+        return None
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _positions(path: str, numel: int, samples: int) -> torch.Tensor:
+    from ..compact import sample_indices
+
+    return sample_indices(path, numel, samples)
+
+
+def _sampled(key: str, tensor: torch.Tensor, samples: int) -> torch.Tensor:
+    """The values of ``tensor`` at ``samples`` positions of its row-major flattening (all of them when
+    it has no more), as a new 1-D tensor. A non-contiguous tensor (a ``channels_last`` conv output,
+    a transpose) is gathered at those positions (``torch.unravel_index``) instead of being copied
+    whole by ``reshape``: the same values, without a copy of the layer's output."""
+    tensor = tensor.detach()
+    numel = tensor.numel()
+    if numel <= samples:
+        return tensor.reshape(-1).clone()
+    positions = _positions(key, numel, samples).to(tensor.device)
+    unravel = getattr(torch, "unravel_index", None)  # torch >= 2.2
+    if tensor.is_contiguous() or unravel is None:
+        return tensor.reshape(-1).index_select(0, positions)
+    return tensor[unravel(positions, tensor.shape)]
+
+
+#: Modules whose forward looks at the hooks of itself and its submodules and takes another path
+#: when there are any: ``nn.TransformerEncoderLayer`` turns off its fast path
+#: (``torch/nn/modules/transformer.py``, ``TransformerEncoderLayer.forward``: "forward pre-/hooks are
+#: attached to the module", torch 2.5.1 and 2.14.1). Neither they nor their submodules are hooked, so
+#: the layer check never changes what runs.
+HOOK_SENSITIVE = (torch.nn.TransformerEncoderLayer,)
+
+
+def layer_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(path, module)`` of every submodule of ``root`` with parameters of its own (not ``root``),
+    except ``HOOK_SENSITIVE`` modules and everything inside them, and script modules."""
+    skipped: list[str] = []
+    found = []
+    for name, m in root.named_modules():
+        if any(name == s or name.startswith(s + ".") for s in skipped):
+            continue
+        if isinstance(m, HOOK_SENSITIVE) or isinstance(m, torch.jit.ScriptModule):
+            skipped.append(name)
+            continue
+        if name and next(m.parameters(recurse=False), None) is not None:
+            found.append((name, m))
+    return found
+
+
+def compiled_modules(root: torch.nn.Module) -> list[str]:
+    """Paths (``""`` for ``root`` itself) of the modules in ``root`` that ``torch.compile`` compiled:
+    an ``OptimizedModule`` wrapper (``torch.compile(module)``) or a module compiled in place
+    (``module.compile()``, which sets ``_compiled_call_impl``; torch/nn/modules/module.py,
+    ``Module.compile``, 2.5.1 and 2.14.1)."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # a torch build without dynamo compiles nothing
+        return []
+    return [name for name, m in root.named_modules()
+            if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None]
+
+
+@contextlib.contextmanager
+def capture_layers(root: torch.nn.Module | None, samples: int = DEFAULT_SAMPLES) -> Iterator[dict[str, torch.Tensor]]:
+    """Record the first output of every weighted submodule of ``root`` while the block runs.
+
+    Yields a dict that fills with ``{"layer:<path>": 1-D tensor}`` in call order: ``samples``
+    values of the output (module doc), detached, in the output's dtype, on its device until the
+    block ends and on the CPU after it. The hooks' own work is not audited (``audit.not_audited``).
+    ``root`` None records nothing.
+    """
+    from ..audit import not_audited
+
+    records: dict[str, torch.Tensor] = {}
+    handles = []
+    if root is not None:
+        for name, module in layer_modules(root):
+            key = LAYER_PREFIX + name
+
+            def hook(_module, inputs, output, key=key):
+                if key in records:
+                    return
+                with not_audited(), torch.no_grad():
+                    tensor = _first_floating(output)
+                    if tensor is None:
+                        return
+                    records[key] = _sampled(key, tensor, samples)
+                    given = _first_floating(tuple(inputs))
+                    if given is not None:
+                        records[key + INPUT_SUFFIX] = _sampled(key + INPUT_SUFFIX, given, samples)
+
+            handles.append(module.register_forward_hook(hook))
+            if isinstance(module, torch.nn.RNNBase):
+                records[key + RECURRENT_SUFFIX] = torch.ones(1)
+    try:
+        yield records
+    finally:
+        for handle in handles:
+            handle.remove()
+        with not_audited():
+            for key in list(records):
+                records[key] = records[key].cpu()
+
+
+def split_layers(leaves: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
+    """``(leaves without layer records, the layer records)`` of a check's leaves."""
+    if not isinstance(leaves, dict):
+        return leaves, {}
+    layers = {k: v for k, v in leaves.items() if k.startswith(LAYER_PREFIX) and isinstance(v, torch.Tensor)}
+    if not layers:
+        return leaves, {}
+    return {k: v for k, v in leaves.items() if k not in layers}, layers
