@@ -26,10 +26,12 @@ from ..golden import GoldenUnavailableError
 from ..modules import owner_module
 from ..npu import base_version
 from ..provenance import (collect_provenance, fingerprint_module, fingerprint_tensors, module_tensor_digests,
-                          summarize_tensors)
+                          summarize_tensors, uninitialized)
 from ..recipes import precision_flags, strict_fp32_flags
 from ..runtime.side import CheckCall
 from ..structure import module_structure, pack_structure, structure_hash
+from .fingerprints import META_KEY as FINGERPRINTS_KEY
+from .fingerprints import STALE_KINDS, check_fingerprints, fingerprint_changes
 from .plan import CaseFacts, CheckPlan
 from .record import BaselineProblem, CheckRecord
 from .stored_golden import META_KEY as GOLDEN_META_KEY
@@ -92,12 +94,18 @@ def check_hashes(fn: Any, args: tuple, kwargs: dict, *, modes: bool = True, labe
     training mode unless ``modes`` is False) with its hash (see ``BaselineStore.check_fresh``).
     The summary and digests are callables, computed only where needed: when recording, or when
     a hash differs from the recorded one. ``labels`` (a training step's) join the input's
-    fingerprint and summary when given."""
+    fingerprint and summary when given. ``fingerprints``: what the others leave out — non-tensor
+    arguments, module state outside the ``state_dict``, a function's code and closure
+    (``checks.fingerprints.check_fingerprints``), taken now, before any run."""
     module = owner_module(fn)
     structure: dict | None = None
     if module is not None:
         config = fingerprint_module(module)
         config_tensors: Callable[[], dict] = lambda: module_tensor_digests(module)  # noqa: E731
+        if any(uninitialized(t) for t in module.state_dict(keep_vars=True).values()):
+            # a lazy module: the recorded digests are those of the fingerprint, before its first run materializes it
+            digests = module_tensor_digests(module)
+            config_tensors = lambda: digests  # noqa: E731
         structure = module_structure(module, modes=modes)
     else:
         config = fingerprint_tensors(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}")
@@ -106,7 +114,7 @@ def check_hashes(fn: Any, args: tuple, kwargs: dict, *, modes: bool = True, labe
     return {"input_hash": fingerprint_tensors(given), "config_hash": config,
             "input_summary": lambda: summarize_tensors(given), "config_tensors": config_tensors,
             "structure_hash": structure_hash(structure) if structure is not None else None,
-            "structure": structure}
+            "structure": structure, FINGERPRINTS_KEY: check_fingerprints(fn, given)}
 
 
 def memo_key(name: str, recipe: str, hashes: dict[str, Any], call: CheckCall) -> tuple:
@@ -167,12 +175,18 @@ def _baseline_entry(source: ReferenceSource, baseline: Any, name: str, hashes: d
                     call: CheckCall) -> Expected:
     """``expected_for`` from the baseline file's entry ``name``, checked fresh."""
     __tracebackhide__ = True
+    recorded = baseline.checks[name].meta if name in baseline.checks else {}
+    found = fingerprint_changes(recorded.get(FINGERPRINTS_KEY), hashes.get(FINGERPRINTS_KEY))
+    given = {k: v for k, v in hashes.items() if k != FINGERPRINTS_KEY}
     try:
-        entry = source.store.check_fresh(baseline, name, **hashes, recipe=source.recipe, seed=call.seed)
+        entry = source.store.check_fresh(baseline, name, **given, recipe=source.recipe, seed=call.seed,
+                                         more_changes=[line for _, line in found])
     except StaleBaselineError as exc:
         # What changed, from the recorded fingerprints (for the suite-wide summary), and
         # which recording it was.
-        exc.stale_cause = stale_cause(baseline.checks[name].meta, hashes, getattr(exc, "structure_changed", False))
+        exc.stale_cause = stale_cause(recorded, hashes, getattr(exc, "structure_changed", False),
+                                      input_changed=getattr(exc, "input_changed", None),
+                                      kinds=tuple(kind for kind, _ in found))
         exc.provenance = baseline.describe()
         raise
     expected: dict[str, torch.Tensor | None] = dict(entry.tensors)
@@ -291,10 +305,13 @@ def recording_provenance(target: torch.device, recipe: str, seed: int, rng: str)
     return collect_provenance(target, recipe=recipe, seed=seed, precision_flags=flags, extra={"rng": rng})
 
 
-def stale_cause(recorded_meta: dict, hashes: dict[str, Any], structure_changed: bool = False) -> str:
+def stale_cause(recorded_meta: dict, hashes: dict[str, Any], structure_changed: bool = False, *,
+                input_changed: bool | None = None, kinds: tuple[str, ...] = ()) -> str:
     """What a stale baseline entry's recorded fingerprints say changed: ``weights`` (the module's
     ``config_hash``), ``config`` (its configuration or structure: ``structure_changed``, as
-    ``baselines.StaleBaselineError.structure_changed`` says), ``input`` (``input_hash``), joined by
+    ``baselines.StaleBaselineError.structure_changed`` says), ``input`` (the input), ``arguments``,
+    ``attributes``, ``function`` (``kinds``: a non-tensor argument, module state outside the
+    ``state_dict``, a function's code or closure, ``checks.fingerprints.STALE_KINDS``), joined by
     ``+`` in that order (``config+input``: a submodule whose captured input changed with the model's
     config), or ``other`` (none of them: a leaf, shape, dtype, recipe or seed).
 
@@ -302,17 +319,23 @@ def stale_cause(recorded_meta: dict, hashes: dict[str, Any], structure_changed: 
         recorded_meta: the stored check's metadata (``baselines.CheckBaseline.meta``).
         hashes: the current ``input_hash`` and ``config_hash`` (hex strings).
         structure_changed: the recorded configuration or structure differs from the module's.
+        input_changed: the input is a change, as ``baselines.StaleBaselineError.input_changed``
+            says: its hash differs and its summary does not agree. An input hash that differs while
+            the summary agrees (another machine's draws, a changed non-tensor argument) is no
+            ``input`` cause. None: the input hashes decide.
+        kinds: the kinds of ``checks.fingerprints.fingerprint_changes``' changes.
     """
     changed = ["weights"] if recorded_meta.get("config_hash") != hashes.get("config_hash") else []
     if structure_changed:
         changed.append("config")
-    if recorded_meta.get("input_hash") != hashes.get("input_hash"):
+    if input_changed if input_changed is not None else recorded_meta.get("input_hash") != hashes.get("input_hash"):
         changed.append("input")
+    changed += [kind for kind in STALE_KINDS if kind in kinds]
     return "+".join(changed) or "other"
 
 
 #: The causes ``stale_cause`` names, in the order it joins them.
-STALE_CAUSES = ("weights", "config", "input")
+STALE_CAUSES = ("weights", "config", "input") + STALE_KINDS
 
 
 @dataclass
