@@ -33,8 +33,10 @@ change), except a config's keys, compared where both have them (a newer transfor
 Module attributes, for every submodule (``named_modules``): each non-persistent buffer and each tensor
 in its ``__dict__`` (also in a list, tuple or dict there) that is not one of the model's parameters or
 persistent buffers, as dtype, shape, a 64-bit digest of its bytes and its ``provenance.summarize_tensors``
-row; and, of submodules whose class is not torch's own, the private (``_``) int/float/bool/str/None
-attributes, minus those every ``torch.nn.Module`` has. A tensor whose bytes differ but whose summary
+row; and, of submodules whose class is the model's own (not defined by torch, transformers or another
+of ``LIBRARY_PACKAGES``), the private (``_``) int/float/bool/str/None attributes, minus those every
+``torch.nn.Module`` has and the bookkeeping marks libraries set (``LIBRARY_ATTRIBUTES``,
+``_is_hf_initialized``; names starting ``_npu_parity``, ``_hf_``, ``_ds_``). A tensor whose bytes differ but whose summary
 agrees within ``provenance.SUMMARY_RTOL`` is the same tensor drawn by another machine's kernels (a
 ``torch.randn`` projection made in ``__init__``) and no change; integer and bool tensors compare
 bitwise. Compared where both records have the name: a cache a forward adds later is no change.
@@ -89,13 +91,21 @@ SHOWN = 3
 _DEPTH = 6
 #: Instance attributes every ``torch.nn.Module`` has (hooks, ``_parameters``, ``_compiled_call_impl``, …).
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+#: Private attributes libraries set on the model's own modules as bookkeeping (transformers marks every
+#: module it initialized, ``stable_init_`` the modules it seeded): not what the forward computes, and
+#: their values may differ between releases of those libraries.
+LIBRARY_ATTRIBUTES = frozenset({"_is_hf_initialized", "_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"})
+_LIBRARY_PREFIXES = ("_npu_parity", "_hf_", "_ds_")
+#: Top-level packages whose module classes are not the model's own: their private attributes are internals.
+LIBRARY_PACKAGES = frozenset({"torch", "torch_npu", "transformers", "torchvision", "timm", "diffusers", "peft",
+                              "accelerate", "deepspeed", "apex"})
 _DEVICE_STRING = re.compile(r"^(cpu|cuda|npu|xpu|mps|meta|hpu|mtia|privateuseone)(:\d+)?$")
 _TENSOR = "tensor"
 
 
-def _is_torch_class(obj: Any) -> bool:
-    name = type(obj).__module__ or ""
-    return name == "torch" or name.startswith("torch.")
+def _library_class(obj: Any) -> bool:
+    """Whether ``obj``'s class is defined by a library (``LIBRARY_PACKAGES``), not the model's own code."""
+    return (type(obj).__module__ or "").partition(".")[0] in LIBRARY_PACKAGES
 
 
 # -- arguments ---------------------------------------------------------------------------------
@@ -210,14 +220,15 @@ def module_attributes(module: torch.nn.Module) -> dict[str, Any]:
             buffer = sub._buffers.get(name)
             if isinstance(buffer, torch.Tensor):
                 out[prefix + name] = _tensor_record(buffer, prefix + name)
-        own = not _is_torch_class(sub)
+        own = not _library_class(sub)
         for name, value in vars(sub).items():
             if name in _MODULE_INTERNALS or name == "training":
                 continue
             for suffix, tensor in _attribute_tensors(value):
                 if id(tensor) not in state and not isinstance(tensor, torch.nn.Parameter):
                     out[prefix + name + suffix] = _tensor_record(tensor, prefix + name + suffix)
-            if own and name.startswith("_") and (value is None or isinstance(value, (bool, int, float, str))):
+            if (own and name.startswith("_") and name not in LIBRARY_ATTRIBUTES and not name.startswith(_LIBRARY_PREFIXES)
+                    and (value is None or isinstance(value, (bool, int, float, str)))):
                 out[prefix + name] = _plain(value)
     return out
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -352,6 +352,9 @@ class StaleSuite:
             whose input changed with the model).
         fresh: checks of the suite whose baseline still matched (free functions, another model).
         provenance: one recording's provenance line (``Baseline.describe()`` after its " — "), or None.
+        causes: each stale check's own cause (``stale_cause``) by (test id, check, recipe): a function
+            check of the suite may be stale for its own reason (its closure), a check of the model for
+            ``cause`` and another one besides (``weights+arguments``).
     """
 
     suite: str
@@ -360,6 +363,26 @@ class StaleSuite:
     checks: list[tuple[str, str, str]]
     fresh: int
     provenance: str | None = None
+    causes: dict[tuple[str, str, str], str] = field(default_factory=dict)
+
+    def extra_causes(self, key: tuple[str, str, str]) -> set[str]:
+        """The causes check ``key`` has besides the shared ``cause``; not ``input`` beside a shared
+        ``weights`` or ``config`` (a submodule's captured input changes with the model that computed it)."""
+        shared = set(self.cause.split("+"))
+        parts = set(self.causes.get(key, self.cause).split("+")) - {"other"}
+        extra = parts - shared
+        if shared <= parts and shared & {"weights", "config"}:
+            extra.discard("input")
+        return extra
+
+    def other_causes(self) -> dict[str, int]:
+        """``{cause: number of stale checks}`` of the causes (``STALE_CAUSES``) some stale checks have
+        besides the shared ``cause`` (``extra_causes``), in ``STALE_CAUSES`` order."""
+        counts = dict.fromkeys(STALE_CAUSES, 0)
+        for key in self.checks:
+            for part in self.extra_causes(key):
+                counts[part] = counts.get(part, 0) + 1
+        return {c: n for c, n in counts.items() if n}
 
     def fix(self, update_command: str) -> str:
         """The one command that re-records the suite: ``<update_command> <directory>``."""
@@ -373,7 +396,10 @@ def stale_suites(rows: list[dict[str, Any]]) -> list[StaleSuite]:
     and those share a cause (``stale_cause``: ``weights`` in ``weights`` and ``weights+input``;
     ``other`` never qualifies). A second model of the suite whose baselines still match (the
     Aurora suite's tiny training-step model) does not hide it. Suites are those of
-    ``baselines.SuiteStores``; every stale check of the suite is a member, the others ``fresh``.
+    ``baselines.SuiteStores``; every stale check of the suite is a member, the others ``fresh``,
+    each member's own cause in ``StaleSuite.causes``. An input counts as a cause only where it is
+    a change (``stale_cause``'s ``input_changed``): on another machine every input hash may differ
+    (other draws) while the summaries agree, and separate edits of the model then share no cause.
     """
     per_check: dict[tuple, dict] = {}
     for row in rows:
@@ -406,7 +432,9 @@ def stale_suites(rows: list[dict[str, Any]]) -> list[StaleSuite]:
                            if r.get("reference_provenance")), None)
         found.append(StaleSuite(suite, directory or ".", "+".join(c for c in STALE_CAUSES if c in common),
                                 sorted((r["test_id"], r["check"], r["recipe"]) for r in stale),
-                                len(suite_rows) - len(stale), provenance))
+                                len(suite_rows) - len(stale), provenance,
+                                {(r["test_id"], r["check"], r["recipe"]): str(r.get("stale_cause") or "other")
+                                 for r in stale}))
     return found
 
 
