@@ -185,7 +185,8 @@ def _tensor_record(tensor: torch.Tensor, name: str) -> dict[str, Any]:
         return {_TENSOR: "meta", "layout": layout, "summary": None}
     summary = None
     if tensor.is_floating_point() or tensor.is_complex():
-        summary = summarize_tensors(tensor.detach())[0][1:]
+        dense = tensor.detach() if tensor.layout == torch.strided else tensor.detach().to_dense()
+        summary = summarize_tensors(dense)[0][1:]
     return {_TENSOR: _tensor_digest(tensor.detach(), name).hex()[:16], "layout": layout, "summary": summary}
 
 
@@ -319,15 +320,21 @@ def check_fingerprints(fn: Any, given: tuple) -> dict[str, Any]:
     """The ``fingerprints`` record of a check (module docstring): ``{"format": 1, "arguments":
     argument_record(given)}`` with ``"attributes": module_attributes(module)`` for a module or a bound
     method of one (``modules.owner_module``), else ``"function": function_record(fn)`` when ``fn`` is a
-    function. Taken before any run; JSON-ready."""
-    record: dict[str, Any] = {"format": FINGERPRINT_FORMAT, "arguments": argument_record(given)}
+    function. Taken before any run; JSON-ready. A part that raises (an object it cannot describe) is left
+    out and named with its error under ``"unavailable"``: that part is then not compared."""
+    record: dict[str, Any] = {"format": FINGERPRINT_FORMAT}
     module = owner_module(fn)
-    if module is not None:
-        record["attributes"] = module_attributes(module)
-    else:
-        function = function_record(fn)
-        if function is not None:
-            record["function"] = function
+    parts = [("arguments", lambda: argument_record(given))]
+    parts.append(("attributes", lambda: module_attributes(module)) if module is not None else
+                 ("function", lambda: function_record(fn)))
+    for key, part in parts:
+        try:
+            value = part()
+        except Exception as exc:  # noqa: BLE001 - an object this cannot describe: that part is not checked
+            record.setdefault("unavailable", {})[key] = f"{type(exc).__name__}: {exc}"[:200]
+            continue
+        if value is not None:
+            record[key] = value
     return record
 
 

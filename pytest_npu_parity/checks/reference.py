@@ -308,7 +308,7 @@ def recording_provenance(target: torch.device, recipe: str, seed: int, rng: str)
 def stale_cause(recorded_meta: dict, hashes: dict[str, Any], structure_changed: bool = False, *,
                 input_changed: bool | None = None, kinds: tuple[str, ...] = ()) -> str:
     """What a stale baseline entry's recorded fingerprints say changed: ``weights`` (the module's
-    ``config_hash``), ``config`` (its configuration or structure: ``structure_changed``, as
+    ``config_hash``; not a function's, which only names it), ``config`` (its configuration or structure: ``structure_changed``, as
     ``baselines.StaleBaselineError.structure_changed`` says), ``input`` (the input), ``arguments``,
     ``attributes``, ``function`` (``kinds``: a non-tensor argument, module state outside the
     ``state_dict``, a function's code or closure, ``checks.fingerprints.STALE_KINDS``), joined by
@@ -325,7 +325,10 @@ def stale_cause(recorded_meta: dict, hashes: dict[str, Any], structure_changed: 
             ``input`` cause. None: the input hashes decide.
         kinds: the kinds of ``checks.fingerprints.fingerprint_changes``' changes.
     """
-    changed = ["weights"] if recorded_meta.get("config_hash") != hashes.get("config_hash") else []
+    # a function's config hash only names it (``check_hashes``): no weights of its own changed
+    function = (hashes.get("structure") is None and isinstance(recorded_meta.get("config_tensors"), dict)
+                and not recorded_meta["config_tensors"])
+    changed = ["weights"] if recorded_meta.get("config_hash") != hashes.get("config_hash") and not function else []
     if structure_changed:
         changed.append("config")
     if input_changed if input_changed is not None else recorded_meta.get("input_hash") != hashes.get("input_hash"):
