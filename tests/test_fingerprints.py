@@ -335,3 +335,22 @@ def test_the_suite_header_names_the_causes_some_checks_have_besides_the_shared_o
     assert suite.other_causes() == {"arguments": 1, "function": 1}  # input beside the weights: their consequence
     key = ("parity_suites/demo/test_m.py::f", "f", "fp32")
     assert suite.extra_causes(key) == {"function"}
+
+
+def test_a_part_that_cannot_be_described_is_named_and_not_compared(tmp_path, monkeypatch):
+    import pytest_npu_parity.checks.fingerprints as fingerprints
+
+    def broken(module):
+        raise RuntimeError("no attributes today")
+    monkeypatch.setattr(fingerprints, "module_attributes", broken)
+    record = check_fingerprints(Net(), ((X,), {"scale": 2.0}))
+    assert record["unavailable"] == {"attributes": "RuntimeError: no attributes today"}
+    assert record["arguments"] == {"args[0]": "<tensor>", "scale": 2.0}
+    store = _store(tmp_path)
+    _record(store, lambda c: c.check("m", Net(), X, scale=2.0))  # the check records all the same
+    monkeypatch.undo()
+    changed = Net()
+    changed.mask = torch.ones(8, 8)
+    with pytest.raises(ParityError):  # the attributes were not recorded: judged, as before the field existed
+        _compare(store, lambda c: c.check("m", changed, X, scale=2.0))
+    assert "scale" in str(_stale(store, lambda c: c.check("m", Net(), X, scale=3.0)))  # the arguments still are
