@@ -354,3 +354,12 @@ def test_a_part_that_cannot_be_described_is_named_and_not_compared(tmp_path, mon
     with pytest.raises(ParityError):  # the attributes were not recorded: judged, as before the field existed
         _compare(store, lambda c: c.check("m", changed, X, scale=2.0))
     assert "scale" in str(_stale(store, lambda c: c.check("m", Net(), X, scale=3.0)))  # the arguments still are
+
+
+def test_a_live_reference_is_not_reused_after_the_module_attribute_changed():
+    session = ParitySession(CPU, reference="cpu")
+    net = Net()
+    assert ParityCase(session, "t", "fp32").check("m", net, X).status == "pass"
+    net.mask = torch.ones(8, 8)  # the same module object, another computation
+    assert ParityCase(session, "t", "fp32").check("m", net, X).status == "pass"
+    assert len(session._reference_memo) == 2

@@ -12,6 +12,7 @@ against a baseline recorded with another torch release or thread count carry a n
 """
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from dataclasses import dataclass, field
@@ -119,13 +120,17 @@ def check_hashes(fn: Any, args: tuple, kwargs: dict, *, modes: bool = True, labe
 
 def memo_key(name: str, recipe: str, hashes: dict[str, Any], call: CheckCall) -> tuple:
     """What makes two runs of a check the same computation: name, recipe, seed, autograd, kind,
-    the very function or module object (a closure or a module attribute that is not a tensor
-    is not in the fingerprints), the input and the weights, and ``call.memo`` (the layer
+    the very function or module object, the input and the weights, the structure, the
+    ``fingerprints`` record (a module's attributes, a function's closure: one module whose mask
+    was edited between two checks of it is another computation), and ``call.memo`` (the layer
     records; a train step's optimizer, loss and clipping): two tests of one module, input and
     check name with another optimizer, or one with ``layers=False`` before one with layer
     records, must not share a reference."""
+    fingerprints = hashes.get(FINGERPRINTS_KEY)
     return (name, recipe, call.seed, call.grad, call.kind, id(call.fn),
-            hashes["input_hash"], hashes["config_hash"], hashes.get("structure_hash")) + tuple(call.memo)
+            hashes["input_hash"], hashes["config_hash"], hashes.get("structure_hash"),
+            json.dumps(fingerprints, sort_keys=True, default=str) if fingerprints is not None else None) \
+        + tuple(call.memo)
 
 
 def load_baseline(store: Any, test_id: str, used: set) -> Any:
