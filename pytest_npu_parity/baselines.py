@@ -206,10 +206,13 @@ class StaleBaselineError(BaselineError):
     """The baseline was recorded for a different input, model configuration, shape or dtype.
 
     ``structure_changed`` is True when the module's recorded configuration or structure differs
-    (``BaselineStore.check_fresh``; the runner reports that cause as ``config``).
+    (``BaselineStore.check_fresh``; the runner reports that cause as ``config``), ``input_changed``
+    when the input is a change (its hash differs and its summary does not agree: not the same
+    activations recomputed on another machine).
     """
 
     structure_changed: bool = False
+    input_changed: bool = False
 
 
 class CorruptBaselineError(BaselineError):
@@ -474,6 +477,7 @@ class BaselineStore:
         structure: dict | Callable[[], dict] | None = None,
         train_recipe: dict | Callable[[], dict] | None = None,
         replay_refused: str | None = None,
+        more_changes: list[str] | None = None,
     ) -> CheckBaseline:
         """Return the stored check if it was recorded for this input and configuration.
 
@@ -514,6 +518,10 @@ class BaselineStore:
                 recorded without one (an older file) makes no claim.
             replay_refused: why the entry's recorded inputs/weights were not replayed
                 (``checks.replay.plan_replay``); joins the message when the entry is stale.
+            more_changes: further differences the caller found between the entry's metadata and
+                the check (``checks.fingerprints.fingerprint_changes``: a non-tensor argument, a
+                module attribute, a function's closure); any makes the entry stale, listed after
+                the differences found here.
 
         Raises:
             MissingBaselineError: the file has no entry for ``check``.
@@ -538,6 +546,7 @@ class BaselineStore:
         if seed is not None and meta.get("seed") != seed:
             changes.append(f"recorded with seed {meta.get('seed')!r}, this run uses seed {seed!r} "
                            "(--parity-seed, ini parity_seed or the check's seed=)")
+        input_changed = False
         before = meta.get("input_hash")
         meta["bitwise_input"] = before == input_hash
         if before != input_hash:
@@ -546,6 +555,7 @@ class BaselineStore:
             why = "no summary given" if summary is None else summaries_close(meta.get("input_summary"), summary)
             if why is not None:
                 changes.append(f"{change}: {why}")
+                input_changed = True
         before = meta.get("config_hash")
         meta["bitwise_config"] = before == config_hash
         if before != config_hash:
@@ -580,6 +590,7 @@ class BaselineStore:
             was_d = _recorded_dtypes(recorded)
             now_d = {leaf: _dtype_name(d) for leaf, d in dtypes.items() if d is not None}
             changes += _diff_leaves("dtype", was_d, now_d, report_sets=shapes is None)
+        changes += more_changes or []
         if changes:
             if replay_refused:
                 changes.append(f"not replayed: {replay_refused}")
@@ -590,6 +601,7 @@ class BaselineStore:
                 baseline.path,
             )
             error.structure_changed = structure_changed
+            error.input_changed = input_changed
             raise error
         return CheckBaseline(name=recorded.name, tensors=recorded.tensors, none_leaves=recorded.none_leaves,
                              meta=meta, extras=recorded.extras)

@@ -491,7 +491,15 @@ class _PerTensorCache:
 _TENSOR_CACHE = _PerTensorCache()
 
 
+def uninitialized(tensor: Any) -> bool:
+    """Whether ``tensor`` is a lazy module's ``UninitializedParameter`` or ``UninitializedBuffer``
+    (``nn.LazyLinear`` before its first forward): it has no shape, storage nor values yet."""
+    return isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin)
+
+
 def _tensor_key(tensor: torch.Tensor) -> tuple:
+    if uninitialized(tensor):
+        return ("uninitialized", str(tensor.dtype))
     return (tensor.data_ptr() if tensor.device.type != "meta" else 0, getattr(tensor, "_version", 0),
             tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype), str(tensor.device))
 
@@ -499,6 +507,8 @@ def _tensor_key(tensor: torch.Tensor) -> tuple:
 def _tensor_digest(tensor: torch.Tensor, path: str) -> bytes:
     """SHA-256 digest of one tensor (dtype, shape, bytes; ``_hash_tensor``), cached per tensor object
     and version."""
+    if uninitialized(tensor):  # a lazy module's parameter before its first forward: only its dtype
+        return hashlib.sha256(b"npu-parity-uninit\0" + str(tensor.dtype).encode()).digest()
     key = _tensor_key(tensor)
     digest = _TENSOR_CACHE.get(tensor, key)
     if digest is None:
@@ -517,7 +527,7 @@ def _digest_in_parallel(state: dict[str, torch.Tensor]) -> None:
     there are more than ``PARALLEL_HASH_BYTES`` of them: the 0.8 GB of Aurora's weights hash in
     about half the time on two cores. The digests are the same as ``_tensor_digest``'s serially."""
     todo = [(name, t) for name, t in state.items()
-            if t.device.type == "cpu" and t.layout == torch.strided and _TENSOR_CACHE.get(t, _tensor_key(t)) is None]
+            if not uninitialized(t) and t.device.type == "cpu" and t.layout == torch.strided and _TENSOR_CACHE.get(t, _tensor_key(t)) is None]
     workers = min(torch.get_num_threads(), 8, len(todo))
     if workers < 2 or sum(t.numel() * t.element_size() for _, t in todo) < PARALLEL_HASH_BYTES:
         return
@@ -546,7 +556,9 @@ def fingerprint_module(module: torch.nn.Module) -> str:
 
     Covers the class's qualified name and, for every ``state_dict`` entry (parameters and
     persistent buffers), its name, dtype, shape and bytes. The device is not part of it, so the
-    same model on CPU and NPU has the same fingerprint.
+    same model on CPU and NPU has the same fingerprint. A lazy module's parameter that is not yet
+    materialized (``nn.LazyLinear`` before its first forward, ``uninitialized``) counts by its name
+    and dtype only: its values are drawn in the first forward, under the check's seed.
 
     The digest is cached per module object (weakly, so the cache never keeps a model alive) and
     recomputed when any entry's storage pointer, shape, dtype, device or autograd version counter
@@ -562,6 +574,7 @@ def fingerprint_module(module: torch.nn.Module) -> str:
         raise TypeError(f"fingerprint_module expects a torch.nn.Module, got {type(module).__name__}")
     state = module.state_dict(keep_vars=True)
     key = tuple(
+        (name, "uninitialized", str(t.dtype)) if uninitialized(t) else
         (name, t.data_ptr() if t.device.type != "meta" else 0, getattr(t, "_version", 0),
          tuple(t.shape), str(t.dtype), str(t.device))
         for name, t in state.items()

@@ -197,3 +197,26 @@ def test_a_configuration_changed_for_the_whole_suite_is_said_once(pytester: pyte
     ])
     result.stdout.fnmatch_lines(["  stale  5 checks of suite 'demo': the model's configuration changed (see the top "
                                  "of the summary)"])
+
+
+def test_a_check_stale_for_its_own_cause_besides_the_suites_is_named_so(pytester: pytest.Pytester) -> None:
+    module = _project(pytester)
+    assert pytester.runpytest("--update-baselines", "parity_suites").ret == 0
+    edit_module(module, "SEED = 0", "SEED = 1")  # every check of the net: the weights
+    edit_module(module, 'parity.check("tanh", torch.tanh, X)', 'parity.check("tanh", lambda x: torch.tanh(x), X)')
+    result = pytester.runpytest("--npu-parity", "parity_suites")
+    result.assert_outcomes(failed=6)
+    result.stdout.fnmatch_lines([
+        "*= npu-parity: every baseline of suite 'demo' is stale =*",
+        "The model's weights changed since its baselines were recorded (recorded on cpu *): 6 checks of 6 tests are "
+        "stale.",
+        "Besides, the checked function's code or closure changed for 1 check.",
+        "Fix it once, on a trusted machine: pytest --update-baselines parity_suites/demo",
+    ])
+    result.stdout.fnmatch_lines(["*_ test_tanh* _*",
+                                 "check 'tanh' (fp32): baseline stale: the checked function's code or closure changed "
+                                 "(and the whole suite 'demo' is stale: the model's weights changed); see *"])
+    # the submodule whose captured input changed with the weights is stale for the suite's cause
+    result.stdout.fnmatch_lines(["*_ test_layer_b* _*",
+                                 "check 'layer_b' (fp32): baseline stale: the model's weights changed for the whole "
+                                 "suite 'demo'; see *"])

@@ -12,9 +12,10 @@ against a baseline recorded with another torch release or thread count carry a n
 """
 from __future__ import annotations
 
+import json
 import os
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -26,10 +27,12 @@ from ..runtime.golden_run import GoldenUnavailableError
 from ..modules import owner_module
 from ..npu import base_version
 from ..provenance import (collect_provenance, fingerprint_module, fingerprint_tensors, module_tensor_digests,
-                          summarize_tensors)
+                          summarize_tensors, uninitialized)
 from ..recipes import precision_flags, strict_fp32_flags
 from ..runtime.side import CheckCall
 from ..structure import module_structure, pack_structure, structure_hash
+from .fingerprints import META_KEY as FINGERPRINTS_KEY
+from .fingerprints import STALE_KINDS, check_fingerprints, fingerprint_changes
 from .plan import CaseFacts, CheckPlan
 from .record import BaselineProblem, CheckRecord
 from .stored_golden import META_KEY as GOLDEN_META_KEY
@@ -92,12 +95,18 @@ def check_hashes(fn: Any, args: tuple, kwargs: dict, *, modes: bool = True, labe
     training mode unless ``modes`` is False) with its hash (see ``BaselineStore.check_fresh``).
     The summary and digests are callables, computed only where needed: when recording, or when
     a hash differs from the recorded one. ``labels`` (a training step's) join the input's
-    fingerprint and summary when given."""
+    fingerprint and summary when given. ``fingerprints``: what the others leave out — non-tensor
+    arguments, module state outside the ``state_dict``, a function's code and closure
+    (``checks.fingerprints.check_fingerprints``), taken now, before any run."""
     module = owner_module(fn)
     structure: dict | None = None
     if module is not None:
         config = fingerprint_module(module)
         config_tensors: Callable[[], dict] = lambda: module_tensor_digests(module)  # noqa: E731
+        if any(uninitialized(t) for t in module.state_dict(keep_vars=True).values()):
+            # a lazy module: the recorded digests are those of the fingerprint, before its first run materializes it
+            digests = module_tensor_digests(module)
+            config_tensors = lambda: digests  # noqa: E731
         structure = module_structure(module, modes=modes)
     else:
         config = fingerprint_tensors(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}")
@@ -106,18 +115,22 @@ def check_hashes(fn: Any, args: tuple, kwargs: dict, *, modes: bool = True, labe
     return {"input_hash": fingerprint_tensors(given), "config_hash": config,
             "input_summary": lambda: summarize_tensors(given), "config_tensors": config_tensors,
             "structure_hash": structure_hash(structure) if structure is not None else None,
-            "structure": structure}
+            "structure": structure, FINGERPRINTS_KEY: check_fingerprints(fn, given)}
 
 
 def memo_key(name: str, recipe: str, hashes: dict[str, Any], call: CheckCall) -> tuple:
     """What makes two runs of a check the same computation: name, recipe, seed, autograd, kind,
-    the very function or module object (a closure or a module attribute that is not a tensor
-    is not in the fingerprints), the input and the weights, and ``call.memo`` (the layer
+    the very function or module object, the input and the weights, the structure, the
+    ``fingerprints`` record (a module's attributes, a function's closure: one module whose mask
+    was edited between two checks of it is another computation), and ``call.memo`` (the layer
     records; a train step's optimizer, loss and clipping): two tests of one module, input and
     check name with another optimizer, or one with ``layers=False`` before one with layer
     records, must not share a reference."""
+    fingerprints = hashes.get(FINGERPRINTS_KEY)
     return (name, recipe, call.seed, call.grad, call.kind, id(call.fn),
-            hashes["input_hash"], hashes["config_hash"], hashes.get("structure_hash")) + tuple(call.memo)
+            hashes["input_hash"], hashes["config_hash"], hashes.get("structure_hash"),
+            json.dumps(fingerprints, sort_keys=True, default=str) if fingerprints is not None else None) \
+        + tuple(call.memo)
 
 
 def load_baseline(store: Any, test_id: str, used: set) -> Any:
@@ -167,12 +180,18 @@ def _baseline_entry(source: ReferenceSource, baseline: Any, name: str, hashes: d
                     call: CheckCall) -> Expected:
     """``expected_for`` from the baseline file's entry ``name``, checked fresh."""
     __tracebackhide__ = True
+    recorded = baseline.checks[name].meta if name in baseline.checks else {}
+    found = fingerprint_changes(recorded.get(FINGERPRINTS_KEY), hashes.get(FINGERPRINTS_KEY))
+    given = {k: v for k, v in hashes.items() if k != FINGERPRINTS_KEY}
     try:
-        entry = source.store.check_fresh(baseline, name, **hashes, recipe=source.recipe, seed=call.seed)
+        entry = source.store.check_fresh(baseline, name, **given, recipe=source.recipe, seed=call.seed,
+                                         more_changes=[line for _, line in found])
     except StaleBaselineError as exc:
         # What changed, from the recorded fingerprints (for the suite-wide summary), and
         # which recording it was.
-        exc.stale_cause = stale_cause(baseline.checks[name].meta, hashes, getattr(exc, "structure_changed", False))
+        exc.stale_cause = stale_cause(recorded, hashes, getattr(exc, "structure_changed", False),
+                                      input_changed=getattr(exc, "input_changed", None),
+                                      kinds=tuple(kind for kind, _ in found))
         exc.provenance = baseline.describe()
         raise
     expected: dict[str, torch.Tensor | None] = dict(entry.tensors)
@@ -291,10 +310,13 @@ def recording_provenance(target: torch.device, recipe: str, seed: int, rng: str)
     return collect_provenance(target, recipe=recipe, seed=seed, precision_flags=flags, extra={"rng": rng})
 
 
-def stale_cause(recorded_meta: dict, hashes: dict[str, Any], structure_changed: bool = False) -> str:
+def stale_cause(recorded_meta: dict, hashes: dict[str, Any], structure_changed: bool = False, *,
+                input_changed: bool | None = None, kinds: tuple[str, ...] = ()) -> str:
     """What a stale baseline entry's recorded fingerprints say changed: ``weights`` (the module's
-    ``config_hash``), ``config`` (its configuration or structure: ``structure_changed``, as
-    ``baselines.StaleBaselineError.structure_changed`` says), ``input`` (``input_hash``), joined by
+    ``config_hash``; not a function's, which only names it), ``config`` (its configuration or structure: ``structure_changed``, as
+    ``baselines.StaleBaselineError.structure_changed`` says), ``input`` (the input), ``arguments``,
+    ``attributes``, ``function`` (``kinds``: a non-tensor argument, module state outside the
+    ``state_dict``, a function's code or closure, ``checks.fingerprints.STALE_KINDS``), joined by
     ``+`` in that order (``config+input``: a submodule whose captured input changed with the model's
     config), or ``other`` (none of them: a leaf, shape, dtype, recipe or seed).
 
@@ -302,17 +324,26 @@ def stale_cause(recorded_meta: dict, hashes: dict[str, Any], structure_changed: 
         recorded_meta: the stored check's metadata (``baselines.CheckBaseline.meta``).
         hashes: the current ``input_hash`` and ``config_hash`` (hex strings).
         structure_changed: the recorded configuration or structure differs from the module's.
+        input_changed: the input is a change, as ``baselines.StaleBaselineError.input_changed``
+            says: its hash differs and its summary does not agree. An input hash that differs while
+            the summary agrees (another machine's draws, a changed non-tensor argument) is no
+            ``input`` cause. None: the input hashes decide.
+        kinds: the kinds of ``checks.fingerprints.fingerprint_changes``' changes.
     """
-    changed = ["weights"] if recorded_meta.get("config_hash") != hashes.get("config_hash") else []
+    # a function's config hash only names it (``check_hashes``): no weights of its own changed
+    function = (hashes.get("structure") is None and isinstance(recorded_meta.get("config_tensors"), dict)
+                and not recorded_meta["config_tensors"])
+    changed = ["weights"] if recorded_meta.get("config_hash") != hashes.get("config_hash") and not function else []
     if structure_changed:
         changed.append("config")
-    if recorded_meta.get("input_hash") != hashes.get("input_hash"):
+    if input_changed if input_changed is not None else recorded_meta.get("input_hash") != hashes.get("input_hash"):
         changed.append("input")
+    changed += [kind for kind in STALE_KINDS if kind in kinds]
     return "+".join(changed) or "other"
 
 
 #: The causes ``stale_cause`` names, in the order it joins them.
-STALE_CAUSES = ("weights", "config", "input")
+STALE_CAUSES = ("weights", "config", "input") + STALE_KINDS
 
 
 @dataclass
@@ -329,6 +360,9 @@ class StaleSuite:
             whose input changed with the model).
         fresh: checks of the suite whose baseline still matched (free functions, another model).
         provenance: one recording's provenance line (``Baseline.describe()`` after its " — "), or None.
+        causes: each stale check's own cause (``stale_cause``) by (test id, check, recipe): a function
+            check of the suite may be stale for its own reason (its closure), a check of the model for
+            ``cause`` and another one besides (``weights+arguments``).
     """
 
     suite: str
@@ -337,6 +371,26 @@ class StaleSuite:
     checks: list[tuple[str, str, str]]
     fresh: int
     provenance: str | None = None
+    causes: dict[tuple[str, str, str], str] = field(default_factory=dict)
+
+    def extra_causes(self, key: tuple[str, str, str]) -> set[str]:
+        """The causes check ``key`` has besides the shared ``cause``; not ``input`` beside a shared
+        ``weights`` or ``config`` (a submodule's captured input changes with the model that computed it)."""
+        shared = set(self.cause.split("+"))
+        parts = set(self.causes.get(key, self.cause).split("+")) - {"other"}
+        extra = parts - shared
+        if shared <= parts and shared & {"weights", "config"}:
+            extra.discard("input")
+        return extra
+
+    def other_causes(self) -> dict[str, int]:
+        """``{cause: number of stale checks}`` of the causes (``STALE_CAUSES``) some stale checks have
+        besides the shared ``cause`` (``extra_causes``), in ``STALE_CAUSES`` order."""
+        counts = dict.fromkeys(STALE_CAUSES, 0)
+        for key in self.checks:
+            for part in self.extra_causes(key):
+                counts[part] = counts.get(part, 0) + 1
+        return {c: n for c, n in counts.items() if n}
 
     def fix(self, update_command: str) -> str:
         """The one command that re-records the suite: ``<update_command> <directory>``."""
@@ -350,7 +404,10 @@ def stale_suites(rows: list[dict[str, Any]]) -> list[StaleSuite]:
     and those share a cause (``stale_cause``: ``weights`` in ``weights`` and ``weights+input``;
     ``other`` never qualifies). A second model of the suite whose baselines still match (the
     Aurora suite's tiny training-step model) does not hide it. Suites are those of
-    ``baselines.SuiteStores``; every stale check of the suite is a member, the others ``fresh``.
+    ``baselines.SuiteStores``; every stale check of the suite is a member, the others ``fresh``,
+    each member's own cause in ``StaleSuite.causes``. An input counts as a cause only where it is
+    a change (``stale_cause``'s ``input_changed``): on another machine every input hash may differ
+    (other draws) while the summaries agree, and separate edits of the model then share no cause.
     """
     per_check: dict[tuple, dict] = {}
     for row in rows:
@@ -383,7 +440,9 @@ def stale_suites(rows: list[dict[str, Any]]) -> list[StaleSuite]:
                            if r.get("reference_provenance")), None)
         found.append(StaleSuite(suite, directory or ".", "+".join(c for c in STALE_CAUSES if c in common),
                                 sorted((r["test_id"], r["check"], r["recipe"]) for r in stale),
-                                len(suite_rows) - len(stale), provenance))
+                                len(suite_rows) - len(stale), provenance,
+                                {(r["test_id"], r["check"], r["recipe"]): str(r.get("stale_cause") or "other")
+                                 for r in stale}))
     return found
 
 

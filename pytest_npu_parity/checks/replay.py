@@ -41,6 +41,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..modules import owner_module
+from ..provenance import uninitialized
 from ..stable_init import STABLE_MARK  # set by stable_init_: weights the same on every machine
 
 __all__ = ["DRAW_RTOL", "REPLAY_LIMIT_BYTES", "STABLE_MARK", "Replay", "recorded_extras", "plan_replay",
@@ -125,6 +126,9 @@ def recorded_extras(fn: Any, given: tuple, limit_bytes: int = REPLAY_LIMIT_BYTES
         meta["weights"] = "a function: no weights"
     elif _stable(module):
         meta["weights"] = "not recorded: stable_init_ weights are the same on every machine"
+    elif any(uninitialized(t) for t in module.state_dict(keep_vars=True).values()):
+        meta["weights"] = ("not recorded: a lazy module's parameters are not materialized before the check "
+                           "(they are drawn in its first forward, under the check's seed)")
     else:
         state = {f"{_WEIGHT}{k}": v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
         w_bytes = sum(_nbytes(t) for t in state.values())

@@ -274,7 +274,9 @@ def _summarize_localization(tr: Any, rows: list[dict], session: Any) -> None:
                       "differ in structure, shape or dtype")
 
 
-_CAUSE_PARTS = {"weights": "the model's weights", "config": "the model's configuration", "input": "the inputs"}
+_CAUSE_PARTS = {"weights": "the model's weights", "config": "the model's configuration", "input": "the inputs",
+                "arguments": "the non-tensor arguments", "attributes": "the model's attributes outside its weights",
+                "function": "the checked function's code or closure"}
 
 
 def _cause_text(cause: str) -> str:
@@ -323,14 +325,24 @@ class StaleSuiteReport:
             tr.write_line(f"{_cause_text(suite.cause).capitalize()} since its baselines were recorded{recorded}: "
                           f"{len(suite.checks)} checks of {len(tests)} tests are stale"
                           + (f"; {suite.fresh} other checks still matched" if suite.fresh else "") + ".")
+            others = suite.other_causes()
+            if others:  # what some checks found besides the shared cause, each check kind by its own
+                tr.write_line("Besides, " + "; ".join(
+                    f"{_cause_text(cause)} for {n} check{'s' * (n != 1)}" for cause, n in others.items()) + ".")
             tr.write_line(f"Fix it once, on a trusted machine: {fix}")
-            example = messages.get(suite.checks[0])
+            shared = set(suite.cause.split("+"))
+            first = next((c for c in suite.checks if shared <= set(suite.causes.get(c, suite.cause).split("+"))),
+                         suite.checks[0])
+            example = messages.get(first)
             if example:
-                tr.write_line(f"For example, {suite.checks[0][0]}: {example}")
-            for test_id, check, recipe in suite.checks:
-                short.setdefault(test_id, f"check {check!r} ({recipe}): baseline stale: {_cause_text(suite.cause)} for "
-                                          f"the whole suite {suite.suite!r}; see 'every baseline of suite "
-                                          f"{suite.suite!r} is stale' above the failures; fix: {fix}")
+                tr.write_line(f"For example, {first[0]}: {example}")
+            for key in suite.checks:
+                test_id, check, recipe = key
+                own = suite.causes.get(key, suite.cause)
+                whole = (f"{_cause_text(suite.cause)} for the whole suite {suite.suite!r}" if not suite.extra_causes(key) else
+                         f"{_cause_text(own)} (and the whole suite {suite.suite!r} is stale: {_cause_text(suite.cause)})")
+                short.setdefault(test_id, f"check {check!r} ({recipe}): baseline stale: {whole}; see 'every baseline "
+                                          f"of suite {suite.suite!r} is stale' above the failures; fix: {fix}")
         failing = {(r["test_id"], r["check"], r["recipe"]) for r in config.stash[ROWS_KEY]
                    if r.get("verdict") in ("fail", "error")}
         covered = {c for suite in suites for c in suite.checks}
