@@ -265,6 +265,11 @@ def test_the_terminal_summary_counts_the_live_goldens_in_one_line():
     assert tr.lines[2].startswith("  3 checks computed the golden live: the baseline stores none")
     assert "--parity-store-goldens" in tr.lines[2]
     assert len(tr.lines) == 3
+    tr = Lines()  # inputs that are not the recorded bits: the option cannot help, and the line says so
+    _summarize_policies(tr, [row("a", S.NOT_STORED), row("b", S.NOT_STORED_OTHER_INPUTS)])
+    assert tr.lines[1].startswith("  1 check computed the golden live: the baseline stores none for them (add it")
+    assert tr.lines[2].startswith("  1 check computed the golden live: the baseline stores none, and their inputs")
+    assert "cannot add it" in tr.lines[2] and len(tr.lines) == 3
     tr = Lines()  # a --parity-store-goldens run stored them
     _summarize_policies(tr, [row("a", S.NOT_STORED)], stored_now=True)
     assert tr.lines[1] == ("  1 check computed the golden live, and it is now stored in their baselines "
@@ -346,7 +351,7 @@ def test_store_goldens_adds_nothing_computed_from_other_inputs(tmp_path):
     moved = X.clone()
     moved[0, 0] += 1e-5 * X.abs().max()  # within the summary rule, beyond the draws: a live golden of other inputs
     result, status = store_run(store, "bf16", "check", module, moved)
-    assert not isinstance(result, Exception) and S.NOT_STORED in result.extra["policy_note"]
+    assert not isinstance(result, Exception) and S.NOT_STORED_OTHER_INPUTS in result.extra["policy_note"]
     assert status is None and "golden" not in store.load(TEST_ID).checks["proj"].meta
 
 

@@ -54,6 +54,12 @@ META_KEY = "golden"
 #: The note of a check whose baseline entry stores no golden.
 NOT_STORED = ("golden computed live: the baseline stores none for this check (add it with --parity-store-goldens, "
               "or re-record)")
+#: The note of a check whose entry stores no golden and whose inputs are not the recorded bits (activations
+#: the running machine computed): a golden computed here is of other inputs, so ``--parity-store-goldens``
+#: cannot add one.
+NOT_STORED_OTHER_INPUTS = ("golden computed live: the baseline stores none for this check, and its inputs differ "
+                           "from the recorded ones in their last bits, so --parity-store-goldens cannot add it "
+                           "(a re-record stores the inputs with their golden)")
 #: The note of a check whose inputs differ from the recorded ones within the summary rule.
 OTHER_INPUTS = ("golden computed live: the inputs differ from the recorded ones (within the summary rule) "
                 "that the stored golden was computed from")
@@ -127,7 +133,8 @@ def golden_source(entry: Any, path: Any = None) -> GoldenSource:
         return GoldenSource("live")
     record = entry.meta.get(META_KEY)
     if record is None:
-        return GoldenSource("live", note=NOT_STORED)
+        other = entry.meta.get("bitwise_input") is False
+        return GoldenSource("live", note=NOT_STORED_OTHER_INPUTS if other else NOT_STORED)
     where = f"baseline {path}" if path is not None else "the baseline"
     if not isinstance(record, dict):
         raise CorruptBaselineError(f"{where} has a malformed golden record for check {entry.name!r}; re-record it", path)

@@ -180,14 +180,15 @@ def _summarize_policies(tr: Any, rows: list[dict], stored_now: bool = False) -> 
                                            + [f"{n_allclose} by allclose"] * bool(n_allclose))
                   + (" (distribution: sampling checks whose sides drew their own noise, --parity-rng device)"
                      if distribution else ""))
-    # Checks whose baseline stores no golden (recorded before goldens were stored): one line for all of them.
-    from ..checks.stored_golden import NOT_STORED
+    # Checks whose baseline stores no golden (recorded before goldens were stored): one line for each kind.
+    from ..checks.stored_golden import NOT_STORED, NOT_STORED_OTHER_INPUTS
 
-    live = 0
+    live = other = 0
     for row in sorted(notes, key=lambda r: (r["test_id"], r["check"], r["recipe"])):
         parts = str(row["policy_note"]).split("; ")
-        rest = "; ".join(part for part in parts if part != NOT_STORED)
-        live += len(rest) < len(row["policy_note"])
+        live += NOT_STORED in parts
+        other += NOT_STORED_OTHER_INPUTS in parts
+        rest = "; ".join(part for part in parts if part not in (NOT_STORED, NOT_STORED_OTHER_INPUTS))
         if rest:
             tr.write_line(f"  {row['test_id']} check {row['check']!r} ({row['recipe']}): {rest}")
     if live and stored_now:
@@ -197,6 +198,10 @@ def _summarize_policies(tr: Any, rows: list[dict], stored_now: bool = False) -> 
         tr.write_line(f"  {live} check{'s' * (live != 1)} computed the golden live: the baseline stores none for "
                       "them (add it with --parity-store-goldens: the reference stays as recorded; or re-record "
                       "with --update-baselines)")
+    if other:
+        tr.write_line(f"  {other} check{'s' * (other != 1)} computed the golden live: the baseline stores none, "
+                      "and their inputs are not the recorded bits (activations this machine computed), so "
+                      "--parity-store-goldens cannot add it (a re-record stores the inputs with their golden)")
 
 
 def _summarize_teeth(tr: Any, rows: list[dict]) -> None:
