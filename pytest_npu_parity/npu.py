@@ -498,17 +498,32 @@ def _torch_pin_of_torch_npu() -> tuple[str | None, str | None]:
     return None, None
 
 
-def _cpu_build_fix() -> str:
+def _aarch64() -> bool:
+    """This host is an Arm one (Kunpeng: the Atlas 800T A2's host CPU)."""
+    import platform
+
+    return platform.machine().lower() in ("aarch64", "arm64")
+
+
+def _cpu_build_fix(arm: bool | None = None) -> str:
     """The fix for "Two accelerators cannot be used at the same time" beside a CUDA build of torch, for
-    the installed torch_npu: the 2.5.1 wheel pins the CPU build (``torch==2.5.1+cpu``); the 2.14.0 wheel
-    pins ``torch==2.14.0.*``, which the index's CUDA build satisfies, and refuses only where a CUDA device
-    is visible (``torch_npu/__init__.py`` ``_check_device_conflict``), so hiding the GPUs works too."""
+    the installed torch_npu and this host's architecture (``arm``; default: ``platform.machine()``).
+
+    Both wheels refuse a torch whose ``torch._C._get_accelerator()`` is not the CPU (``torch_npu/__init__.py``:
+    at module level in 2.5.1, ``_check_device_conflict`` in 2.14.0), which a CUDA build reports only where a
+    CUDA device is visible, so hiding the GPUs works with either. What they pin differs by wheel and by
+    architecture (read from the real wheels' METADATA; tests/data/torch_npu_aarch64): x86_64 2.5.1 pins
+    ``torch==2.5.1+cpu``, aarch64 2.5.1 ``torch ==2.5.1`` (the CPU index names its aarch64 builds without
+    ``+cpu``), 2.14.0 ``torch==2.14.0.*`` on both, which the index's CUDA build satisfies.
+    """
+    arm = _aarch64() if arm is None else arm
     version, pin = _torch_pin_of_torch_npu()
+    suffix, where = ("", "aarch64") if arm else ("+cpu", "x86_64")
     if pin is None:
         return ("install the CPU build of torch that matches torch_npu (e.g. `pip install "
-                f"torch=={SEED_ROW.torch}+cpu --index-url https://download.pytorch.org/whl/cpu` on x86_64)")
+                f"torch=={SEED_ROW.torch}{suffix} --index-url https://download.pytorch.org/whl/cpu` on {where})")
     base = pin.split("+", 1)[0].rstrip(".*")
-    cpu = (f"`pip install torch=={base}+cpu --index-url https://download.pytorch.org/whl/cpu` (x86_64; the CPU "
+    cpu = (f"`pip install torch=={base}{suffix} --index-url https://download.pytorch.org/whl/cpu` ({where}; the CPU "
            "build torch_npu runs beside)")
     if pin.endswith("+cpu"):
         return f"torch_npu {version} pins torch=={pin}: install it, {cpu}"

@@ -693,3 +693,27 @@ def test_stub_doctor_launches_before_its_aurora_sections(tmp_path):
             "set_device(1)") in devices["details"]
     imports = _assert_launched_before_aurora(_events(log))
     assert len(imports) == 1  # the patch-set / smoke sections
+
+
+AARCH64_WHEELS = Path(__file__).parent / "data" / "torch_npu_aarch64"  # METADATA/WHEEL of the real aarch64 wheels
+
+
+@pytest.mark.parametrize(("wheel", "pin", "fix"), [
+    # the aarch64 2.5.1 wheel pins plain torch ==2.5.1 (its x86_64 twin pins 2.5.1+cpu)
+    ("2.5.1", "2.5.1", "torch_npu 2.5.1 accepts this build (it pins torch==2.5.1) but refuses to load where a CUDA "
+                       "device is visible: hide the GPUs from this process (`export CUDA_VISIBLE_DEVICES=`) or install "
+                       "`pip install torch==2.5.1 --index-url https://download.pytorch.org/whl/cpu` (aarch64;"),
+    ("2.14.0", "2.14.0.*", "or install `pip install torch==2.14.0 --index-url https://download.pytorch.org/whl/cpu` "
+                           "(aarch64;"),
+])
+def test_two_accelerators_fix_from_the_real_aarch64_wheels_metadata(monkeypatch, tmp_path, wheel, pin, fix):
+    dist = tmp_path / f"torch_npu-{wheel}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text((AARCH64_WHEELS / f"METADATA-{wheel}").read_text(encoding="utf-8"), encoding="utf-8")
+    (dist / "WHEEL").write_text("Wheel-Version: 1.0\n" + (AARCH64_WHEELS / f"WHEEL-{wheel}").read_text(encoding="utf-8"),
+                                encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))  # found before any installed torch_npu
+    assert npu._torch_pin_of_torch_npu() == (wheel, pin)
+    sentence = npu._cpu_build_fix(arm=True)
+    assert fix in sentence and "+cpu" not in sentence, sentence
+    assert "+cpu" in npu._cpu_build_fix(arm=False)  # the same wheel on an x86_64 host: the +cpu build
