@@ -138,8 +138,9 @@ def _lint_deepspeed_config(config: pytest.Config, cfg: ParityConfig) -> None:
 
 def _make_session(cfg: ParityConfig) -> Any:
     """The session's ``runner.ParitySession``, from the parsed configuration."""
-    from .. import localize, selfcheck
+    from .. import selfcheck
     from ..baselines import SuiteStores
+    from ..diagnose import localize
     from ..runner import ParitySession, target_audit
 
     session = ParitySession(

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..localize import _Side
+from ..diagnose.localize.sides import _Side
 from .capture import (_capture_target, _cpu, _encode_plain, _first_difference, _input_names, _literal, _op_reference,
                       _reference)
 from .culprit import DEFAULT_MAX_BYTES, Culprit, ReproUnsupported, choose_culprit, repro_dir

@@ -1,0 +1,2 @@
+"""Diagnosis of a red check: where it first diverges (``localize``), which op computes its own
+result wrongly (``op_trace``), a standalone reproduction (``repro``)."""
