@@ -163,7 +163,7 @@ def _repro_hooks(cfg: ParityConfig) -> list[Any]:
     """``--parity-repro DIR``: a ``repro.ReproWriter`` after the localizer (it reads the localization)."""
     if cfg.repro_dir is None:
         return []
-    from ..repro import ReproWriter
+    from ..diagnose.repro import ReproWriter
 
     return [ReproWriter(cfg.repro_dir, hint=cfg.localize_hint)]
 
