@@ -138,9 +138,8 @@ def _lint_deepspeed_config(config: pytest.Config, cfg: ParityConfig) -> None:
 
 def _make_session(cfg: ParityConfig) -> Any:
     """The session's ``runner.ParitySession``, from the parsed configuration."""
-    from .. import selfcheck
     from ..baselines import SuiteStores
-    from ..diagnose import localize
+    from ..diagnose import localize, selfcheck
     from ..runner import ParitySession, target_audit
 
     session = ParitySession(
