@@ -385,7 +385,7 @@ class Outer(torch.nn.Module):
 
 
 def test_a_descent_stops_between_passes_when_the_budget_runs_out(net, x, monkeypatch):
-    import pytest_npu_parity.localize as localize_module
+    import pytest_npu_parity.diagnose.localize.hook as localize_module
 
     monkeypatch.setattr(localize_module, "COST_FACTOR", 0.0)  # it may start; the budget ends after one pass
     localizer = Localizer(budget_s=1e-9)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from pytest_npu_parity import op_trace
+from pytest_npu_parity.diagnose import op_trace
 from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.localize import Localizer, failure_hook
 from pytest_npu_parity.op_trace import op_budget, relative_error, trace_ops
@@ -404,7 +404,7 @@ def test_module_paths_without_module_tracker_come_from_forward_hooks(net, x, mon
 
 
 def test_a_spent_localization_budget_skips_the_op_trace_and_says_so(net, x, monkeypatch):
-    import pytest_npu_parity.localize as localize_module
+    import pytest_npu_parity.diagnose.localize.hook as localize_module
 
     monkeypatch.setattr(localize_module, "COST_FACTOR", 0.0)  # the descent may start; the budget ends in it
     localizer = Localizer(budget_s=1e-9)

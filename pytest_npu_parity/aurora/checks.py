@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..selfcheck import scaled_parameter, sensitive_parameter  # noqa: F401 - re-exported
+from ..diagnose.selfcheck import scaled_parameter, sensitive_parameter  # noqa: F401 - re-exported
 from . import inputs as aurora_inputs
 
 #: Forecast horizon of the whole-model checks (two 48-step tokens) and a non-multiple of 48.

@@ -31,7 +31,7 @@ from ..judge.tolerance import Tolerance
 from ..runtime.layer_capture import split_layers
 from ..runtime.side import CheckCall, _to_cpu_leaves
 from ..runtime.training import _without, rounding_level_params
-from ..selfcheck import ParityVacuityWarning, below_tolerance, vacuity_problem
+from ..diagnose.selfcheck import ParityVacuityWarning, below_tolerance, vacuity_problem
 from .plan import CaseFacts, CheckPlan
 from .record import CheckRecord
 from .reference import Expected, thread_count_mismatch, torch_version_mismatch

@@ -138,8 +138,8 @@ def _lint_deepspeed_config(config: pytest.Config, cfg: ParityConfig) -> None:
 
 def _make_session(cfg: ParityConfig) -> Any:
     """The session's ``runner.ParitySession``, from the parsed configuration."""
-    from .. import localize, selfcheck
     from ..baselines import SuiteStores
+    from ..diagnose import localize, selfcheck
     from ..runner import ParitySession, target_audit
 
     session = ParitySession(
@@ -162,7 +162,7 @@ def _repro_hooks(cfg: ParityConfig) -> list[Any]:
     """``--parity-repro DIR``: a ``repro.ReproWriter`` after the localizer (it reads the localization)."""
     if cfg.repro_dir is None:
         return []
-    from ..repro import ReproWriter
+    from ..diagnose.repro import ReproWriter
 
     return [ReproWriter(cfg.repro_dir, hint=cfg.localize_hint)]
 

@@ -206,7 +206,7 @@ def _summarize_policies(tr: Any, rows: list[dict], stored_now: bool = False) -> 
 
 def _summarize_teeth(tr: Any, rows: list[dict]) -> None:
     """``--parity-selfcheck``: the share of checks with teeth, then every check without (and why)."""
-    from ..selfcheck import teeth_summary
+    from ..diagnose.selfcheck import teeth_summary
 
     with_teeth, measured, without = teeth_summary(rows)
     if not measured:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..localize import _Side
+from ..localize.sides import _Side
 from .capture import (_capture_target, _cpu, _encode_plain, _first_difference, _input_names, _literal, _op_reference,
                       _reference)
 from .culprit import DEFAULT_MAX_BYTES, Culprit, ReproUnsupported, choose_culprit, repro_dir
@@ -102,7 +102,7 @@ def _recorded_note(actual: dict, expected: dict, tol: Any) -> list[str]:
     """A note when the target's recorded outputs of the piece agree with the expected ones under the
     check's tolerance: the piece alone does not show the failure (the difference it inherited from
     earlier layers, or another call of a module that runs several times, carried it)."""
-    from ..compare import compare
+    from ...compare import compare
 
     plain = {k: v for k, v in expected.items() if not k.startswith("golden.")}
     if not plain or compare(actual, plain, tol).passed:
@@ -144,7 +144,7 @@ def _script_namespace(path: Path) -> dict[str, Any]:
 def _verify(folder: Path, expected: dict[str, torch.Tensor], tol: Any) -> tuple[str | None, str]:
     """Run the script's replay on the CPU here: (None when it gives ``expected`` bitwise, else why not;
     a README note with its verdict under ``tol``)."""
-    from ..compare import compare
+    from ...compare import compare
 
     try:
         outputs = _script_namespace(folder / "repro.py")["replay"]("cpu")
@@ -349,7 +349,7 @@ class ReproWriter:
 
     def _readme(self, record: Any, case: Any, culprit: Culprit, spec: dict, inputs: dict, weights: dict,
                 expected: dict, actual: dict, notes: list[str], module_note: str | None) -> str:
-        from .. import __version__
+        from ... import __version__
 
         tol = record.tolerance
         mode = ("the module rebuilt from its class (`%s.%s`) with the weights in `weights.safetensors`"

@@ -15,7 +15,7 @@ try:  # present in every supported torch (a private name, hence the fallback)
 except ImportError:  # pragma: no cover
     _disable_current_modes = contextlib.nullcontext
 
-from ..localize import _rng_state, _mode_state, _Side, _snapshot, _to_device
+from ..localize.sides import _rng_state, _mode_state, _Side, _snapshot, _to_device
 from .culprit import Culprit, MAX_OPS, ReproUnsupported
 
 

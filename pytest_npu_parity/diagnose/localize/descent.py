@@ -1,0 +1,409 @@
+"""The descent: the levels (``_Level``), ``localize`` (first divergence from the check's module down)
+and the failure hook's helpers.
+
+Part of ``pytest_npu_parity.diagnose.localize`` (the package docstring describes the descent).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from ...judge.allclose import CompareResult, LeafResult, compare
+from ...judge.tolerance import Tolerance
+from .cache import LocalizationCache, _Answer, _join
+from .record import Localization, Site, _num
+from .sides import _Call, _Recorder, _Side, _View, _same, _to_device, _worst
+
+#: Deepest scope the descent enters (a safety bound; Aurora's deepest module path has 8 parts).
+MAX_LEVELS = 16
+#: Local re-runs per level, at most (each is one submodule run on the target).
+MAX_LOCAL_RUNS = 64
+#: Calls shown after the first divergence in its level, and gradients after the first failing one.
+CONTEXT_ROWS = 2
+
+
+class _Level:
+    """The calls of one scope on both sides, compared, with local re-runs where needed."""
+
+    def __init__(self, depth: int, order_prefix: tuple, ref_rec: _View, tgt_rec: _View, base: str = ""):
+        self.depth = depth
+        self.order_prefix = order_prefix
+        self.base = base  # display path of the scope ("" for the check's own module without a prefix)
+        self.ref_rec, self.tgt_rec = ref_rec, tgt_rec
+        tgt_by_key = {c.key: c for c in tgt_rec.calls}
+        ref_keys = {c.key for c in ref_rec.calls}
+        self.pairs: list[tuple[_Call, _Call | None]] = [(r, tgt_by_key.get(r.key)) for r in ref_rec.calls]
+        self.only_target = [c for c in tgt_rec.calls if c.key not in ref_keys]
+        self.sites: list[Site] = []
+        self.culprit: int | None = None
+
+    def path(self, prefix: str, call: _Call) -> str:
+        """Display path of ``call``: ``prefix.name`` (``<Type>`` for the root), ``#k`` when repeated."""
+        path = ".".join(p for p in (prefix, call.name) if p) or f"<{call.module_type}>"
+        return f"{path}#{call.index}" if self.ref_rec.counts[call.name] > 1 else path
+
+
+def _scope_key(call: Any) -> tuple[str, int] | None:
+    """The first scope: the module's own call (a module check, a train step's forward), or None for
+    a bound method such as ``generate`` (the calls it makes outside any hooked module)."""
+    return None if call.kind == "check" and not isinstance(call.fn, torch.nn.Module) else ("", 0)
+
+
+def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
+             context_rows: int = CONTEXT_ROWS, max_local_runs: int = MAX_LOCAL_RUNS,
+             cache: LocalizationCache | None = None, deadline: float | None = None,
+             cached_only: bool = False) -> Localization | None:
+    """Find the first submodule call whose own computation differs between the sides.
+
+    Args:
+        case: the ``runner.ParityCase`` of the failing check (patch set, recipe, session).
+        record: its ``runner.CheckRecord`` (name, tolerance, reference kind, ``submodule`` prefix).
+        call: its ``runner.CheckCall``.
+        result: the failing ``CompareResult`` (a train step's gradient leaves are ordered from it).
+        context_rows: calls shown after the first divergence (and gradients after the first failing).
+        max_local_runs: local re-runs per level, at most.
+        cache: levels shared with other localizations of the session (``LocalizationCache``): a
+            scope found there is answered without running; every scope entered is stored.
+        deadline: ``time.perf_counter()`` value after which no further level is started (the
+            descent stops, ``Localization.stopped`` is ``"budget"``); None: no limit.
+        cached_only: answer only from ``cache`` (return None when the check's own scope is not there).
+
+    Returns:
+        A ``Localization``, or None for a check of a free function (no module to hook), or with
+        ``cached_only`` when the cache does not answer.
+
+    Raises:
+        Whatever the computation raises when run again (the failure hook reports it).
+    """
+    if call.module is None:
+        return None
+    tol: Tolerance = record.tolerance
+    reference = "a live CPU run"
+    if record.reference == "baseline":
+        reference += (f" (the check's reference was baseline {record.reference_provenance}; baselines store no "
+                      "per-submodule outputs)")
+    loc = Localization(check=record.check, reference=reference)
+    ref = _Side(case, call, torch.device("cpu"), patched=False)
+    tgt = _Side(case, call, case.target, patched=True)
+    prefix = record.submodule or ""
+    limits = (context_rows, max_local_runs)
+
+    scope_pair: tuple[_Call, _Call] | None = None
+    scope_key = _scope_key(call)
+    scope_name: str | None = "" if scope_key is not None else None  # None: a bound method's own calls
+    order_prefix: tuple = ()
+    levels: list[Any] = []
+    shared: list[tuple[int, tuple]] = []  # (level index, cache key) of the scopes that can be shared
+    first_pass: _Recorder | None = None
+    views: tuple[_View, _View] | None = None  # the next level's calls, when the last pass recorded them
+    ended: _Call | str | None = None  # where the descent ended at a module's own code: its call, or "root"
+    while len(levels) < MAX_LEVELS:
+        base = _join(prefix, scope_name or "")
+        key = None
+        if cache is not None and scope_name is not None:
+            if scope_pair is None:
+                inputs, rng, state = ref.entry()
+            else:
+                inputs, rng, state = scope_pair[0].inputs, scope_pair[0].rng, scope_pair[0].state
+            key = cache.key(case, call, scope_name, inputs, rng, state, tol, limits)
+            answer = cache.get(key)
+            if answer is not None:
+                levels += answer.rebuild(len(levels), order_prefix, base)
+                loc.reused_from = answer.origin
+                loc.stopped = loc.stopped or answer.stopped
+                loc.notes.append(f"the levels from {base or '<' + type(call.module).__name__ + '>'} down are those "
+                                 f"of the localization of check {answer.origin}: the same module and weights, "
+                                 "reference inputs, random state, recipe and patch set, so nothing was re-run "
+                                 "for them (their total and inherited columns are that check's)")
+                break
+        if cached_only:
+            return None
+        if views is None and levels and deadline is not None and time.perf_counter() >= deadline:
+            loc.stopped = "budget"
+            loc.notes.append(f"the descent stopped at {levels[-1].sites[levels[-1].culprit].path}: the session's "
+                             "localization budget is spent (localize with the budget lifted to go deeper)")
+            break
+        if key is not None:
+            shared.append((len(levels), key))
+        if views is None:  # a pass of the scope on each side (the first, or below what a pass recorded)
+            tgt_rec, tgt_out = tgt.record(scope_pair[1] if scope_pair else None, scope_key)
+            ref_rec, ref_out = ref.record(scope_pair[0] if scope_pair else None, scope_key)
+            loc.passes += 1
+            if scope_pair is not None:
+                for side, out, rec in (("reference", ref_out, scope_pair[0]), ("target", tgt_out, scope_pair[1])):
+                    if not _same(out, rec.output):
+                        loc.notes.append(f"running {rec.name} again on the {side} side from its recorded inputs did "
+                                         "not reproduce its output bitwise; the rows below it may be inexact")
+            if first_pass is None:
+                first_pass = ref_rec
+                loc.calls_hooked = ref_rec.done
+            views = (ref_rec.view(scope_key), tgt_rec.view(scope_key))
+        level = _Level(len(levels), order_prefix, views[0], views[1], base)
+        views = None
+        levels.append(level)
+        loc.levels += 1
+        loc.local_runs += _judge_level(level, ref, tgt, tol, prefix, context_rows, max_local_runs, loc)
+        if level.culprit is None:
+            ended = scope_pair[0] if scope_pair is not None else ("root" if scope_key is not None else None)
+            break
+        ref_call, tgt_call = level.pairs[level.culprit]
+        module = ref.root().get_submodule(ref_call.name)
+        if not any(True for _ in module.children()):
+            ended = ref_call
+            break  # a module without submodules: the divergence is in its own computation
+        scope_pair = (ref_call, tgt_call)
+        scope_key = (ref_call.name, 0)  # in a pass of the scope alone, its call is the first
+        scope_name = ref_call.name
+        order_prefix = order_prefix + (level.sites[level.culprit].order[-1] - 0.5,)
+        if ref_call.rec_depth < ref_rec.depth and tgt_call.rec_depth < tgt_rec.depth:
+            views = (ref_rec.view(ref_call.key), tgt_rec.view(tgt_call.key))  # recorded by this pass
+        # Keep only what the next level needs; the rest of this pass's tensors can go.
+        ref_rec.release(ref_call)
+        tgt_rec.release(tgt_call)
+    root_name = prefix or f"<{type(call.module).__name__}>"
+    if _scope_key(call) is None:
+        root_name = f"{root_name}.{getattr(call.fn, '__name__', 'fn')}()"
+    if cache is not None:  # also a descent stopped at the budget: later checks get as far for free
+        origin = f"{record.check!r} ({record.test_id})"
+        for index, key in shared:
+            cache.put(key, _Answer.of(origin, levels[index:], loc.stopped))
+    _conclude(loc, levels, root_name, context_rows)
+    if ended is not None and loc.stopped is None and (loc.first is not None or call.kind == "check"):
+        _trace_culprit(loc, case, ref, tgt, ended, prefix, deadline)
+    if call.kind == "train_step" and first_pass is not None:
+        _gradients(loc, result, first_pass.last_done, context_rows)
+    if call.kind == "train_step":
+        _state(loc, result, call.module)
+    _conversion_notes(loc, ref.notes, tgt.notes, prefix=prefix)
+    return loc
+
+
+def _trace_culprit(loc: Localization, case: Any, ref: _Side, tgt: _Side, ended: _Call | str, prefix: str,
+                   deadline: float | None) -> None:
+    """The op trace (``op_trace.trace_ops``) of the module where the descent ended: ``ended`` is its
+    reference call (a leaf module, or the scope whose own code diverges) or ``"root"`` (the check's
+    module itself). It runs on the target from the *reference's* inputs of that call (moved to the
+    target), in the call's context (patch set, recipe, random stream restored, grad/autocast mode), as
+    the local re-run did; it is kept in ``loc.op_trace``, or a note says why not."""
+    from ..op_trace import trace_ops
+
+    if ended == "root":
+        inputs, rng, state = ref.entry()
+        name, path = "", loc.own_code or prefix
+    else:
+        inputs, rng, state = ended.inputs, ended.rng, ended.state
+        name = ended.name
+        path = _join(prefix, name)
+    if inputs is None:
+        return
+    if deadline is not None and time.perf_counter() >= deadline:
+        loc.notes.append(f"no op trace of {path}: the session's localization budget is spent")
+        return
+    try:
+        with tgt.running(rng, state) as root:
+            args, kwargs = _to_device(inputs, tgt.device)
+            module = root.get_submodule(name) if name else root
+            loc.op_trace = trace_ops(module, args, kwargs, device=tgt.device, recipe=case.recipe,
+                                     path=path if name or prefix else "", enter_recipe=False, deadline=deadline)
+    except Exception as exc:  # noqa: BLE001 - the module-level localization stands without it
+        loc.notes.append(f"no op trace of {path}: its traced forward raised ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})")
+
+
+def _conversion_notes(loc: Localization, *notes: dict[str, set[str]], prefix: str = "") -> None:
+    """Say which submodule outputs were compared after a conversion or left out (``output_leaves``)."""
+    merged: dict[str, set[str]] = {}
+    for side in notes:
+        for how, where in side.items():
+            merged.setdefault(how, set()).update(where)
+    texts = {"padded": "nested-tensor outputs (PyTorch's transformer fast path with a padding mask) compared as "
+                       "padded tensors (torch.nested.to_padded_tensor, padding 0)",
+             "dense": "sparse outputs compared as dense tensors"}
+    for how in sorted(merged):
+        names = sorted(_join(prefix, w) if w != "<output>" else w for w in merged[how])
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        text = texts.get(how) or f"outputs not compared ({how.removeprefix('skipped: ')})"
+        loc.notes.append(f"{text}: {shown}")
+
+
+def _owner(root: torch.nn.Module | None, name: str) -> tuple[str, str]:
+    """(module path, type name) of the module owning state ``name`` (``"layer1.0.bn1.running_mean"``)."""
+    path = name.rpartition(".")[0]
+    try:
+        module = root.get_submodule(path) if root is not None else None
+    except AttributeError:
+        module = None
+    return path or f"<{type(root).__name__}>", type(module).__name__ if module is not None else "?"
+
+
+def _state(loc: Localization, result: CompareResult, root: torch.nn.Module | None) -> None:
+    """A train step's buffers and parameters after the step: name the module owning each failing
+    ``buffer.<name>`` leaf (the BatchNorm whose running statistics differ, not the wrapper around it)
+    and, when every gradient agrees, the first failing ``param.<name>`` leaf (the optimizer step).
+    At most ``1 + CONTEXT_ROWS`` buffer rows are kept when a submodule call diverges (later buffers
+    then only follow it); a note counts the rest."""
+    loc.loss_agrees = all(leaf.passed for leaf in result.leaves if leaf.path == "loss")
+    failing = [leaf for leaf in result.leaves if leaf.path.startswith("buffer.") and not leaf.passed]
+    keep = len(failing) if loc.first is None else 1 + CONTEXT_ROWS
+    if len(failing) > keep:
+        loc.notes.append(f"{len(failing)} buffers are out of tolerance; the table shows the first {keep}")
+    for leaf in failing[:keep]:
+        name = leaf.path[len("buffer."):]
+        owner, kind = _owner(root, name)
+        first = loc.first_buffer is None
+        if first:
+            loc.first_buffer, loc.buffer_owner = leaf.path, f"{owner} ({kind})"
+        loc.buffers.append({"kind": "buffer", "leaf": leaf.path, "submodule": owner, "module_type": kind,
+                            "max_abs": _num(leaf.max_abs), "rel_l2": _num(leaf.rel_l2), "cosine": _num(leaf.cosine),
+                            "err_ratio": _num(leaf.err_ratio), "verdict": "fail", "first_divergence": first})
+    grads_pass = all(leaf.passed for leaf in result.leaves if leaf.path.startswith("grad."))
+    if grads_pass:
+        loc.first_param = next((leaf.path for leaf in result.leaves
+                                if leaf.path.startswith("param.") and not leaf.passed), None)
+
+
+def _judge_level(level: _Level, ref: _Side, tgt: _Side, tol: Tolerance, prefix: str, context_rows: int,
+                 max_local_runs: int, loc: Localization) -> int:
+    """Compare every call of ``level``; re-run failing calls locally until the first local failure
+    and ``context_rows`` failing calls after it. Returns the number of local re-runs made."""
+    runs = 0
+    after = 0
+    missing = []
+    for i, (r, t) in enumerate(level.pairs):
+        order = level.order_prefix + (i,)
+        path = level.path(prefix, r)
+        if t is None:
+            level.sites.append(Site(path, r.module_type, level.depth, order, None, verdict="missing"))
+            missing.append(path)
+            continue
+        total_result = compare(t.output, r.output, tol)
+        site = Site(path, r.module_type, level.depth, order, _worst(total_result))
+        level.sites.append(site)
+        if total_result.passed:
+            continue
+        site.verdict = "fail"
+        if level.culprit is not None and after >= context_rows:
+            continue
+        if _same(r.inputs, t.inputs):
+            local_out = t.output  # same inputs: the target's own output is its local output
+        elif runs < max_local_runs:
+            runs += 1
+            try:
+                local_out = tgt.run_call(r.name, r.inputs, r.rng, t.state)
+            except Exception as exc:  # noqa: BLE001 - a call that cannot run alone: its row shows the total only
+                loc.notes.append(f"{path} could not be re-run alone on the reference's inputs "
+                                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                                 "its row shows the total error only")
+                continue
+        else:
+            loc.notes.append(f"stopped re-running calls locally after {max_local_runs} in one level")
+            continue
+        local = compare(local_out, r.output, tol)
+        site.local = _worst(local)
+        site.inherited = _worst(compare(t.output, local_out, tol))
+        site.verdict = "inherited" if local.passed else "local"
+        if level.culprit is None and not local.passed:
+            level.culprit = i
+        elif level.culprit is not None:
+            after += 1
+    for side, paths in (("reference", missing), ("target", [level.path(prefix, c) for c in level.only_target])):
+        if paths:
+            more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+            loc.notes.append(f"called on the {side} side only: {', '.join(paths[:3])}{more}")
+    return runs
+
+
+def _conclude(loc: Localization, levels: list[_Level], root_name: str, context_rows: int) -> None:
+    """Name the first divergence and pick the rows of the short table (``root_name``: the check's
+    module or method, named where the divergence starts in its own code)."""
+    last = levels[-1]
+    culprits = [lv.sites[lv.culprit] for lv in levels if lv.culprit is not None]
+    if last.culprit is not None:
+        loc.first = last.sites[last.culprit]
+        loc.first.first = True
+        loc.own_code = None
+    elif culprits:  # the deepest scope diverges, none of its children does: its own code
+        loc.first = culprits[-1]
+        loc.first.first = True
+        loc.own_code = loc.first.path
+    else:
+        loc.first = None
+        loc.own_code = root_name
+
+    shown: dict[int, Site] = {}
+    for lv in levels:
+        sites = lv.sites
+        if not sites:
+            continue
+        final = lv is last
+        if lv.culprit is not None:
+            center = lv.culprit
+        else:
+            failing = [i for i, s in enumerate(sites) if s.failed]
+            center = failing[0] if failing else None
+        if center is None:
+            continue
+        start = max(0, center - 1)
+        stop = center + 1 + (context_rows if final else 1)
+        for site in sites[start:stop]:
+            shown[id(site)] = site
+    everything = [s for lv in levels for s in lv.sites if s.total is not None]
+    if everything:
+        worst = max(everything, key=lambda s: s.total.err_ratio if not math.isnan(s.total.err_ratio) else math.inf)
+        if worst.failed:
+            shown[id(worst)] = worst
+    loc.sites = sorted(shown.values(), key=lambda s: s.order)
+
+
+def _gradients(loc: Localization, result: CompareResult, last_done: dict[str, int], context_rows: int) -> None:
+    """Order a train step's ``grad.<param>`` leaves by backward order and name the first failing one."""
+    grads = [leaf for leaf in result.leaves if leaf.path.startswith("grad.")]
+    if not grads:
+        return
+
+    def done(leaf: LeafResult) -> int:
+        owner = leaf.path[len("grad."):].rpartition(".")[0]
+        return last_done.get(owner, -1)
+
+    ordered = sorted(grads, key=lambda leaf: (-done(leaf), leaf.path))
+    failing = [i for i, leaf in enumerate(ordered) if not leaf.passed]
+    if not failing:
+        return
+    first = failing[0]
+    loc.first_gradient = ordered[first].path
+    picked = list(range(max(0, first - 1), min(len(ordered), first + 1 + context_rows)))
+    worst = max(failing, key=lambda i: ordered[i].err_ratio if not math.isnan(ordered[i].err_ratio) else math.inf)
+    if worst not in picked:
+        picked.append(worst)
+    for i in picked:
+        leaf = ordered[i]
+        loc.gradients.append({"kind": "gradient", "leaf": leaf.path, "backward_rank": i,
+                              "max_abs": _num(leaf.max_abs), "rel_l2": _num(leaf.rel_l2),
+                              "cosine": _num(leaf.cosine), "err_ratio": _num(leaf.err_ratio),
+                              "verdict": "pass" if leaf.passed else "fail", "first_divergence": i == first})
+
+
+def failure_hook(case: Any, record: Any, call: Any, result: CompareResult) -> str | None:
+    """``ParitySession`` failure hook without budget or sharing: localize, keep the table in
+    ``record.localized.localization`` and return the text for the failure message (None for a check
+    of a free function). The plugin uses a ``Localizer`` instead."""
+    loc = localize(case, record, call, result)
+    if loc is None:
+        return None
+    record.localized.localization = loc.to_rows()
+    record.localized.localization_ops = loc.op_rows()
+    return loc.format()
+
+
+def structural_problem(result: CompareResult) -> str | None:
+    """``"<leaf>: <problem>"`` of the first leaf whose outputs differ in structure, shape or dtype
+    (``LeafResult.problem``), or None when every leaf was compared by value."""
+    for leaf in result.leaves:
+        if leaf.problem is not None:
+            return f"{leaf.path or '<output>'}: {leaf.problem}"
+    return None
+
+
