@@ -724,7 +724,7 @@ class ParityCase:
         if layer_note:
             fields["notes"] = (layer_note,)
         if "store" in fields:
-            from .compact import parse_train_store
+            from .store.compact import parse_train_store
 
             store = fields.pop("store")
             fields["train_store"] = (parse_train_store(store, source="check") if store is not None

@@ -22,7 +22,7 @@ import torch
 
 from ..baselines import (BaselineError, CheckBaseline, CorruptBaselineError, MissingBaselineError, StaleBaselineError,
                          SuiteStores, UnsafeBaselineError)
-from ..compact import compact_leaves
+from ..store.compact import compact_leaves
 from ..runtime.golden_run import GoldenUnavailableError
 from ..modules import owner_module
 from ..npu import base_version
