@@ -42,7 +42,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from .baselines import BaselineError
+from .store.format import BaselineError
 from .checks.hooks import check_hook_problems, failure_diagnosis
 from .checks.plan import CaseFacts, CheckPlan
 from .checks.replay import REPLAY_LIMIT_BYTES, plan_replay, recorded_extras

@@ -20,8 +20,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..baselines import (BaselineError, CheckBaseline, CorruptBaselineError, MissingBaselineError, StaleBaselineError,
-                         SuiteStores, UnsafeBaselineError)
+from ..baselines import SuiteStores
+from ..store.format import (BaselineError, CheckBaseline, CorruptBaselineError, MissingBaselineError, StaleBaselineError,
+                            UnsafeBaselineError)
 from ..store.compact import compact_leaves
 from ..runtime.golden_run import GoldenUnavailableError
 from ..modules import owner_module
