@@ -42,7 +42,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from .baselines import BaselineError
+from .store.format import BaselineError
 from .checks.hooks import check_hook_problems, failure_diagnosis
 from .checks.plan import CaseFacts, CheckPlan
 from .checks.replay import REPLAY_LIMIT_BYTES, plan_replay, recorded_extras
@@ -724,7 +724,7 @@ class ParityCase:
         if layer_note:
             fields["notes"] = (layer_note,)
         if "store" in fields:
-            from .compact import parse_train_store
+            from .store.compact import parse_train_store
 
             store = fields.pop("store")
             fields["train_store"] = (parse_train_store(store, source="check") if store is not None

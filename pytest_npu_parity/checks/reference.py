@@ -20,9 +20,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..baselines import (BaselineError, CheckBaseline, CorruptBaselineError, MissingBaselineError, StaleBaselineError,
-                         SuiteStores, UnsafeBaselineError)
-from ..compact import compact_leaves
+from ..baselines import SuiteStores
+from ..store.format import (BaselineError, CheckBaseline, CorruptBaselineError, MissingBaselineError, StaleBaselineError,
+                            UnsafeBaselineError)
+from ..store.compact import compact_leaves
 from ..runtime.golden_run import GoldenUnavailableError
 from ..modules import owner_module
 from ..npu import base_version

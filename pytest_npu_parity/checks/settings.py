@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from ..audit import AuditBudget, parse_audit_budget
-from ..compact import TrainStore, parse_train_store
+from ..store.compact import TrainStore, parse_train_store
 from ..judge.golden_policy import parse_policy_spec
 from ..judge.layers import LayerPolicy, default_layer_policy, parse_layer_spec
 from ..judge.tolerance import Tolerance, default_for_recipe, parse_spec_items

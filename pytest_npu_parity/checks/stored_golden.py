@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from ..baselines import BaselineError, CorruptBaselineError
-from ..compact import apply_recorded
+from ..store.format import BaselineError, CorruptBaselineError
+from ..store.compact import apply_recorded
 
 __all__ = ["GOLDEN_PREFIX", "META_KEY", "GoldenSource", "recorded_golden", "golden_source", "addable",
            "add_goldens"]

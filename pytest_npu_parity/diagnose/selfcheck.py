@@ -332,7 +332,7 @@ def weight_teeth(case: Any, call: Any, expected: Mapping[str, torch.Tensor | Non
     with scaled_parameter(target_module(case, module, call.kind), name, factor):
         leaves = call.rerun(case.target, True, call.args, call.kwargs)
     if call.kind == "train_step":  # the scaled parameter after the step only echoes the perturbation
-        from ..compact import base_leaf  # (also its @sample/@stats leaves in a compact baseline)
+        from ..store.compact import base_leaf  # (also its @sample/@stats leaves in a compact baseline)
 
         leaves = {p: t for p, t in leaves.items() if base_leaf(p) != f"param.{name}"}
         expected = {p: t for p, t in expected.items() if base_leaf(p) != f"param.{name}"}

@@ -232,7 +232,7 @@ def _shorten_baseline_failure(item: pytest.Item, call: pytest.CallInfo, report: 
     """
     if SESSION_KEY not in item.config.stash:  # parity off: not our failure (and no torch import for it)
         return
-    from ..baselines import BaselineError
+    from ..store.format import BaselineError
 
     excinfo = call.excinfo
     style = item.config.getoption("tbstyle", "auto")
@@ -279,7 +279,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def _lock_store(config: pytest.Config, store: Any) -> None:
     """Hold the store's lock for the whole record session (pytest-xdist workers write under their
     controller's lock): a second record run on the same store waits for this one, then runs."""
-    from ..baselines import BaselineError
+    from ..store.format import BaselineError
 
     lock = store.lock()
     reporter = config.pluginmanager.get_plugin("terminalreporter")

@@ -40,7 +40,7 @@ def marker_problems(marker: Any) -> list[str]:
     values of the wrong type or range, unknown recipe or policy names."""
     # engine modules import torch: imported here, in a parity session's collection
     from ..audit import parse_audit_budget
-    from ..compact import parse_train_store
+    from ..store.compact import parse_train_store
     from ..judge.golden_policy import parse_policy_spec
     from ..judge.layers import parse_layer_spec
     from ..recipes import RECIPES

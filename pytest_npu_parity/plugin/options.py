@@ -157,7 +157,7 @@ def _parse_layers(value: Any, where: str) -> Any:
 
 
 def _parse_train_store(value: Any, where: str) -> Any:
-    from ..compact import parse_train_store
+    from ..store.compact import parse_train_store
 
     try:
         return parse_train_store(value, source="ini")

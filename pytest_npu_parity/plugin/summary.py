@@ -74,7 +74,7 @@ def _prune_objects(tr: Any, store: Any) -> None:
     """End of a record run, on the controller and under its store lock (no other record run is writing):
     delete the pool objects that no baseline file under the store references any more (every file counts,
     not only this run's, so a ``-k`` re-record keeps the other tests' objects)."""
-    from ..baselines import BaselineError
+    from ..store.format import BaselineError
 
     prune = getattr(store, "prune_objects", None)
     if prune is None:
@@ -424,7 +424,7 @@ def _unused_baselines(config: pytest.Config, session: Any) -> list[Path]:
     and every file the run read or wrote. Files whose metadata cannot be read are left alone (the
     test that uses them reports them).
     """
-    from ..baselines import BaselineError
+    from ..store.format import BaselineError
 
     store = session.store
     kept = {Path(p).resolve() for p in session.baselines_used}

@@ -58,7 +58,7 @@ def _first_floating(output: Any) -> torch.Tensor | None:
 
 @functools.lru_cache(maxsize=4096)
 def _positions(path: str, numel: int, samples: int) -> torch.Tensor:
-    from ..compact import sample_indices
+    from ..store.compact import sample_indices
 
     return sample_indices(path, numel, samples)
 

@@ -20,7 +20,7 @@ import torch
 
 from .. import recipes
 from ..audit import not_audited
-from ..compact import SAMPLE_SUFFIX, STATS_SUFFIX, base_leaf
+from ..store.compact import SAMPLE_SUFFIX, STATS_SUFFIX, base_leaf
 from ..recipes import Recipe, strict_fp32_flags
 from ..structure import train_recipe
 from .golden_run import GoldenUnavailableError, golden_dtypes
