@@ -15,6 +15,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,21 @@ def _verify(folder: Path, expected: dict[str, torch.Tensor], tol: Any) -> tuple[
     return None, note
 
 
+@dataclass
+class _Piece:
+    """What one repro folder holds: the culprit, the script's spec, its tensors (``{name: CPU tensor}``)
+    and the README's notes (``module_note``: why the module could not be rebuilt, or None)."""
+
+    culprit: Culprit
+    spec: dict
+    inputs: dict
+    weights: dict
+    expected: dict
+    actual: dict
+    notes: list = field(default_factory=list)
+    module_note: str | None = None
+
+
 class ReproWriter:
     """The ``ParitySession`` failure hook that writes a repro of each failing check (module doc).
 
@@ -277,8 +293,9 @@ class ReproWriter:
                                        f"than the {self.max_bytes / 2**20:.0f} MiB a repro may hold")
             if spec is not None:
                 spec["grad"] = bool(call.grad)
-                folder = self._commit(record, case, culprit, spec, inputs, weights, expected, actual,
-                                      notes + _recorded_note(actual, expected, record.tolerance), None, bitwise=True)
+                folder = self._commit(record, case, _Piece(culprit, spec, inputs, weights, expected, actual,
+                                                           notes + _recorded_note(actual, expected, record.tolerance)),
+                                      bitwise=True)
                 if isinstance(folder, Path):
                     return folder
                 module_note = f"{culprit.display} ({type(module).__name__}) cannot be rebuilt standalone: {folder}"
@@ -297,16 +314,14 @@ class ReproWriter:
                                    f"than the {self.max_bytes / 2**20:.0f} MiB a repro may hold")
         spec["grad"] = bool(call.grad)
         notes += _recorded_note(actual, expected, record.tolerance)
-        folder = self._commit(record, case, culprit, spec, inputs, weights, expected, actual, notes, module_note)
+        folder = self._commit(record, case, _Piece(culprit, spec, inputs, weights, expected, actual, notes, module_note))
         assert isinstance(folder, Path)
         return folder
 
     def _too_big(self, inputs: dict, weights: dict) -> bool:
         return _nbytes(inputs, weights) > self.max_bytes
 
-    def _commit(self, record: Any, case: Any, culprit: Culprit, spec: dict, inputs: dict, weights: dict,
-                expected: dict, actual: dict, notes: list[str], module_note: str | None,
-                bitwise: bool = False) -> Path | str:
+    def _commit(self, record: Any, case: Any, piece: _Piece, bitwise: bool = False) -> Path | str:
         """Write the files into a temporary folder beside the final one, replay the script there on the
         CPU (its verdict goes into the README), then rename the folder into place. With ``bitwise`` (a
         module rebuild) a replay that does not give ``expected`` bitwise publishes nothing: the reason
@@ -314,8 +329,9 @@ class ReproWriter:
         final = repro_dir(self.root, record.test_id, record.check)
         final.parent.mkdir(parents=True, exist_ok=True)
         tol = record.tolerance
-        spec = dict(spec, check=record.check, test_id=record.test_id, target=str(case.target),
-                    piece=culprit.display, tolerance={"rtol": tol.rtol, "atol": tol.atol, "budget": tol.budget})
+        spec = dict(piece.spec, check=record.check, test_id=record.test_id, target=str(case.target),
+                    piece=piece.culprit.display, tolerance={"rtol": tol.rtol, "atol": tol.atol, "budget": tol.budget})
+        inputs, weights, expected, actual = piece.inputs, piece.weights, piece.expected, piece.actual
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         umask = os.umask(0)
         os.umask(umask)
@@ -330,8 +346,8 @@ class ReproWriter:
             if bitwise and problem is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
                 return problem
-            (tmp / "README.md").write_text(self._readme(record, case, culprit, spec, inputs, weights, expected,
-                                                        actual, notes + [replayed], module_note))
+            readme = replace(piece, spec=spec, notes=list(piece.notes) + [replayed])
+            (tmp / "README.md").write_text(self._readme(record, case, readme))
             for item in tmp.iterdir():  # mkdtemp's folder is private; a repro is meant to be handed over
                 item.chmod(0o666 & ~umask)
             tmp.chmod(0o777 & ~umask)
@@ -347,9 +363,11 @@ class ReproWriter:
             raise
         return final
 
-    def _readme(self, record: Any, case: Any, culprit: Culprit, spec: dict, inputs: dict, weights: dict,
-                expected: dict, actual: dict, notes: list[str], module_note: str | None) -> str:
+    def _readme(self, record: Any, case: Any, piece: _Piece) -> str:
         from ... import __version__
+
+        culprit, spec, notes, module_note = piece.culprit, piece.spec, piece.notes, piece.module_note
+        inputs, weights, expected, actual = piece.inputs, piece.weights, piece.expected, piece.actual
 
         tol = record.tolerance
         mode = ("the module rebuilt from its class (`%s.%s`) with the weights in `weights.safetensors`"
