@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_npu_parity import ascend_release, doctor, npu, troubleshoot
+from pytest_npu_parity import ascend_release, doctor, npu
+from pytest_npu_parity.diagnose.doctor import troubleshoot  # its home: the doctor reads its names there
 
 _FAKES_PATH = Path(__file__).resolve().parent / "fakes" / "fake_env.py"
 _spec = importlib.util.spec_from_file_location("npu_parity_fake_env_release", _FAKES_PATH)

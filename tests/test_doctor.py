@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from pytest_npu_parity import doctor, npu
+from pytest_npu_parity.diagnose.doctor import cli as doctor_run
+from pytest_npu_parity.diagnose.doctor import distributed as doctor_distributed
 
 try:
     import jsonschema
@@ -293,7 +295,7 @@ def test_environment_notes_where_the_guide_and_ascend_table_disagree(monkeypatch
                                    cann_version="8.2.RC1", device_count=0, device_name=None)
         return ctx
 
-    monkeypatch.setattr(doctor, "_build_context", with_torch_npu_251)
+    monkeypatch.setattr(doctor_run, "_build_context", with_torch_npu_251)  # where run_doctor reads it
     report = doctor.run_doctor("cpu", skip=ONLY["environment"])
     section = sections(report)["environment"]
     notes = [d for d in section["details"] if d.startswith("version matrix note:")]
@@ -434,7 +436,7 @@ def _deepspeed_section(monkeypatch, info, *, target=_FakeTarget(), installed=Tru
     spec = importlib.machinery.ModuleSpec("deepspeed", None, is_package=True)
     spec.submodule_search_locations = []
     monkeypatch.setattr(npu, "_find_spec", lambda name: spec if installed and name == "deepspeed" else None)
-    monkeypatch.setattr(doctor, "deepspeed_accelerator", lambda: info)
+    monkeypatch.setattr(doctor_distributed, "deepspeed_accelerator", lambda: info)  # where the section reads it
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     for key, value in (env or {}).items():
         monkeypatch.setenv(key, value)

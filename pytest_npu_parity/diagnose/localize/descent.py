@@ -5,6 +5,7 @@ Part of ``pytest_npu_parity.diagnose.localize`` (the package docstring describes
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -81,16 +82,72 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
     if call.module is None:
         return None
     tol: Tolerance = record.tolerance
+    loc = Localization(check=record.check, reference=_reference(record))
+    ref = _Side(case, call, torch.device("cpu"), patched=False)
+    tgt = _Side(case, call, case.target, patched=True)
+    prefix = record.submodule or ""
+    d = _Descent(case, call, tol, ref, tgt, prefix, context_rows, max_local_runs, cache, deadline)
+    descent = _descend(d, loc, cached_only)
+    if descent is None:
+        return None
+    levels, shared, first_pass, ended = descent
+    root_name = prefix or f"<{type(call.module).__name__}>"
+    if _scope_key(call) is None:
+        root_name = f"{root_name}.{getattr(call.fn, '__name__', 'fn')}()"
+    if cache is not None:  # also a descent stopped at the budget: later checks get as far for free
+        origin = f"{record.check!r} ({record.test_id})"
+        for index, key in shared:
+            cache.put(key, _Answer.of(origin, levels[index:], loc.stopped))
+    _conclude(loc, levels, root_name, context_rows)
+    if ended is not None and loc.stopped is None and (loc.first is not None or call.kind == "check"):
+        _trace_culprit(loc, case, ref, tgt, ended, prefix, deadline)
+    if call.kind == "train_step" and first_pass is not None:
+        _gradients(loc, result, first_pass.last_done, context_rows)
+    if call.kind == "train_step":
+        _state(loc, result, call.module)
+    _conversion_notes(loc, ref.notes, tgt.notes, prefix=prefix)
+    return loc
+
+
+def _reference(record: Any) -> str:
+    """What the localization's reference side is: a live CPU run (also for a baseline check)."""
     reference = "a live CPU run"
     if record.reference == "baseline":
         reference += (f" (the check's reference was baseline {record.reference_provenance}; baselines store no "
                       "per-submodule outputs)")
-    loc = Localization(check=record.check, reference=reference)
-    ref = _Side(case, call, torch.device("cpu"), patched=False)
-    tgt = _Side(case, call, case.target, patched=True)
-    prefix = record.submodule or ""
-    limits = (context_rows, max_local_runs)
+    return reference
 
+
+@dataclasses.dataclass
+class _Descent:
+    """What one descent works with: the failing check (``case``, ``call``, tolerance), its two sides,
+    the check's submodule prefix and ``localize``'s limits."""
+
+    case: Any
+    call: Any
+    tol: Tolerance
+    ref: _Side
+    tgt: _Side
+    prefix: str
+    context_rows: int
+    max_local_runs: int
+    cache: LocalizationCache | None
+    deadline: float | None
+
+
+def _descend(d: _Descent, loc: Localization, cached_only: bool) -> tuple[list, list, _Recorder | None, Any] | None:
+    """The levels from the check's module down, each scope the earliest child with a local error of
+    the level above, until a module without submodules, a scope none of whose children diverges
+    locally, ``MAX_LEVELS``, the deadline or a scope the cache answers.
+
+    Returns:
+        ``(levels, shared, first pass, ended)``: ``shared`` the (level index, cache key) of the scopes
+        that can be shared, the reference's recorder of the first pass (None when the cache answered
+        at once), and where the descent ended at a module's own code (its reference call, ``"root"``,
+        or None); None with ``cached_only`` when the cache does not answer.
+    """
+    ref, tgt, call = d.ref, d.tgt, d.call
+    limits = (d.context_rows, d.max_local_runs)
     scope_pair: tuple[_Call, _Call] | None = None
     scope_key = _scope_key(call)
     scope_name: str | None = "" if scope_key is not None else None  # None: a bound method's own calls
@@ -101,27 +158,17 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
     views: tuple[_View, _View] | None = None  # the next level's calls, when the last pass recorded them
     ended: _Call | str | None = None  # where the descent ended at a module's own code: its call, or "root"
     while len(levels) < MAX_LEVELS:
-        base = _join(prefix, scope_name or "")
+        base = _join(d.prefix, scope_name or "")
         key = None
-        if cache is not None and scope_name is not None:
-            if scope_pair is None:
-                inputs, rng, state = ref.entry()
-            else:
-                inputs, rng, state = scope_pair[0].inputs, scope_pair[0].rng, scope_pair[0].state
-            key = cache.key(case, call, scope_name, inputs, rng, state, tol, limits)
-            answer = cache.get(key)
+        if d.cache is not None and scope_name is not None:
+            key = d.cache.key(d.case, call, scope_name, *_scope_entry(ref, scope_pair), d.tol, limits)
+            answer = d.cache.get(key)
             if answer is not None:
-                levels += answer.rebuild(len(levels), order_prefix, base)
-                loc.reused_from = answer.origin
-                loc.stopped = loc.stopped or answer.stopped
-                loc.notes.append(f"the levels from {base or '<' + type(call.module).__name__ + '>'} down are those "
-                                 f"of the localization of check {answer.origin}: the same module and weights, "
-                                 "reference inputs, random state, recipe and patch set, so nothing was re-run "
-                                 "for them (their total and inherited columns are that check's)")
+                levels += _reuse(loc, answer, len(levels), order_prefix, base, call)
                 break
         if cached_only:
             return None
-        if views is None and levels and deadline is not None and time.perf_counter() >= deadline:
+        if views is None and levels and d.deadline is not None and time.perf_counter() >= d.deadline:
             loc.stopped = "budget"
             loc.notes.append(f"the descent stopped at {levels[-1].sites[levels[-1].culprit].path}: the session's "
                              "localization budget is spent (localize with the budget lifted to go deeper)")
@@ -129,14 +176,7 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
         if key is not None:
             shared.append((len(levels), key))
         if views is None:  # a pass of the scope on each side (the first, or below what a pass recorded)
-            tgt_rec, tgt_out = tgt.record(scope_pair[1] if scope_pair else None, scope_key)
-            ref_rec, ref_out = ref.record(scope_pair[0] if scope_pair else None, scope_key)
-            loc.passes += 1
-            if scope_pair is not None:
-                for side, out, rec in (("reference", ref_out, scope_pair[0]), ("target", tgt_out, scope_pair[1])):
-                    if not _same(out, rec.output):
-                        loc.notes.append(f"running {rec.name} again on the {side} side from its recorded inputs did "
-                                         "not reproduce its output bitwise; the rows below it may be inexact")
+            ref_rec, tgt_rec = _pass(loc, ref, tgt, scope_pair, scope_key)
             if first_pass is None:
                 first_pass = ref_rec
                 loc.calls_hooked = ref_rec.done
@@ -145,7 +185,7 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
         views = None
         levels.append(level)
         loc.levels += 1
-        loc.local_runs += _judge_level(level, ref, tgt, tol, prefix, context_rows, max_local_runs, loc)
+        loc.local_runs += _judge_level(level, ref, tgt, d.tol, d.prefix, d.context_rows, d.max_local_runs, loc)
         if level.culprit is None:
             ended = scope_pair[0] if scope_pair is not None else ("root" if scope_key is not None else None)
             break
@@ -163,22 +203,43 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
         # Keep only what the next level needs; the rest of this pass's tensors can go.
         ref_rec.release(ref_call)
         tgt_rec.release(tgt_call)
-    root_name = prefix or f"<{type(call.module).__name__}>"
-    if _scope_key(call) is None:
-        root_name = f"{root_name}.{getattr(call.fn, '__name__', 'fn')}()"
-    if cache is not None:  # also a descent stopped at the budget: later checks get as far for free
-        origin = f"{record.check!r} ({record.test_id})"
-        for index, key in shared:
-            cache.put(key, _Answer.of(origin, levels[index:], loc.stopped))
-    _conclude(loc, levels, root_name, context_rows)
-    if ended is not None and loc.stopped is None and (loc.first is not None or call.kind == "check"):
-        _trace_culprit(loc, case, ref, tgt, ended, prefix, deadline)
-    if call.kind == "train_step" and first_pass is not None:
-        _gradients(loc, result, first_pass.last_done, context_rows)
-    if call.kind == "train_step":
-        _state(loc, result, call.module)
-    _conversion_notes(loc, ref.notes, tgt.notes, prefix=prefix)
-    return loc
+    return levels, shared, first_pass, ended
+
+
+def _scope_entry(ref: _Side, scope_pair: tuple[_Call, _Call] | None) -> tuple:
+    """``(inputs, rng, state)`` the scope's call began with on the reference side (the check's own
+    entry for the first scope)."""
+    if scope_pair is None:
+        return ref.entry()
+    return scope_pair[0].inputs, scope_pair[0].rng, scope_pair[0].state
+
+
+def _reuse(loc: Localization, answer: _Answer, depth: int, order_prefix: tuple, base: str, call: Any) -> list:
+    """The levels an earlier localization found below this scope, rebuilt at ``depth``; ``loc`` says
+    whose they are."""
+    levels = answer.rebuild(depth, order_prefix, base)
+    loc.reused_from = answer.origin
+    loc.stopped = loc.stopped or answer.stopped
+    loc.notes.append(f"the levels from {base or '<' + type(call.module).__name__ + '>'} down are those "
+                     f"of the localization of check {answer.origin}: the same module and weights, "
+                     "reference inputs, random state, recipe and patch set, so nothing was re-run "
+                     "for them (their total and inherited columns are that check's)")
+    return levels
+
+
+def _pass(loc: Localization, ref: _Side, tgt: _Side, scope_pair: tuple[_Call, _Call] | None,
+          scope_key: tuple[str, int] | None) -> tuple[_Recorder, _Recorder]:
+    """One pass of the scope on each side (target first), recorded; a note when a scope's call run
+    again from its recorded inputs does not reproduce its output bitwise."""
+    tgt_rec, tgt_out = tgt.record(scope_pair[1] if scope_pair else None, scope_key)
+    ref_rec, ref_out = ref.record(scope_pair[0] if scope_pair else None, scope_key)
+    loc.passes += 1
+    if scope_pair is not None:
+        for side, out, rec in (("reference", ref_out, scope_pair[0]), ("target", tgt_out, scope_pair[1])):
+            if not _same(out, rec.output):
+                loc.notes.append(f"running {rec.name} again on the {side} side from its recorded inputs did "
+                                 "not reproduce its output bitwise; the rows below it may be inexact")
+    return ref_rec, tgt_rec
 
 
 def _trace_culprit(loc: Localization, case: Any, ref: _Side, tgt: _Side, ended: _Call | str, prefix: str,

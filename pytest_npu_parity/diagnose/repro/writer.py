@@ -165,6 +165,54 @@ def _verify(folder: Path, expected: dict[str, torch.Tensor], tol: Any) -> tuple[
     return None, note
 
 
+def _op_piece(case: Any, call: Any, culprit: Culprit) -> tuple[dict, dict, dict, dict, dict]:
+    """``(spec, inputs, weights, expected, actual)`` of a repro of the one op the op trace named: the
+    op recorded on the target when the check runs again, its reference (and golden) outputs.
+
+    Raises:
+        ReproUnsupported: the op was not dispatched again, its record failed, or another op came first.
+    """
+    got = _capture_target(case, call, culprit, ops=True)
+    rec = got.recorder
+    if rec is None or not rec.ops:
+        raise ReproUnsupported(f"op #{culprit.op_index} of {culprit.name or 'the module'} was not dispatched "
+                               "when the check ran again")
+    if rec.error:
+        raise ReproUnsupported(rec.error)
+    recorded = tuple(rec.ops[0]["op"])
+    if recorded != culprit.op:
+        raise ReproUnsupported(f"op #{culprit.op_index} was {'.'.join(recorded)} when the check ran again, "
+                               f"not {'.'.join(culprit.op)}")
+    expected, golden = _op_reference(culprit, rec)
+    spec = {"mode": "ops", "ops": rec.ops,
+            "outputs": {k: {"$o": [0, i]} for i, k in enumerate(expected)}}
+    inputs, weights, actual = rec.tensors, {}, rec.actual
+    expected = {**expected, **golden}
+    return spec, inputs, weights, expected, actual
+
+
+def _module_spec(module: torch.nn.Module, parted: Any, autocast: str | None, ids: dict, args: Any,
+                 kwargs: Any) -> dict:
+    """The script's spec that rebuilds ``module`` from its class and constructor arguments and calls it
+    on the recorded inputs (``ids``: tensor id -> input name).
+
+    Raises:
+        ReproUnsupported: the patch set changes what the module computes on the target (``parted``: where
+            its ops part), or the module cannot be rebuilt from its class.
+    """
+    if parted is not None:
+        raise ReproUnsupported("the patch set changes what it computes on the target (its ops part at "
+                               f"{parted}), so the module's own class would not run what the target ran")
+    path, qual = _class_path(module)
+    ctor = _constructor_kwargs(module)
+    encode = lambda t: {"$t": ids[id(t)]}  # noqa: E731
+    return {"mode": "module", "module": {
+        "module": path, "qualname": qual, "kwargs": _encode_plain(ctor, encode),
+        "training": module.training, "autocast": autocast,
+        "eval_children": [n for n, m in module.named_modules() if n and not m.training],
+        "args": _encode_plain(list(args), encode), "kwargs_call": _encode_plain(dict(kwargs), encode)}}
+
+
 @dataclass
 class _Piece:
     """What one repro folder holds: the culprit, the script's spec, its tensors (``{name: CPU tensor}``)
@@ -243,22 +291,7 @@ class ReproWriter:
         notes: list[str] = []
         module_note: str | None = None
         if culprit.op is not None:
-            got = _capture_target(case, call, culprit, ops=True)
-            rec = got.recorder
-            if rec is None or not rec.ops:
-                raise ReproUnsupported(f"op #{culprit.op_index} of {culprit.name or 'the module'} was not dispatched "
-                                       "when the check ran again")
-            if rec.error:
-                raise ReproUnsupported(rec.error)
-            recorded = tuple(rec.ops[0]["op"])
-            if recorded != culprit.op:
-                raise ReproUnsupported(f"op #{culprit.op_index} was {'.'.join(recorded)} when the check ran again, "
-                                       f"not {'.'.join(culprit.op)}")
-            expected, golden = _op_reference(culprit, rec)
-            spec = {"mode": "ops", "ops": rec.ops,
-                    "outputs": {k: {"$o": [0, i]} for i, k in enumerate(expected)}}
-            inputs, weights, actual = rec.tensors, {}, rec.actual
-            expected = {**expected, **golden}
+            spec, inputs, weights, expected, actual = _op_piece(case, call, culprit)
         else:
             root = _Side(case, call, torch.device("cpu"), patched=False).root()
             module = root.get_submodule(culprit.name) if culprit.name else root
@@ -275,22 +308,10 @@ class ReproWriter:
             inputs, actual = {k: _cpu(t) for k, t in named.items()}, probe.actual
             spec = None
             try:
-                if parted is not None:
-                    raise ReproUnsupported("the patch set changes what it computes on the target (its ops part at "
-                                           f"{parted}), so the module's own class would not run what the target ran")
-                path, qual = _class_path(module)
-                ctor = _constructor_kwargs(module)
-                encode = lambda t: {"$t": ids[id(t)]}  # noqa: E731
-                spec = {"mode": "module", "module": {
-                    "module": path, "qualname": qual, "kwargs": _encode_plain(ctor, encode),
-                    "training": module.training, "autocast": autocast,
-                    "eval_children": [n for n, m in module.named_modules() if n and not m.training],
-                    "args": _encode_plain(list(args), encode), "kwargs_call": _encode_plain(dict(kwargs), encode)}}
+                spec = _module_spec(module, parted, autocast, ids, args, kwargs)
             except ReproUnsupported as exc:
                 module_note = f"{culprit.display} ({type(module).__name__}) cannot be rebuilt standalone: {exc}"
-            if self._too_big(inputs, weights):
-                raise ReproUnsupported(f"its inputs and weights take {_nbytes(inputs, weights) / 2**20:.0f} MiB, more "
-                                       f"than the {self.max_bytes / 2**20:.0f} MiB a repro may hold")
+            self._fits(inputs, weights)
             if spec is not None:
                 spec["grad"] = bool(call.grad)
                 folder = self._commit(record, case, _Piece(culprit, spec, inputs, weights, expected, actual,
@@ -309,9 +330,7 @@ class ReproWriter:
             if rec.random:
                 notes.append("the piece draws random numbers (dropout, sampling); the replayed ops draw from this "
                              "torch's own generator, so their outputs differ from the recorded ones")
-        if self._too_big(inputs, weights):
-            raise ReproUnsupported(f"its inputs and weights take {_nbytes(inputs, weights) / 2**20:.0f} MiB, more "
-                                   f"than the {self.max_bytes / 2**20:.0f} MiB a repro may hold")
+        self._fits(inputs, weights)
         spec["grad"] = bool(call.grad)
         notes += _recorded_note(actual, expected, record.tolerance)
         folder = self._commit(record, case, _Piece(culprit, spec, inputs, weights, expected, actual, notes, module_note))
@@ -320,6 +339,12 @@ class ReproWriter:
 
     def _too_big(self, inputs: dict, weights: dict) -> bool:
         return _nbytes(inputs, weights) > self.max_bytes
+
+    def _fits(self, inputs: dict, weights: dict) -> None:
+        """Raise ``ReproUnsupported`` when the inputs and weights take more than ``max_bytes``."""
+        if self._too_big(inputs, weights):
+            raise ReproUnsupported(f"its inputs and weights take {_nbytes(inputs, weights) / 2**20:.0f} MiB, more "
+                                   f"than the {self.max_bytes / 2**20:.0f} MiB a repro may hold")
 
     def _commit(self, record: Any, case: Any, piece: _Piece, bitwise: bool = False) -> Path | str:
         """Write the files into a temporary folder beside the final one, replay the script there on the
