@@ -4,7 +4,7 @@ Everything the other modules of the store (and the rest of the engine) name when
 baseline: the format's identity and versions (:data:`FORMAT`, :data:`FORMAT_VERSION`), the layout's
 limits and separators, the object pool's constants, the errors (:class:`BaselineError` and its kinds)
 and what a loaded baseline is (:class:`CheckBaseline`, :class:`Baseline`). It reads and writes nothing;
-the layout and the format are described in :mod:`pytest_npu_parity.baselines`.
+the layout and the format are described in :mod:`pytest_npu_parity.store.baselines`.
 """
 from __future__ import annotations
 
