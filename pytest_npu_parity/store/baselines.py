@@ -100,16 +100,15 @@ from typing import Callable
 import torch
 from safetensors.torch import save
 
-from ..provenance import describe_provenance, summaries_close, weights_changed
-from ..structure import train_recipe_changes
-from .encoding import _content_hash, _dtype_name, _dumps, _encode_checks, _same_content, _tensor_hash
+from ..provenance import describe_provenance
+from .encoding import _content_hash, _dumps, _encode_checks, _same_content, _tensor_hash
 from .files import _atomic_write, _baseline_files, _prune, _scan_unsafe, _unused
 from .format import (CLASS_SEPARATOR, FORMAT, FORMAT_VERSION, MAX_COMPONENT, SUFFIX, UNSAFE_SUFFIXES,
                      UPDATE_COMMAND, _DIR_UNSAFE, _NAME_UNSAFE, Baseline, BaselineError, CheckBaseline,
                      MissingBaselineError, StaleBaselineError, UnsafeBaselineError, _show)
 from .pool import ObjectPool
 from .reading import _read
-from .staleness import _diff_leaves, _recorded_dtypes, _recorded_shapes, _short, _structure_changes
+from .staleness import CheckNow, Staleness, staleness
 
 __all__ = ["BaselineStore"]
 
@@ -290,25 +289,14 @@ class BaselineStore:
             path,
         )
 
-    def check_fresh(
-        self,
-        baseline: Baseline,
-        check: str,
-        *,
-        input_hash: str,
-        config_hash: str,
-        shapes: dict[str, tuple] | None = None,
-        dtypes: dict[str, torch.dtype | str] | None = None,
-        input_summary: list | Callable[[], list] | None = None,
-        config_tensors: dict[str, str] | Callable[[], dict[str, str]] | None = None,
-        recipe: str | None = None,
-        seed: int | None = None,
-        structure_hash: str | None = None,
-        structure: dict | Callable[[], dict] | None = None,
-        train_recipe: dict | Callable[[], dict] | None = None,
-        replay_refused: str | None = None,
-        more_changes: list[str] | None = None,
-    ) -> CheckBaseline:
+    def check_fresh(self, baseline: Baseline, check: str, *, input_hash: str, config_hash: str,
+                    shapes: dict[str, tuple] | None = None, dtypes: dict[str, torch.dtype | str] | None = None,
+                    input_summary: list | Callable[[], list] | None = None,
+                    config_tensors: dict[str, str] | Callable[[], dict[str, str]] | None = None,
+                    recipe: str | None = None, seed: int | None = None, structure_hash: str | None = None,
+                    structure: dict | Callable[[], dict] | None = None,
+                    train_recipe: dict | Callable[[], dict] | None = None, replay_refused: str | None = None,
+                    more_changes: list[str] | None = None) -> CheckBaseline:
         """Return the stored check if it was recorded for this input and configuration.
 
         Args:
@@ -360,79 +348,44 @@ class BaselineStore:
                 the message lists each difference as recorded vs now, the baseline's provenance and
                 the re-record command.
         """
-        test_id = baseline.test_id or str(baseline.path)
         recorded = baseline.checks.get(check)
         if recorded is None:
-            have = ", ".join(sorted(baseline.checks)) or "none"
-            raise MissingBaselineError(
-                f"baseline {baseline.describe()} has no check {check!r} (it has: {have}); "
-                f"record it with: {self.command(test_id)}",
-                baseline.path,
-            )
-        meta = dict(recorded.meta)
-        changes: list[str] = []
-        if recipe is not None and meta.get("recipe") != recipe:
-            changes.append(f"recorded under recipe {meta.get('recipe')!r}, this run uses {recipe!r}")
-        if seed is not None and meta.get("seed") != seed:
-            changes.append(f"recorded with seed {meta.get('seed')!r}, this run uses seed {seed!r} "
-                           "(--parity-seed, ini parity_seed or the check's seed=)")
-        input_changed = False
-        before = meta.get("input_hash")
-        meta["bitwise_input"] = before == input_hash
-        if before != input_hash:
-            change = f"input hash changed (recorded {_short(before)}, now {_short(input_hash)})"
-            summary = input_summary() if callable(input_summary) else input_summary
-            why = "no summary given" if summary is None else summaries_close(meta.get("input_summary"), summary)
-            if why is not None:
-                changes.append(f"{change}: {why}")
-                input_changed = True
-        before = meta.get("config_hash")
-        meta["bitwise_config"] = before == config_hash
-        if before != config_hash:
-            digests = config_tensors() if callable(config_tensors) else config_tensors
-            recorded_digests = meta.get("config_tensors")
-            if digests or recorded_digests or config_tensors is None:
-                what = weights_changed(recorded_digests if isinstance(recorded_digests, dict) else None,
-                                       digests or {})
-                prefix = meta.get("submodule")
-                if prefix:  # name the tensors as in the whole model
-                    what = re.sub(r"'([^']+)'", lambda m: repr(f"{prefix}.{m.group(1)}"), what)
-                changes.append(f"{what}; model fingerprint recorded {_short(before)}, now {_short(config_hash)}")
-        structure_changed = False
-        before = meta.get("structure_hash")
-        if before is not None and structure_hash is not None:
-            meta["bitwise_structure"] = before == structure_hash
-            if before != structure_hash:
-                lines = _structure_changes(meta.get("structure"), structure, meta.get("submodule"))
-                structure_changed = bool(lines)
-                changes += lines
-        before = meta.get("train_recipe")
-        if isinstance(before, dict) and train_recipe is not None:
-            changes += train_recipe_changes(before, train_recipe() if callable(train_recipe) else train_recipe)
-        if shapes is not None:
-            was = {leaf: tuple(s) for leaf, s in _recorded_shapes(recorded).items()}
-            was.update({leaf: None for leaf in recorded.none_leaves})
-            now_shapes = {leaf: (None if s is None else tuple(int(d) for d in s)) for leaf, s in shapes.items()}
-            changes += _diff_leaves("shape", was, now_shapes)
-        if dtypes is not None:
-            was_d = _recorded_dtypes(recorded)
-            now_d = {leaf: _dtype_name(d) for leaf, d in dtypes.items() if d is not None}
-            changes += _diff_leaves("dtype", was_d, now_d, report_sets=shapes is None)
-        changes += more_changes or []
-        if changes:
-            if replay_refused:
-                changes.append(f"not replayed: {replay_refused}")
-            error = StaleBaselineError(
-                f"baseline {_show(baseline.path)} is stale for check {check!r}: " + "; ".join(changes)
-                + f". It was recorded on {describe_provenance(baseline.provenance)}. "
-                f"Re-record it on a trusted machine with: {self.command(test_id)}",
-                baseline.path,
-            )
-            error.structure_changed = structure_changed
-            error.input_changed = input_changed
-            raise error
+            raise self._no_check_error(baseline, check)
+        now = CheckNow(input_hash=input_hash, config_hash=config_hash, shapes=shapes, dtypes=dtypes,
+                       input_summary=input_summary, config_tensors=config_tensors, recipe=recipe, seed=seed,
+                       structure_hash=structure_hash, structure=structure, train_recipe=train_recipe)
+        found = staleness(recorded, now)
+        found.changes += more_changes or []
+        if found.changes:
+            raise self._stale_error(baseline, check, found, replay_refused)
         return CheckBaseline(name=recorded.name, tensors=recorded.tensors, none_leaves=recorded.none_leaves,
-                             meta=meta, extras=recorded.extras)
+                             meta=found.meta, extras=recorded.extras)
+
+    def _no_check_error(self, baseline: Baseline, check: str) -> MissingBaselineError:
+        """The error for a baseline file without an entry for ``check``."""
+        have = ", ".join(sorted(baseline.checks)) or "none"
+        return MissingBaselineError(
+            f"baseline {baseline.describe()} has no check {check!r} (it has: {have}); "
+            f"record it with: {self.command(baseline.test_id or str(baseline.path))}",
+            baseline.path,
+        )
+
+    def _stale_error(self, baseline: Baseline, check: str, found: Staleness,
+                     replay_refused: str | None) -> StaleBaselineError:
+        """The error for a stale entry: each difference, why it was not replayed, the provenance and the
+        re-record command; ``structure_changed`` and ``input_changed`` set from ``found``."""
+        changes = list(found.changes)
+        if replay_refused:
+            changes.append(f"not replayed: {replay_refused}")
+        error = StaleBaselineError(
+            f"baseline {_show(baseline.path)} is stale for check {check!r}: " + "; ".join(changes)
+            + f". It was recorded on {describe_provenance(baseline.provenance)}. "
+            f"Re-record it on a trusted machine with: {self.command(baseline.test_id or str(baseline.path))}",
+            baseline.path,
+        )
+        error.structure_changed = found.structure_changed
+        error.input_changed = found.input_changed
+        return error
 
     # ---- writing ---------------------------------------------------------------------------
 

@@ -49,6 +49,32 @@ def _read(path: Path, rerecord: str | None = None, pool: "ObjectPool | None" = N
 
 def _read_open(path: Path, shown: str, fh: Any, rerecord: str | None = None,
                pool: "ObjectPool | None" = None) -> Baseline:
+    """Read the baseline file open as ``fh`` (see :func:`_read`): its header, format version and metadata,
+    its tensors, its check records, its checksum, then the pool objects its checks reference."""
+    metadata = _read_header(path, shown, fh)
+    version = _format_version(path, shown, metadata, rerecord)
+    test_id, provenance, records, stored_hash = _read_metadata(path, shown, metadata)
+    try:
+        with safe_open(_fd_path(fh, path), framework="pt") as handle:
+            stored = {key: handle.get_tensor(key) for key in handle.keys()}
+    except Exception as exc:  # safetensors raises its own SafetensorError
+        raise CorruptBaselineError(f"baseline {shown} is corrupt or truncated: {exc}; delete it and re-record", path) from None
+    checks, referenced, hashed_extras = _decode_checks(path, shown, records, stored, version)
+    tensor_hash = _fingerprint_checks({name: (c.tensors, hashed_extras[name]) for name, c in checks.items()})
+    if _content_hash(metadata, tensor_hash) != stored_hash:
+        raise CorruptBaselineError(
+            f"baseline {shown} fails its checksum: its tensors or metadata (test id, provenance, check "
+            "records) changed after it was written (disk error, bad merge or hand edit); its provenance "
+            "cannot be trusted either. Delete it and re-record",
+            path,
+        )
+    _read_pooled(path, shown, checks, referenced, pool, rerecord or f"{UPDATE_COMMAND} {shlex.quote(test_id)}")
+    return Baseline(path=path, provenance=provenance, checks=checks, test_id=test_id, tensor_hash=tensor_hash)
+
+
+def _read_header(path: Path, shown: str, fh: Any) -> dict:
+    """The ``__metadata__`` of the safetensors header of ``fh``; a pickle, truncated or non-safetensors
+    file is refused first, from its first bytes."""
     size = os.fstat(fh.fileno()).st_size
     kind = _kind(fh.read(9))
     if kind == "pickle":
@@ -70,9 +96,13 @@ def _read_open(path: Path, shown: str, fh: Any, rerecord: str | None = None,
         )
     try:
         header = json.loads(fh.read(header_len))
-        metadata = header.get("__metadata__") or {}
+        return header.get("__metadata__") or {}
     except (ValueError, AttributeError) as exc:
         raise CorruptBaselineError(f"baseline {shown} has a corrupt header ({exc}); delete it and re-record", path) from None
+
+
+def _format_version(path: Path, shown: str, metadata: dict, rerecord: str | None) -> int:
+    """The file's format version, when it is a file of this plugin in a version it reads."""
     if metadata.get("format") != FORMAT:
         raise CorruptBaselineError(
             f"baseline {shown} is a safetensors file but not a {FORMAT} file "
@@ -98,6 +128,11 @@ def _read_open(path: Path, shown: str, fh: Any, rerecord: str | None = None,
             + (f" with: {rerecord}" if rerecord else " with pytest --update-baselines"),
             path,
         )
+    return version
+
+
+def _read_metadata(path: Path, shown: str, metadata: dict) -> tuple[str, dict, dict, Any]:
+    """``(test id, provenance, check records, stored content hash)`` of the file's metadata."""
     test_id = metadata.get("test_id")
     if not isinstance(test_id, str) or not test_id:
         raise CorruptBaselineError(f"baseline {shown} has no test_id in its metadata; delete it and re-record", path)
@@ -109,11 +144,15 @@ def _read_open(path: Path, shown: str, fh: Any, rerecord: str | None = None,
         raise CorruptBaselineError(f"baseline {shown} has unreadable metadata ({exc!r}); re-record it", path) from None
     if not isinstance(records, dict) or not isinstance(provenance, dict):
         raise CorruptBaselineError(f"baseline {shown} has malformed metadata; re-record it", path)
-    try:
-        with safe_open(_fd_path(fh, path), framework="pt") as handle:
-            stored = {key: handle.get_tensor(key) for key in handle.keys()}
-    except Exception as exc:  # safetensors raises its own SafetensorError
-        raise CorruptBaselineError(f"baseline {shown} is corrupt or truncated: {exc}; delete it and re-record", path) from None
+    return test_id, provenance, records, stored_hash
+
+
+def _decode_checks(path: Path, shown: str, records: dict, stored: dict[str, torch.Tensor], version: int,
+                   ) -> tuple[dict[str, CheckBaseline], dict[str, dict[str, str]], dict[str, dict[str, Any]]]:
+    """The checks of the file's records over its ``stored`` tensors, ``(checks, referenced, hashed extras)``:
+    ``referenced`` maps each check to ``{extra name: digest}`` of the pool objects it references (filled
+    later, by :func:`_read_pooled`), ``hashed extras`` to the extras as the checksum covers them (a pool
+    object by its key). Every stored tensor must belong to a check."""
     used: set[str] = set()
     checks: dict[str, CheckBaseline] = {}
     referenced: dict[str, dict[str, str]] = {}  # check -> {extra name: digest} of pool objects
@@ -145,16 +184,7 @@ def _read_open(path: Path, shown: str, fh: Any, rerecord: str | None = None,
     extra = set(stored) - used
     if extra:
         raise CorruptBaselineError(f"baseline {shown} holds tensors no check describes: {sorted(extra)}", path)
-    tensor_hash = _fingerprint_checks({name: (c.tensors, hashed_extras[name]) for name, c in checks.items()})
-    if _content_hash(metadata, tensor_hash) != stored_hash:
-        raise CorruptBaselineError(
-            f"baseline {shown} fails its checksum: its tensors or metadata (test id, provenance, check "
-            "records) changed after it was written (disk error, bad merge or hand edit); its provenance "
-            "cannot be trusted either. Delete it and re-record",
-            path,
-        )
-    _read_pooled(path, shown, checks, referenced, pool, rerecord or f"{UPDATE_COMMAND} {shlex.quote(test_id)}")
-    return Baseline(path=path, provenance=provenance, checks=checks, test_id=test_id, tensor_hash=tensor_hash)
+    return checks, referenced, hashed_extras
 
 
 def _read_pooled(path: Path, shown: str, checks: dict[str, CheckBaseline], referenced: dict[str, dict[str, str]],
