@@ -16,10 +16,14 @@ The modules of this package, one per question:
 * ``lock`` — ``StoreLock``, which serializes the record runs (and ``baselines prune``) of one store;
 * ``compact`` — what of a training step's large gradient and parameter leaves a baseline keeps
   (``TrainStore``, the ``@sample`` / ``@stats`` leaves, ``apply_recorded``);
+* ``provenance`` — where, when and with what software a baseline was recorded (``collect_provenance``,
+  ``describe_provenance``, ``device_name``);
+* ``digests`` — content fingerprints of tensors and modules (``fingerprint_tensors``, ``fingerprint_module``,
+  ``module_tensor_digests``); ``summaries`` — order-sensitive input summaries compared within a tolerance;
 * ``cli`` — ``python -m pytest_npu_parity baselines {prune,verify}``.
 
-The machine facts and fingerprints are in ``pytest_npu_parity.provenance`` and the module configuration in
-``pytest_npu_parity.structure``. The old import paths ``pytest_npu_parity.baselines`` and
-``pytest_npu_parity.compact`` re-export every name of the modules above. This package never imports pytest
-and never imports a model adapter.
+The module configuration is in ``pytest_npu_parity.structure``. The old import paths
+``pytest_npu_parity.baselines``, ``pytest_npu_parity.provenance`` and ``pytest_npu_parity.compact``
+re-export every name of the modules above. This package never imports pytest and never imports a model
+adapter.
 """

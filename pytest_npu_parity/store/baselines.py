@@ -48,7 +48,7 @@ Plain safetensors (never pickle), readable with ``safetensors.safe_open`` alone:
   by a golden verdict also stores its golden leaves there, ``"golden:<leaf path>": key``
   (:mod:`pytest_npu_parity.checks.stored_golden`: a compare run against the entry runs no golden);
 * string metadata: ``format`` (:data:`FORMAT`), ``format_version`` (:data:`FORMAT_VERSION`),
-  ``test_id``, ``provenance`` (JSON, see :mod:`pytest_npu_parity.provenance`), ``checks`` (JSON:
+  ``test_id``, ``provenance`` (JSON, see :mod:`pytest_npu_parity.store.provenance`), ``checks`` (JSON:
   ``{check: {"leaves": {leaf: key}, "none_leaves": [...], "meta": {...}}}``, where ``meta``
   holds ``input_hash``, ``input_summary`` (order-sensitive, see ``provenance.summarize_tensors``),
   ``config_hash``, ``config_tensors`` (per-weight digests, ``provenance.module_tensor_digests``),
@@ -100,13 +100,13 @@ from typing import Callable
 import torch
 from safetensors.torch import save
 
-from ..provenance import describe_provenance
 from .encoding import _content_hash, _dumps, _encode_checks, _same_content, _tensor_hash
 from .files import _atomic_write, _baseline_files, _prune, _scan_unsafe, _unused
 from .format import (CLASS_SEPARATOR, FORMAT, FORMAT_VERSION, MAX_COMPONENT, SUFFIX, UNSAFE_SUFFIXES,
                      UPDATE_COMMAND, _DIR_UNSAFE, _NAME_UNSAFE, Baseline, BaselineError, CheckBaseline,
                      MissingBaselineError, StaleBaselineError, UnsafeBaselineError, _show)
 from .pool import ObjectPool
+from .provenance import describe_provenance
 from .reading import _read
 from .staleness import CheckNow, Staleness, staleness
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..provenance import fingerprint_tensors
+from .digests import fingerprint_tensors
 from .format import OBJECT_REF, POOL_MIN_BYTES, POOLED_KINDS, Baseline, CheckBaseline
 
 if TYPE_CHECKING:

@@ -14,10 +14,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..provenance import summaries_close, weights_changed
 from ..structure import structure_changes, train_recipe_changes, unpack_structure
+from .digests import weights_changed
 from .encoding import _dtype_name
 from .format import CheckBaseline
+from .summaries import summaries_close
 
 __all__ = ["CheckNow", "Staleness", "staleness"]
 
