@@ -15,6 +15,8 @@ import torch
 from safetensors import safe_open
 
 from pytest_npu_parity import baselines as bl
+from pytest_npu_parity.store import baselines as store_baselines
+from pytest_npu_parity.store import reading as store_reading
 from pytest_npu_parity.baselines import (
     Baseline,
     BaselineError,
@@ -336,9 +338,9 @@ def test_foreign_safetensors_file_is_refused(store):
 
 
 def test_newer_format_version_is_refused(store, monkeypatch):
-    monkeypatch.setattr(bl, "FORMAT_VERSION", 99)
+    monkeypatch.setattr(store_baselines, "FORMAT_VERSION", 99)  # the writer's version
     store.write(TEST_ID, make_checks(), PROV)
-    monkeypatch.setattr(bl, "FORMAT_VERSION", 1)
+    monkeypatch.setattr(store_reading, "FORMAT_VERSION", 1)  # the reader's
     with pytest.raises(BaselineError, match="format version 99.*upgrade"):
         store.load(TEST_ID)
 

@@ -11,7 +11,7 @@ import pytest
 from pytester_helpers import edit_module
 import torch
 
-import pytest_npu_parity.baselines as baselines_module
+import pytest_npu_parity.store.files as store_files  # where the atomic write looks up `os`
 from pytest_npu_parity.baselines import CheckBaseline, SuiteStores
 
 # pytester forgets modules first imported during an in-process run; importing what every run needs
@@ -176,6 +176,7 @@ def test_changed_input_makes_the_baseline_stale_with_the_reason(pytester: pytest
     ])
     # the failure is shown from the test's line, not from the baseline store's internals
     assert "pytest_npu_parity/baselines.py" not in out and "pytest_npu_parity/runner.py" not in out
+    assert "pytest_npu_parity/store/" not in out
     assert "parity.check(\"linear\", layer, x)" in out
 
 
@@ -241,7 +242,7 @@ import types
 
 import pytest
 
-import pytest_npu_parity.baselines as store
+import pytest_npu_parity.store.files as store
 
 
 class _InterruptedOs(types.ModuleType):
@@ -273,7 +274,7 @@ def test_interrupted_write_leaves_the_old_baseline_intact(pytester: pytest.Pytes
         result = pytester.runpytest("--update-baselines", "parity_suites/demo/test_model.py::test_tanh",
                                     no_reraise_ctrlc=True)
     finally:  # the interrupted run skipped the teardown that undoes the conftest's patch
-        baselines_module.os = os
+        store_files.os = os
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines(["*KeyboardInterrupt*", "*interrupted before the rename*"])
     assert (pytester.path / TANH_FILE).read_bytes() == old

@@ -18,6 +18,7 @@ import torch
 
 import pytest_npu_parity
 from pytest_npu_parity import provenance as prov_mod
+from pytest_npu_parity.store import digests
 from pytest_npu_parity.provenance import (
     collect_provenance,
     describe_provenance,
@@ -417,8 +418,8 @@ def test_module_fingerprint_is_cached_and_invalidated_by_inplace_edits(monkeypat
     model = _mlp()
     first = fingerprint_module(model)
     calls = []
-    real = prov_mod._feed_tensor
-    monkeypatch.setattr(prov_mod, "_feed_tensor", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    real = digests._feed_tensor
+    monkeypatch.setattr(digests, "_feed_tensor", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
     assert fingerprint_module(model) == first
     assert calls == []  # served from the cache
 
@@ -463,12 +464,12 @@ def test_module_fingerprint_rejects_non_modules():
 def test_parallel_module_hashing_gives_the_serial_digest(monkeypatch):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
-    monkeypatch.setattr(prov_mod, "PARALLEL_HASH_BYTES", 1)  # force the thread pool
+    monkeypatch.setattr(digests, "PARALLEL_HASH_BYTES", 1)  # force the thread pool
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     parallel = fingerprint_module(model)
     prov_mod._TENSOR_CACHE._data.clear()
     prov_mod._MODULE_CACHE.pop(model)
-    monkeypatch.setattr(prov_mod, "PARALLEL_HASH_BYTES", 1 << 60)  # serial
+    monkeypatch.setattr(digests, "PARALLEL_HASH_BYTES", 1 << 60)  # serial
     assert fingerprint_module(model) == parallel
     with torch.no_grad():
         model[3].weight[0, 0] += 1

@@ -5,13 +5,25 @@ The modules of this package, one per question:
 * ``format`` — the file format's constants (``FORMAT``, ``FORMAT_VERSION``, the pool's), the store's
   errors (``BaselineError`` and its kinds) and the data classes of a baseline (``CheckBaseline``,
   ``Baseline``);
+* ``baselines`` — ``BaselineStore``: one suite's files (the layout and the file format are described
+  there), loading, judging a stored check fresh, writing;
+* ``suites`` — ``SuiteStores``: every suite under one root, and what spans the store (temporary files,
+  the lock, the object pool, unreferenced objects);
+* ``reading`` — reading and verifying one baseline file; ``encoding`` — checks to tensors, records and
+  the checksum; ``staleness`` — the differences that make a stored check stale;
+* ``pool`` — ``ObjectPool``, the content-addressed objects shared by every file of a store;
+* ``files`` — file kinds (never unpickled), atomic writes, walking a store's tree;
 * ``lock`` — ``StoreLock``, which serializes the record runs (and ``baselines prune``) of one store;
 * ``compact`` — what of a training step's large gradient and parameter leaves a baseline keeps
-  (``TrainStore``, the ``@sample`` / ``@stats`` leaves, ``apply_recorded``).
+  (``TrainStore``, the ``@sample`` / ``@stats`` leaves, ``apply_recorded``);
+* ``provenance`` — where, when and with what software a baseline was recorded (``collect_provenance``,
+  ``describe_provenance``, ``device_name``);
+* ``digests`` — content fingerprints of tensors and modules (``fingerprint_tensors``, ``fingerprint_module``,
+  ``module_tensor_digests``); ``summaries`` — order-sensitive input summaries compared within a tolerance;
+* ``cli`` — ``python -m pytest_npu_parity baselines {prune,verify}``.
 
-The reading, verification and writing of a file, the object pool and the ``baselines prune|verify`` command line are in ``pytest_npu_parity.baselines``, with the
-machine facts and fingerprints in ``pytest_npu_parity.provenance`` and the module configuration in
-``pytest_npu_parity.structure``. ``pytest_npu_parity.baselines`` imports every name of ``store.format`` and ``StoreLock``
-(so ``from pytest_npu_parity.baselines import CheckBaseline`` keeps working), and the old import path
-``pytest_npu_parity.compact`` re-exports every name of ``store.compact``. This package never imports pytest and never imports a model adapter.
+The module configuration is in ``pytest_npu_parity.structure``. The old import paths
+``pytest_npu_parity.baselines``, ``pytest_npu_parity.provenance`` and ``pytest_npu_parity.compact``
+re-export every name of the modules above. This package never imports pytest and never imports a model
+adapter.
 """

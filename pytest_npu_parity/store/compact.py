@@ -134,7 +134,7 @@ def sample_indices(path: str, numel: int, samples: int) -> torch.Tensor:
 def leaf_stats(tensor: torch.Tensor) -> torch.Tensor:
     """``[sum, L2 norm, max |x|, position-weighted sum]`` of ``tensor`` (float64 accumulation;
     float32 result, float64 for a float64 tensor). See ``provenance.summarize_tensors``."""
-    from ..provenance import summarize_tensors
+    from .summaries import summarize_tensors
 
     _, _, total, squares, largest, weighted = summarize_tensors(tensor)[0]
     dtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32

@@ -4,7 +4,7 @@ Everything the other modules of the store (and the rest of the engine) name when
 baseline: the format's identity and versions (:data:`FORMAT`, :data:`FORMAT_VERSION`), the layout's
 limits and separators, the object pool's constants, the errors (:class:`BaselineError` and its kinds)
 and what a loaded baseline is (:class:`CheckBaseline`, :class:`Baseline`). It reads and writes nothing;
-the layout and the format are described in :mod:`pytest_npu_parity.baselines`.
+the layout and the format are described in :mod:`pytest_npu_parity.store.baselines`.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..provenance import describe_provenance
+from .provenance import describe_provenance
 
 #: Value of the ``format`` metadata field of every baseline file.
 FORMAT = "pytest-npu-parity-baseline"
@@ -128,8 +128,8 @@ class CheckBaseline:
             bare tensor) -> CPU tensor, any dtype (bfloat16 round-trips bit for bit).
         none_leaves: leaf paths whose reference value was ``None``.
         meta: JSON-serializable facts about the check: ``input_hash`` and ``config_hash`` (see
-            :func:`~pytest_npu_parity.provenance.fingerprint_tensors` /
-            :func:`~pytest_npu_parity.provenance.fingerprint_module`), ``submodule`` and anything
+            :func:`~pytest_npu_parity.store.digests.fingerprint_tensors` /
+            :func:`~pytest_npu_parity.store.digests.fingerprint_module`), ``submodule`` and anything
             else the runner records. On write the store sets ``shapes`` (leaf -> list of ints)
             and ``dtypes`` (leaf -> ``"bfloat16"``...) from ``tensors``.
         extras: what the check was computed from, for replay on a machine whose own draws differ
