@@ -14,7 +14,7 @@ default ``DistributionPolicy`` (alpha 1e-3, 1999 permutations), and counts
 Layouts (``--layouts``):
 
 ``tiny-flow-16x64``   tiny model, ``FlowLoss.sample`` for 16 CO2 series (32 flow-head rows) × 64 samples
-                      (the proof in ``tests/test_distribution.py``)
+                      (the proof in ``tests/judge/test_distribution.py``)
 ``tiny-flow-4x32``    tiny model, the suite's 4 series × 32 samples
 ``full-flow-4x32``    full model, the suite's ``flow_loss_sample_multi`` layout (8 rows × 32 samples)
 ``full-generate-4x32`` full model, the suite's ``generate_samples`` (4 series × 32 samples × 96 steps)

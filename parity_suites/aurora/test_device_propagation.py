@@ -46,7 +46,7 @@ upstream line the patch set does not change, see ``aurora/patches.py``):
   so 1 host→device copy in logical mode only (``frequency_list[0] = 0``, ``valid_mask[i, sep_pos] = 0``).
 
 Without the patch set the causal masks (decoder self-attention, retriever) and the decoder's
-``decay_weights`` are host-built too (``tests/test_audit.py`` shows them); under it they are built on
+``decay_weights`` are host-built too (``tests/diagnose/test_audit.py`` shows them); under it they are built on
 the target and appear nowhere here. Where the target lacks ``pinv`` or FFT (``npu``: pinv), the
 patch set computes them on the host by design (``patches.resample``, ``patches.rfft``): events whose
 source is the patch module are then allowed (host ops and copies only) and not counted.

@@ -170,7 +170,7 @@ def test_ignored_padding_mask_fails_the_masked_flow_loss_check(ctx, session):
 
 #: Noise-scale fault of the distribution proofs at the suite's size (4 series, 32 samples): measured
 #: there, noise × 1.1 fails 3 of 4 seeds and × 1.2 every seed; × 1.05 needs more samples
-#: (docs/explanation/distribution.md; the engine's proof at 16 series × 64 samples is tests/test_distribution.py).
+#: (docs/explanation/distribution.md; the engine's proof at 16 series × 64 samples is tests/judge/test_distribution.py).
 SUITE_NOISE_FAULT = 1.2
 
 

@@ -9,12 +9,12 @@ Re-record them (after a deliberate change of the examples) with the commands in 
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
+from locations import TESTS
 from test_own_models import EXAMPLES
 
-COMMITTED = Path(__file__).resolve().parent / "data" / "replay_baselines"
+COMMITTED = TESTS / "data" / "replay_baselines"
 FILES = ["test_gpt2.py", "test_tagger.py"]
 RECORD = ("in an empty directory with these two example files and a pytest.ini of `parity_dtypes = fp32,bf16`: "
           "pytest --update-baselines test_gpt2.py test_tagger.py; then copy its baselines/ to tests/data/replay_baselines/")

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import TESTS
 
 from pytest_npu_parity import ascend_release, doctor, npu
 from pytest_npu_parity.diagnose.doctor import troubleshoot  # its home: the doctor reads its names there
 
-_FAKES_PATH = Path(__file__).resolve().parent / "fakes" / "fake_env.py"
+_FAKES_PATH = TESTS / "fakes" / "fake_env.py"
 _spec = importlib.util.spec_from_file_location("npu_parity_fake_env_release", _FAKES_PATH)
 fake_env = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake_env)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import REPO, TESTS
 
 import pytest_npu_parity
 from pytest_npu_parity import provenance as prov_mod
@@ -27,7 +28,6 @@ from pytest_npu_parity.provenance import (
     fingerprint_tensors,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 
 EXPECTED_KEYS = {
     "plugin_version", "torch", "torch_npu", "cann", "transformers", "aurora_model", "python",
@@ -262,7 +262,7 @@ def test_npu_compile_mode_reads_torch_npu(monkeypatch):
 
 
 def test_stub_npu_record_has_the_launchers_compile_mode_and_the_ascend_environment(tmp_path):
-    spec = importlib.util.spec_from_file_location("npu_parity_fake_env", REPO / "tests" / "fakes" / "fake_env.py")
+    spec = importlib.util.spec_from_file_location("npu_parity_fake_env", TESTS / "fakes" / "fake_env.py")
     fake_env = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fake_env)
     site = fake_env.build_site(tmp_path / "site", version=".".join(torch.__version__.split("+")[0].split(".")[:3]))
@@ -319,10 +319,10 @@ def _sample():
 def test_fingerprint_same_across_processes():
     here = fingerprint_tensors(_sample())
     code = (
-        "import sys, torch; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
+        "import sys, torch; sys.path.insert(0, %r); sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
         "from test_provenance import _sample\n"
         "from pytest_npu_parity.provenance import fingerprint_tensors\n"
-        "print(fingerprint_tensors(_sample()))\n" % (str(REPO), str(REPO / "tests"))
+        "print(fingerprint_tensors(_sample()))\n" % (str(REPO), str(TESTS), str(Path(__file__).resolve().parent))
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=REPO)

@@ -1,7 +1,7 @@
 """Op trace: the op inside a diverging module whose own result is wrong, on the CPU as the target.
 
 Faults are planted on the target side only, through the case's patch factory, as in
-tests/test_localize.py. A *kernel* fault is a dispatch mode entered by the patch set that replaces one
+tests/diagnose/test_localize.py. A *kernel* fault is a dispatch mode entered by the patch set that replaces one
 aten op's result (a softmax computed in float16 inside, a layer norm applying another eps than it is
 given, a matmul off by 1e-4 relative): the op trace's own mode runs above it, so it sees the wrong
 kernel as the target's op, and its golden runs with every mode off. A *code* fault changes what the
@@ -146,11 +146,11 @@ def test_a_softmax_kernel_computing_in_half_is_named(net, x):
     assert "First divergence: attn (Attention), in its own code outside its submodules" in message
     first = _first_op(extra)
     assert first["op"] == "aten._softmax" and first["module"] == "attn" and first["verdict"] == "local"
-    assert first["source"].startswith("tests/test_op_trace.py:") and "torch.softmax(scores, dim=-1)" in first["source"]
+    assert first["source"].startswith("tests/diagnose/test_op_trace.py:") and "torch.softmax(scores, dim=-1)" in first["source"]
     # float16's rounding (up to 2^-11 relative) is far beyond the float32 budget, and the op's inputs were exact
     assert first["local"] > 10 * first["budget"] and first["budget"] == op_budget(torch.float32)
     assert first["inherited"] < first["budget"]
-    assert "first culprit op: aten._softmax (in attn, tests/test_op_trace.py:" in message
+    assert "first culprit op: aten._softmax (in attn, tests/diagnose/test_op_trace.py:" in message
     assert "LOCAL <- first culprit op" in message
     # The op table follows the module table in the message.
     assert message.index("LOCAL <- first divergence") < message.index("Op trace of attn (Attention)")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
+from locations import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
 
 CONFTEST = """
 import json
@@ -28,7 +27,7 @@ def test_a_project_without_parity_checks_imports_no_torch(pytester, monkeypatch,
     if importlib.util.find_spec("torch_npu") is not None:
         pytest.skip("torch_npu is installed: the plugin imports torch at start-up to guard `import torch` "
                     "(npu.prepare_torch)")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     modules_file = pytester.path / "modules.json"
     pytester.makeconftest(CONFTEST.format(path=str(modules_file)))
     pytester.makepyfile(test_plain="def test_a():\n    assert 1 + 1 == 2\n")

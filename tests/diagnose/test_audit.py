@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import TESTS
 
 from pytest_npu_parity.audit import (
     DEFAULT_LOGICAL_TARGET,
@@ -22,7 +23,7 @@ from pytest_npu_parity.audit import (
     audit_call,
 )
 
-PATTERNS = Path(__file__).parent / "bug_patterns"
+PATTERNS = TESTS / "bug_patterns"
 TARGET = DEFAULT_LOGICAL_TARGET  # cuda:1, logical on this CPU-only machine
 
 

@@ -2,7 +2,7 @@
 outputs and a torch-only ``repro.py`` that reproduces the verdict.
 
 Faults are planted on the target side only, through the case's patch factory, as in
-tests/test_localize.py and tests/test_op_trace.py: a Linear weight scaled by 1.001 (the localization
+tests/diagnose/test_localize.py and tests/diagnose/test_op_trace.py: a Linear weight scaled by 1.001 (the localization
 names that Linear; the repro rebuilds ``torch.nn.Linear``), a softmax kernel computing in float16 (the
 op trace names ``aten._softmax``; the repro replays that op), and a weight fault in a module that
 cannot be rebuilt (its ops are replayed). On this CPU-only machine the faulty target behaviour exists

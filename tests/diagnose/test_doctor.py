@@ -11,10 +11,10 @@ import importlib.util
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
+from locations import TESTS
 
 from pytest_npu_parity import doctor, npu
 from pytest_npu_parity.diagnose.doctor import cli as doctor_run
@@ -25,7 +25,7 @@ try:
 except ImportError:  # dev extra not installed: validate with the subset the schema uses
     jsonschema = None
 
-_FAKES_PATH = Path(__file__).resolve().parent / "fakes" / "fake_env.py"
+_FAKES_PATH = TESTS / "fakes" / "fake_env.py"
 _spec = importlib.util.spec_from_file_location("npu_parity_fake_env", _FAKES_PATH)
 fake_env = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake_env)

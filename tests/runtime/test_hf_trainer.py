@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from locations import REPO
 
 from pytest_npu_parity import hf_trainer
 from pytest_npu_parity.aurora import checks, factory, patches
@@ -22,7 +22,7 @@ from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.deepspeed_config import lint_file
 from pytest_npu_parity.runner import ParityCase, ParitySession
 
-SUITE = Path(__file__).resolve().parents[1] / "parity_suites" / "aurora"
+SUITE = REPO / "parity_suites" / "aurora"
 STEPS, BATCH = 5, 4
 _ON_TARGET = contextvars.ContextVar("on_target", default=False)
 

@@ -9,12 +9,12 @@ import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from locations import REPO
 
 from pytest_npu_parity import report
 from pytest_npu_parity.report import columns as report_columns
@@ -22,7 +22,6 @@ from pytest_npu_parity.report import history as report_history
 from pytest_npu_parity.compare import compare
 from pytest_npu_parity.policy import FP32, LOW_PRECISION
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,9 +113,9 @@ def test_columns_are_the_documented_contract():
 
 
 def test_the_columns_reference_page_is_generated_from_the_column_tables():
-    page = ROOT / "docs" / "reference" / "report-columns.md"
+    page = REPO / "docs" / "reference" / "report-columns.md"
     assert page.exists() and page.read_text(encoding="utf-8") == report_columns.reference_markdown(), (
-        f"{page.relative_to(ROOT)} differs from the column tables of pytest_npu_parity/report/columns.py; "
+        f"{page.relative_to(REPO)} differs from the column tables of pytest_npu_parity/report/columns.py; "
         "regenerate it with: python -m pytest_npu_parity.report.columns > docs/reference/report-columns.md")
     for table in (report_columns.ROW_TABLE, report_columns.META_TABLE, report_columns.EXTRA_TABLE):
         for column in table:
@@ -435,7 +434,7 @@ def test_cli_rerenders_results_and_history(tmp_path, capsys):
 def test_cli_through_the_package_dispatcher(tmp_path):
     report.write_report(_known_rows(), _meta(), tmp_path / "in")
     proc = subprocess.run([sys.executable, "-m", "pytest_npu_parity", "report", str(tmp_path / "in"), "-o", str(tmp_path / "out")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "out" / "report.html").exists() and "summary" in proc.stdout
 
@@ -446,7 +445,7 @@ def test_cli_through_the_package_dispatcher(tmp_path):
 
 def test_nightly_workflow_is_valid_yaml_running_the_documented_commands():
     yaml = pytest.importorskip("yaml")
-    path = ROOT / ".github" / "workflows" / "nightly-parity.yml"
+    path = REPO / ".github" / "workflows" / "nightly-parity.yml"
     workflow = yaml.safe_load(path.read_text())
     on = workflow.get("on", workflow.get(True))  # YAML 1.1 reads a bare `on` key as True
     assert on["schedule"][0]["cron"] and "workflow_dispatch" in on
@@ -473,7 +472,7 @@ def test_nightly_workflow_is_valid_yaml_running_the_documented_commands():
     assert "TORCH_NPU_WHEEL" in yaml.safe_dump(npu)
     uploads = [s for job in (npu, cpu) for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact")]
     assert len(uploads) >= 2
-    page = ROOT / "docs" / "how-to" / "nightly-report.md"
+    page = REPO / "docs" / "how-to" / "nightly-report.md"
     if page.exists() and "nightly-parity.yml" in page.read_text():
         text = page.read_text()
         for line in re.findall(r"^\s*(pytest --npu-parity parity_suites/aurora[^\n]*)", npu_run + "\n" + cpu_run, re.M):
@@ -485,7 +484,7 @@ def test_nightly_workflow_is_valid_yaml_running_the_documented_commands():
 
 
 def _render_check_module():
-    spec = importlib.util.spec_from_file_location("render_report_check", ROOT / "scripts" / "render_report_check.py")
+    spec = importlib.util.spec_from_file_location("render_report_check", REPO / "scripts" / "render_report_check.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import REPO
 from safetensors import safe_open
 
 from pytest_npu_parity import baselines as bl
@@ -29,7 +30,6 @@ from pytest_npu_parity.baselines import (
     UnsafeBaselineError,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 TEST_ID = "parity_suites/aurora/test_layers.py::test_decoder_layer[bf16-batch]"
 PROV = {"device_type": "cuda", "device_name": "NVIDIA H200", "created": "2026-11-30T09:27:05+00:00",
         "torch": "2.14.1", "recipe": "bf16", "git_revision": "ab12cd34ef00"}

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import TESTS
 
 from pytest_npu_parity import npu
 
-_FAKES_PATH = Path(__file__).resolve().parent / "fakes" / "fake_env.py"
+_FAKES_PATH = TESTS / "fakes" / "fake_env.py"
 _spec = importlib.util.spec_from_file_location("npu_parity_fake_env_q", _FAKES_PATH)
 fake_env = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake_env)

@@ -2,7 +2,7 @@
 
 The draws of another machine are emulated by moving every floating tensor by a few ULPs of its
 largest value (what ``ATEN_CPU_CAPABILITY=default`` does to ``torch.randn`` and ``nn.init``; the real
-kernel path is exercised end to end in tests/test_plugin_replay.py).
+kernel path is exercised end to end in tests/plugin/test_plugin_replay.py).
 """
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def test_weights_that_were_not_recorded_say_why_when_they_differ():
 
 def test_extras_are_stored_once_per_file_and_covered_by_the_checksum(tmp_path):
     torch.manual_seed(0)
-    x, w = torch.randn(8, 8), torch.randn(64)  # under POOL_MIN_BYTES: in the file (larger: tests/test_replay_pool.py)
+    x, w = torch.randn(8, 8), torch.randn(64)  # under POOL_MIN_BYTES: in the file (larger: tests/store/test_replay_pool.py)
     store = BaselineStore(tmp_path, "s")
     checks = {name: CheckBaseline(name, {"": torch.zeros(2) + i}, extras={"input:0": x, "weight:w": w})
               for i, name in enumerate(("a", "b"))}

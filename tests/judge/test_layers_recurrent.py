@@ -111,7 +111,7 @@ def test_a_baseline_passes_on_other_cpu_kernel_paths_and_thread_counts(tmp_path)
         """)
     variants = [({}, "1"), ({"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}, "2")]
     for env, threads in variants:
-        # autoload off: a torch_npu wheel without CANN must not break the child's import torch (tests/test_npu_quarantine.py)
+        # autoload off: a torch_npu wheel without CANN must not break the child's import torch (tests/runtime/test_npu_quarantine.py)
         env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", **env}
         out = subprocess.run([sys.executable, "-c", child, threads], env=env, capture_output=True, text=True,
                              timeout=300)

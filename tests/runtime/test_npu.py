@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import TESTS
 
 from pytest_npu_parity import ascend_release, npu
 
-_FAKES_PATH = Path(__file__).resolve().parent / "fakes" / "fake_env.py"
+_FAKES_PATH = TESTS / "fakes" / "fake_env.py"
 _spec = importlib.util.spec_from_file_location("npu_parity_fake_env", _FAKES_PATH)
 fake_env = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake_env)
@@ -695,7 +696,7 @@ def test_stub_doctor_launches_before_its_aurora_sections(tmp_path):
     assert len(imports) == 1  # the patch-set / smoke sections
 
 
-AARCH64_WHEELS = Path(__file__).parent / "data" / "torch_npu_aarch64"  # METADATA/WHEEL of the real aarch64 wheels
+AARCH64_WHEELS = TESTS / "data" / "torch_npu_aarch64"  # METADATA/WHEEL of the real aarch64 wheels
 
 
 @pytest.mark.parametrize(("wheel", "pin", "fix"), [

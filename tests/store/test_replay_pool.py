@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import TESTS
 from pytester_helpers import edit_module
 from test_own_models import FAULT_CONFTEST
 
@@ -244,7 +245,7 @@ def test_a_record_run_prunes_the_objects_it_orphaned_and_keeps_the_others(pytest
 
 
 def test_version_3_files_still_read(tmp_path: Path) -> None:
-    committed = Path(__file__).resolve().parent / "data" / "replay_baselines"
+    committed = TESTS / "data" / "replay_baselines"
     shutil.copytree(committed, tmp_path / "baselines")
     stores = SuiteStores(tmp_path / "baselines")
     baseline = stores.load("test_gpt2.py::test_gpt2[fp32]")

@@ -1,9 +1,9 @@
 """docs/reference/options.md is generated from the options table (plugin/options.py)."""
-from pathlib import Path
+from locations import REPO
 
 from pytest_npu_parity.plugin import options
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "options.md"
+PAGE = REPO / "docs" / "reference" / "options.md"
 
 
 def test_options_page_matches_the_table():
