@@ -124,6 +124,9 @@ class LaunchOrderError(RuntimeError):
     """A package the launcher must precede (``LAUNCH_BEFORE``) was imported before :func:`launch` ran."""
 
 
+LaunchOrderError.__module__ = "pytest_npu_parity.npu"  # printed as before the move
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchRecord:
     """What :func:`launch` did in this process, in order.
@@ -248,7 +251,7 @@ def precision_flags() -> dict[str, bool | str]:
         ImportError / RuntimeError: torch cannot be imported.
     """
     import_torch()  # safely, before recipes imports torch
-    from ...recipes import precision_flags as _flags
+    from ..recipes import precision_flags as _flags
 
     return _flags()
 
