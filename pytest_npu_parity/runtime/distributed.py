@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import functools
 import json
 import os
 import socket
@@ -503,30 +504,17 @@ def data_parallel_step(model_fn: Callable[[], torch.nn.Module], inputs: dict[str
         ValueError / TypeError: bad inputs, world size or recipe (an unknown one, or ``fp16``:
             :func:`loss_scaling_unsupported`), before anything is launched.
     """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     from .npu.launcher import dist_backend_for
 
     device = torch.device(device)
-    devices = rank_devices(device, world_size, device_count)
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
-    if RECIPES[recipe].loss_scaling:
-        raise ValueError(loss_scaling_unsupported(recipe))
-    shards = [shard_inputs(inputs, rank, world_size) for rank in range(world_size)]  # validates first
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    devices, shards = _checked_shards(inputs, device, world_size, device_count, recipe, timeout_s)
     backend = dist_backend_for(device)
     module = model_fn()
     result = DataParallelResult(world_size, backend, tuple(str(d) for d in devices), str(device))
     rank_threads = threads or max(1, torch.get_num_threads() // world_size)
     with tempfile.TemporaryDirectory(prefix="npu-parity-ddp-") as tmp:
         workdir = Path(tmp)
-        _save_state(module, workdir / "state.safetensors")
-        for rank, shard in enumerate(shards):
-            save_file({k: v.detach().cpu().contiguous() for k, v in shard.items()},
-                      str(workdir / f"shard{rank}.safetensors"))
+        _write_inputs(workdir, module, shards)
         spec = {
             "workdir": str(workdir), "world_size": world_size, "backend": backend,
             "devices": [str(d) for d in devices], "master_addr": "127.0.0.1", "master_port": free_port(),
@@ -538,25 +526,72 @@ def data_parallel_step(model_fn: Callable[[], torch.nn.Module], inputs: dict[str
         start = time.perf_counter()
         _launch(spec, timeout_s)
         result.seconds = time.perf_counter() - start
-        for rank in range(world_size):
-            path = workdir / f"rank{rank}.safetensors"
-            if not path.is_file():
-                raise DataParallelError(f"data-parallel step: rank {rank} exited without writing {path.name}")
-            with safe_open(str(path), framework="pt") as handle:
-                none = json.loads((handle.metadata() or {}).get("none", "[]"))
-                leaves: dict[str, torch.Tensor | None] = {k: handle.get_tensor(k) for k in handle.keys()}
-            leaves.update({k: None for k in none})
-            result.actual.update({f"rank{rank}.{k}": v for k, v in sorted(leaves.items())})
+        _read_ranks(workdir, world_size, result)
     start = time.perf_counter()
     # The reference runs with each rank's intra-op thread count: bf16 CPU kernels block their
     # reductions by thread count, which alone moved a few LayerNorm gradients by 1.5e-3 (measured).
-    saved_threads = torch.get_num_threads()
-    torch.set_num_threads(rank_threads)
-    try:
-        result.expected = reference_step(module, inputs, world_size=world_size, device=device, seed=seed,
-                                         recipe=recipe, max_grad_norm=max_grad_norm, optimizer_fn=optimizer_fn,
-                                         loss_fn=loss_fn, setup=setup)
-    finally:
-        torch.set_num_threads(saved_threads)
+    result.expected = _with_threads(rank_threads, functools.partial(
+        reference_step, module, inputs, world_size=world_size, device=device, seed=seed, recipe=recipe,
+        max_grad_norm=max_grad_norm, optimizer_fn=optimizer_fn, loss_fn=loss_fn, setup=setup))
     result.reference_seconds = time.perf_counter() - start
     return result
+
+
+def _checked_shards(inputs: dict[str, torch.Tensor], device: torch.device, world_size: int,
+                    device_count: int | None, recipe: str,
+                    timeout_s: float) -> tuple[list[torch.device], list[dict[str, torch.Tensor]]]:
+    """The ranks' devices and input shards of :func:`data_parallel_step`, after checking its arguments
+    (before anything is built or launched).
+
+    Raises:
+        NotEnoughDevicesError, ValueError, TypeError: as :func:`data_parallel_step`.
+    """
+    devices = rank_devices(device, world_size, device_count)
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
+    if RECIPES[recipe].loss_scaling:
+        raise ValueError(loss_scaling_unsupported(recipe))
+    shards = [shard_inputs(inputs, rank, world_size) for rank in range(world_size)]  # validates first
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    return devices, shards
+
+
+def _write_inputs(workdir: Path, module: torch.nn.Module, shards: list[dict[str, torch.Tensor]]) -> None:
+    """The model's state (``state.safetensors``) and each rank's shard (``shard<r>.safetensors``) for the ranks."""
+    from safetensors.torch import save_file
+
+    _save_state(module, workdir / "state.safetensors")
+    for rank, shard in enumerate(shards):
+        save_file({k: v.detach().cpu().contiguous() for k, v in shard.items()},
+                  str(workdir / f"shard{rank}.safetensors"))
+
+
+def _read_ranks(workdir: Path, world_size: int, result: DataParallelResult) -> None:
+    """Every rank's leaves (``rank<r>.safetensors``) into ``result.actual`` as ``rank<r>.<leaf>``; a
+    gradient a rank had none for (its ``none`` metadata) is None.
+
+    Raises:
+        DataParallelError: a rank wrote no result.
+    """
+    from safetensors import safe_open
+
+    for rank in range(world_size):
+        path = workdir / f"rank{rank}.safetensors"
+        if not path.is_file():
+            raise DataParallelError(f"data-parallel step: rank {rank} exited without writing {path.name}")
+        with safe_open(str(path), framework="pt") as handle:
+            none = json.loads((handle.metadata() or {}).get("none", "[]"))
+            leaves: dict[str, torch.Tensor | None] = {k: handle.get_tensor(k) for k in handle.keys()}
+        leaves.update({k: None for k in none})
+        result.actual.update({f"rank{rank}.{k}": v for k, v in sorted(leaves.items())})
+
+
+def _with_threads(threads: int, run: Callable[[], Any]) -> Any:
+    """``run()`` with torch's intra-op thread count set to ``threads``, restored afterwards."""
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return run()
+    finally:
+        torch.set_num_threads(saved_threads)
