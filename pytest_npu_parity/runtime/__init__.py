@@ -1,1 +1,8 @@
-"""Running computations: one side's run of a check, and the mechanics of one training step."""
+"""Running computations: how a check runs on a device.
+
+One side's run of a check (``side``, ``golden_run``, ``layer_capture``) and the mechanics of one
+training step (``training``); the recipes, the shared random stream and the machine-independent
+weights (``recipes``, ``rng``, ``stable_init``); the target devices and the Ascend stack (``devices``,
+``npu/``); data-parallel and Trainer runs (``distributed``, ``process_group``, ``hf_trainer``,
+``deepspeed_config``).
+"""

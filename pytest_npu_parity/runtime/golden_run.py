@@ -29,8 +29,8 @@ import torch
 
 from ..leaves import flatten
 from ..modules import owner_module
-from ..recipes import strict_fp32_flags
-from ..rng import same_randomness
+from .recipes import strict_fp32_flags
+from .rng import same_randomness
 
 
 #: Golden dtypes per recipe, tried in order (fp64; for bf16/fp16 work fp32 where fp64 cannot run).

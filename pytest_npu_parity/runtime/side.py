@@ -31,8 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..audit import DEFAULT_LOGICAL_TARGET, DeviceAudit
 from ..leaves import flatten, is_cache
 from ..modules import owner_module
-from ..recipes import RECIPES, Recipe, RecipeUnsupportedError, strict_fp32_flags
-from ..rng import randomness, target_seed
+from .recipes import RECIPES, Recipe, RecipeUnsupportedError, strict_fp32_flags
+from .rng import randomness, target_seed
 from .layer_capture import DEFAULT_SAMPLES, capture_layers
 
 PatchFactory = Callable[[torch.device], ContextManager[Any]]

@@ -18,10 +18,10 @@ from typing import Any, Callable
 
 import torch
 
-from .. import recipes
+from . import recipes
 from ..audit import not_audited
 from ..store.compact import SAMPLE_SUFFIX, STATS_SUFFIX, base_leaf
-from ..recipes import Recipe, strict_fp32_flags
+from .recipes import Recipe, strict_fp32_flags
 from ..structure import train_recipe
 from .golden_run import GoldenUnavailableError, golden_dtypes
 from .side import RUN_RECIPE, RunSpec, Side, _CopyOnEntry, run_side, trainable_copy

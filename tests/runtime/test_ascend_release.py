@@ -13,6 +13,7 @@ from locations import TESTS
 
 from pytest_npu_parity import ascend_release, doctor, npu
 from pytest_npu_parity.diagnose.doctor import troubleshoot  # its home: the doctor reads its names there
+from pytest_npu_parity.runtime.npu import cann as npu_cann
 
 _FAKES_PATH = TESTS / "fakes" / "fake_env.py"
 _spec = importlib.util.spec_from_file_location("npu_parity_fake_env_release", _FAKES_PATH)
@@ -28,7 +29,7 @@ TOOLKIT_SET_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
 def no_toolkit(monkeypatch, tmp_path):
     for var in npu.TOOLKIT_ENV_VARS:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(npu, "DEFAULT_TOOLKIT_HOMES", (str(tmp_path / "no-such-toolkit"),))
+    monkeypatch.setattr(npu_cann, "DEFAULT_TOOLKIT_HOMES", (str(tmp_path / "no-such-toolkit"),))
 
 
 # --- layouts -----------------------------------------------------------------------------------
@@ -39,9 +40,9 @@ def test_toolkit_found_under_both_layouts(no_toolkit, monkeypatch):
     assert (old.version, Path(old.source).name) == ("8.2.RC1", "version.cfg")
     assert new.version == "9.1.0"
     assert new.source == str(fake_env.CANN_HOME / "x86_64-linux" / "ascend_toolkit_install.info")
-    monkeypatch.setattr(npu, "DEFAULT_TOOLKIT_HOMES", ("/no/such/ascend-toolkit/latest", str(fake_env.CANN_HOME)))
+    monkeypatch.setattr(npu_cann, "DEFAULT_TOOLKIT_HOMES", ("/no/such/ascend-toolkit/latest", str(fake_env.CANN_HOME)))
     assert npu.cann_version() == "9.1.0"  # the default-path search reaches the cann layout
-    monkeypatch.setattr(npu, "DEFAULT_TOOLKIT_HOMES", ())
+    monkeypatch.setattr(npu_cann, "DEFAULT_TOOLKIT_HOMES", ())
     monkeypatch.setenv("ASCEND_HOME_PATH", str(fake_env.CANN_HOME))  # what cann/set_env.sh exports
     assert npu.cann_version() == "9.1.0"
 
@@ -72,7 +73,7 @@ def test_every_message_names_the_installed_layouts_set_env(no_toolkit, monkeypat
     monkeypatch.setenv("ASCEND_TOOLKIT_HOME", str(fake_env.TOOLKIT_HOME))
     assert npu.explain_import_error(error).endswith(f"(e.g. `source {TOOLKIT_SET_ENV}`)")
     monkeypatch.delenv("ASCEND_TOOLKIT_HOME")
-    monkeypatch.setattr(npu, "_dist_version", lambda name: "2.14.0" if name == "torch_npu" else None)
+    monkeypatch.setattr(npu_cann, "_dist_version", lambda name: "2.14.0" if name == "torch_npu" else None)
     assert npu.explain_import_error(error).endswith(f"(e.g. `source {CANN_SET_ENV}`)")
     sentence = npu.cann_missing_sentence("2.14.0")
     assert "install the CANN toolkit 9.1.0 matching torch_npu" in sentence and CANN_SET_ENV in sentence

@@ -19,6 +19,10 @@ import torch
 from locations import TESTS
 
 from pytest_npu_parity import ascend_release, npu
+from pytest_npu_parity.runtime.npu import cann as npu_cann
+from pytest_npu_parity.runtime.npu import diagnosis as npu_diagnosis
+from pytest_npu_parity.runtime.npu import launcher as npu_launcher
+from pytest_npu_parity.runtime.npu import ops as npu_ops
 
 _FAKES_PATH = TESTS / "fakes" / "fake_env.py"
 _spec = importlib.util.spec_from_file_location("npu_parity_fake_env", _FAKES_PATH)
@@ -124,7 +128,7 @@ def no_default_toolkit(monkeypatch, tmp_path):
     """Hide the host's own CANN (env vars and default paths) from find_cann."""
     for var in npu.TOOLKIT_ENV_VARS:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(npu, "DEFAULT_TOOLKIT_HOMES", (str(tmp_path / "no-such-toolkit"),))
+    monkeypatch.setattr(npu_cann, "DEFAULT_TOOLKIT_HOMES", (str(tmp_path / "no-such-toolkit"),))
 
 
 def test_cann_version_from_fake_toolkit_version_cfg(no_default_toolkit):
@@ -213,7 +217,7 @@ def test_sentence_torch_npu_library_missing_points_at_reinstall():
 
 
 def test_sentence_two_accelerators_cuda(monkeypatch):
-    monkeypatch.setattr(npu, "_torch_pin_of_torch_npu", lambda: (None, None))  # no wheel metadata to read
+    monkeypatch.setattr(npu_diagnosis, "_torch_pin_of_torch_npu", lambda: (None, None))  # no wheel metadata to read
     exc = RuntimeError("Two accelerators cannot be used at the same time in PyTorch: npu and cuda. "
                        "You can install the cpu version of PyTorch to use your npu device, or use "
                        "the cuda device with 'export TORCH_DEVICE_BACKEND_AUTOLOAD=0'.")
@@ -230,7 +234,7 @@ def test_sentence_two_accelerators_cuda(monkeypatch):
                            "or install `pip install torch==2.14.0+cpu"),
 ])
 def test_sentence_two_accelerators_names_the_build_the_installed_wheel_pins(monkeypatch, wheel, pin, fix):
-    monkeypatch.setattr(npu, "_torch_pin_of_torch_npu", lambda: (wheel, pin))
+    monkeypatch.setattr(npu_diagnosis, "_torch_pin_of_torch_npu", lambda: (wheel, pin))
     exc = RuntimeError("Two accelerators cannot be used at the same time in PyTorch: npu and cuda.")
     sentence = npu.explain_import_error(exc)
     assert fix in sentence and "2.5.1+cpu" not in sentence.replace(fix, "") if wheel == "2.14.0" else fix in sentence
@@ -374,7 +378,7 @@ def test_probe_ops_catches_a_wrong_result(monkeypatch):
     counter = itertools.count(1)
     wrong = npu.OpSpec("scaled", lambda g: (torch.randn(4, 4, generator=g),),
                        lambda x: x * next(counter), 1e-3, 1e-3, "reference ×1, target ×2")
-    monkeypatch.setattr(npu, "_op_specs", lambda: {"scaled": wrong})
+    monkeypatch.setattr(npu_ops, "_op_specs", lambda: {"scaled": wrong})
     probe = npu.probe_ops("cpu", ["scaled"])["scaled"]
     assert probe.ran and not probe.ok
     assert "beyond rtol=0.001, atol=0.001" in probe.error
@@ -568,7 +572,7 @@ def test_launch_does_nothing_for_a_cpu_or_cuda_target(monkeypatch):
         raise AssertionError("a launcher step ran for a CPU/CUDA target")
 
     for name in ("register_transfer_to_npu", "set_npu_options", "bind_device", "npu_status"):
-        monkeypatch.setattr(npu, name, forbidden)
+        monkeypatch.setattr(npu_launcher, name, forbidden)
     assert npu.launch(torch.device("cpu")) is None
     assert npu.launch("cuda:1") is None
     assert npu.launched() is None
