@@ -37,44 +37,45 @@ import copy
 import time
 import weakref
 from functools import partial
-from dataclasses import replace
 from typing import Any, Callable, ContextManager
 
 import torch
 
 from .store.format import BaselineError
 from .checks.hooks import check_hook_problems, failure_diagnosis
-from .checks.plan import CaseFacts, CheckPlan
-from .checks.replay import REPLAY_LIMIT_BYTES, plan_replay, recorded_extras
-from .checks.stored_golden import add_goldens, addable, golden_source
+from .checks.plan import CaseFacts, CheckPlan, check_name
+from .checks.replay import REPLAY_LIMIT_BYTES, plan_replay, recorded_extras, replayed  # noqa: F401
+from .checks.stored_golden import add_goldens, addable, golden_source  # noqa: F401
 # Moved to the checks package; re-exported here, where tests, scripts and other modules import them.
 from .checks.record import _LOCALIZATION_COLUMNS, CheckRecord  # noqa: F401
 from .checks.reference import (STALE_CAUSES, Expected, ReferenceSource, StaleSuite,  # noqa: F401
                                baseline_error_record, check_hashes, expected_for, golden_for, load_baseline,
                                memo_key, recorded_golden_run, recording, recording_provenance, stale_cause,
-                               stale_suites,
-                               thread_count_mismatch, torch_version_mismatch, write_recording)
+                               stale_suites, store_goldens, thread_count_mismatch, torch_version_mismatch,
+                               train_hashes, write_recording)
 from .checks.verdict import (LEAVES, DistributionVerdict, LeafVerdict, Sides, compared_sides, given_sides,
                              optimizer_replay, split_layer_records, verdict_for)
 from .checks.verdict import vacuity_problems as _vacuity_problems  # the name runner had
 from .judge.allclose import CompareResult, ParityError, compare  # noqa: F401  (also runner.compare, as before)
 from .leaves import flatten  # noqa: F401  (also runner.flatten, as before)
-from .runtime.layer_capture import compiled_modules
+from .runtime.layer_capture import compiled_modules  # noqa: F401
 from .modules import owner_module  # noqa: F401  (also runner.owner_module, as before)
 from .judge.tolerance import Tolerance
 from .recipes import RECIPES, Recipe, strict_fp32_flags
-from .checks.settings import (DEFAULT_POLICIES, TRAINING_DEFAULT_POLICIES, CheckSettings,  # noqa: F401
-                              IniSettings, MarkerSettings, audit_mode as resolve_audit_mode)
+from .checks.settings import (DEFAULT_POLICIES, TRAINING_DEFAULT_POLICIES, Asked, CaseSettings,  # noqa: F401
+                              CheckSettings, IniSettings, MarkerSettings, audit_mode as resolve_audit_mode)
+from .checks.settings import layers_unless_compiled as _layers_unless_compiled  # noqa: F401  (the name runner had)
 from .rng import RNG_MODES
 # Moved to the runtime package; re-exported here, where tests, scripts and other modules import them.
 from .runtime.side import (CheckCall, PatchFactory, RunSpec, Side, _any_training, _CopyOnEntry,  # noqa: F401
                            _error_site, _move, _on_device, _RaisingOp, _Same, _sync_modes, _to_cpu_leaves,
                            check_runs, fresh_copy, no_patches, patch_factory_name, run_side, target_audit,
                            trainable_copy)
-from .runtime.training import (MAX_SCALE_BACKOFFS, ROUNDING_LEVEL_EPS, TrainSpec, _default_loss,  # noqa: F401
-                               _device_of, _forward_inputs, _loss_on, _without, default_optimizer, golden_step,
-                               is_training, replay_optimizer_step, rounding_level_params, scaled_backward_and_step,
-                               train_recipe_of, train_runs, training_step)
+from .runtime.training import (MAX_SCALE_BACKOFFS, ROUNDING_LEVEL_EPS, TrainCheck, TrainSpec,  # noqa: F401
+                               _default_loss, _device_of, _forward_inputs, _loss_on, _without, default_optimizer,
+                               golden_step, is_training, replay_optimizer_step, rounding_level_params,
+                               scaled_backward_and_step, train_check, train_inputs, train_recipe_of, train_runs,
+                               training_step)
 
 # DEFAULT_POLICIES and TRAINING_DEFAULT_POLICIES live with the settings resolver (checks/settings.py).
 #: What an audited check does with events beyond its audit budget (``ParitySession(audit_mode=...)``).
@@ -428,8 +429,8 @@ class ParityCase:
         """
         __tracebackhide__ = True
         seed = self.session.seed if seed is None else seed
-        plan = self._plan(name, dict(rtol=rtol, atol=atol, budget=budget, reason=reason), policy,
-                          grad or is_training(fn), audit_budget, layers, owner_module(fn),
+        plan = self._plan(name, Asked(dict(rtol=rtol, atol=atol, budget=budget, reason=reason), policy,
+                                      grad or is_training(fn), audit_budget, layers), owner_module(fn),
                           submodule=submodule, group=group)
         hashes = check_hashes(fn, args, kwargs)
         given = (args, kwargs)
@@ -446,13 +447,12 @@ class ParityCase:
                          memo=(getattr(plan.layer_policy, "samples", None),), input_changes=side.input_changes)
         return self._record_or_compare(plan, run, hashes, call, golden, given)
 
-    def train_step(self, name: str, module: torch.nn.Module, inputs: Any, *,
-                   labels: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+    def train_step(self, name: str, module: torch.nn.Module, inputs: Any, *, labels: Any = None,
+                   loss_fn: Callable[..., torch.Tensor] | None = None,
                    optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
                    max_grad_norm: float | None = 1.0, seed: int | None = None, submodule: str | None = None,
-                   group: str | None = None,
-                   rtol: float | None = None, atol: float | None = None, budget: float | None = None,
-                   reason: str | None = None, vacuous_ok: str | None = None,
+                   group: str | None = None, rtol: float | None = None, atol: float | None = None,
+                   budget: float | None = None, reason: str | None = None, vacuous_ok: str | None = None,
                    fault_weight: str | None = None, policy: str | None = None,
                    loop: Callable[[torch.nn.Module, dict, Recipe | None], dict] | None = None,
                    audit_budget: Any = None, store: str | None = None, layers: Any = None) -> CheckRecord:
@@ -518,33 +518,15 @@ class ParityCase:
             ParityError, baselines.BaselineError, recipes.RecipeUnsupportedError: as ``check``.
         """
         __tracebackhide__ = True
-        if labels is not None and loss_fn is None:
-            raise ValueError(f"train_step {name!r}: labels= needs a loss_fn(output, labels), e.g. "
-                             "loss_fn=torch.nn.CrossEntropyLoss()")
-        seed = self.session.seed if seed is None else seed
-        plan = self._plan(name, dict(rtol=rtol, atol=atol, budget=budget, reason=reason), policy, True,
-                          audit_budget, layers, module, submodule=submodule, group=group, store=store)
-        optimizer = optimizer or default_optimizer
-        positional, keywords = _forward_inputs(inputs)
-        hashes = check_hashes(module, positional, keywords, modes=False, labels=labels)
-        given = (positional, keywords, labels)
-        module, (positional, keywords, labels), hashes, plan = self._replayed(
-            plan, module, given, hashes, lambda m, g: check_hashes(m, g[0], g[1], modes=False, labels=g[2]))
-        # computed when recording, or comparing with a baseline that recorded one
-        hashes["train_recipe"] = lambda: train_recipe_of(module, optimizer, max_grad_norm, loss_fn, loop)
-        step = training_step(TrainSpec(optimizer, loss_fn, labels is not None, max_grad_norm, loop))
-
-        forward = (positional, keywords, labels)
-        side = self._side()
-        run, rerun = train_runs(side, module, step, forward, seed, plan.layer_policy)
-        golden = partial(golden_step, self.session.golden_runner, step, module, self.recipe, forward, seed)
-        replay = (partial(replay_optimizer_step, module, optimizer=optimizer, weights_dtype=self.recipe.weights_dtype)
-                  if loop is None and not self.recipe.loss_scaling else None)
-        call = CheckCall("train_step", module, positional, keywords, seed, True, rerun, vacuous_ok, fault_weight,
-                         replay=replay, memo=(getattr(plan.layer_policy, "samples", None), _Same(optimizer),
-                                              _Same(loss_fn), max_grad_norm, _Same(loop)),
-                         input_changes=side.input_changes)
-        return self._record_or_compare(plan, run, hashes, call, golden, given)
+        given = train_inputs(name, inputs, labels, loss_fn)
+        asked = Asked(dict(rtol=rtol, atol=atol, budget=budget, reason=reason), policy, True, audit_budget, layers,
+                      True, store)
+        plan = self._plan(name, asked, module, submodule=submodule, group=group)
+        module, forward, hashes, plan = self._replayed(plan, module, given, train_hashes(module, given), train_hashes)
+        spec = TrainSpec(optimizer or default_optimizer, loss_fn, forward[2] is not None, max_grad_norm, loop)
+        train = TrainCheck(module, forward, self.session.seed if seed is None else seed, spec, vacuous_ok, fault_weight)
+        run, golden, call = train_check(train, self._side(), self.recipe, self.session.golden_runner, plan.layer_policy)
+        return self._record_or_compare(plan, run, dict(hashes, train_recipe=train.train_recipe), call, golden, given)
 
     def compare(self, name: str, actual: Any, expected: Any, *, rtol: float | None = None,
                 atol: float | None = None, budget: float | None = None, reason: str | None = None,
@@ -562,8 +544,8 @@ class ParityCase:
         __tracebackhide__ = True
         tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance,
                                      dict(rtol=rtol, atol=atol, budget=budget, reason=reason))
-        golden_policy = self._verdict_policy(name, policy)
-        self._check_name(name)
+        golden_policy = self._settings().verdict_policy(name, policy)
+        check_name(name, self.records, self.test_id)
         plan = CheckPlan(name, tol, time.perf_counter(), submodule, group, vacuous_ok=vacuous_ok)
         return self._settle(plan, given_sides(name, actual, expected, golden, golden_policy), None, LEAVES)
 
@@ -586,24 +568,16 @@ class ParityCase:
         Raises:
             OSError: the file cannot be written (the old baseline is left intact).
         """
-        if self._golden_additions:  # --parity-store-goldens (a compare run)
-            return self._store_goldens()
+        if self._golden_additions:  # --parity-store-goldens (a compare run): checks.reference.store_goldens
+            status = store_goldens(self.session, self.test_id, self.recipe.name, self._golden_additions)
+            self._golden_additions = {}
+            return status
         if not (self.session.update_baselines and self._pending):
             return None
         outcome = "failed" if failed else outcome
         if outcome != "passed":
             self.not_written = outcome
         return write_recording(self.session, self.test_id, self.recipe.name, self._pending, outcome)
-
-    def _store_goldens(self) -> str:
-        """``--parity-store-goldens``: add the goldens this test's checks computed live (their baseline
-        entries store none) to its baseline file, whatever the verdicts (a golden does not depend on the
-        target); the status is kept in ``session.baseline_writes`` like a recording's."""
-        facts = recording_provenance(self.session.target, self.recipe.name, self.session.seed, self.session.rng)
-        status = add_goldens(self.session.store, self.test_id, self._golden_additions, facts)
-        self._golden_additions = {}
-        self.session.baseline_writes[self.test_id] = status
-        return status
 
     # -- the check's pipeline: settings -> reference (record mode stops there) -> target -> verdict ------
     def _record_or_compare(self, plan: CheckPlan, run: Callable, hashes: dict[str, Any], call: CheckCall,
@@ -625,7 +599,7 @@ class ParityCase:
         except BaselineError as exc:
             self._keep(baseline_error_record(self._facts(), plan, exc, weights))
             raise
-        actual, audit = run(self.target, patched=True, audited=self._audit_mode() != "off")
+        actual, audit = run(self.target, patched=True, audited=self._settings().audit_mode() != "off")
         sides = split_layer_records(Sides(actual, expected, audit, weights, notes=plan.notes,
                                           input_changes=call.input_changes), plan.layer_policy)
         judge = verdict_for(call.sample_dim, call.sample_dim is not None and self.session.rng == "device", expected.rng)
@@ -659,24 +633,9 @@ class ParityCase:
     def _replayed(self, plan: CheckPlan, fn: Any, given: tuple, hashes: dict[str, Any],
                   rehash: Callable[[Any, tuple], dict[str, Any]]) -> tuple[Any, tuple, dict[str, Any], CheckPlan]:
         """Compare mode against a baseline entry that recorded its inputs and weights: ``(fn, given,
-        hashes, plan)`` to run the check with — the recorded ones where this machine's differ from them by
-        no more than other random draws explain (``checks.replay.plan_replay``; the plan's notes say so),
-        else as given (a real change then stays stale, and ``hashes["replay_refused"]`` says why)."""
-        if self.session.update_baselines or self.session.reference not in ("auto", "baseline"):
-            return fn, given, hashes, plan
-        try:
-            baseline = self._load_baseline()
-        except BaselineError:
-            return fn, given, hashes, plan  # the check reports it
-        entry = baseline.checks.get(plan.name) if baseline is not None else None
-        if entry is None or not (entry.extras or entry.meta.get("replay")):  # a recording that predates replay
-            return fn, given, hashes, plan
-        replay, refused = plan_replay(entry.extras, entry.meta, fn, given, hashes)
-        if replay is None:
-            if refused:
-                hashes = dict(hashes, replay_refused=refused)
-            return fn, given, hashes, plan
-        return replay.fn, replay.given, rehash(replay.fn, replay.given), replace(plan, notes=plan.notes + (replay.note,))
+        hashes, plan)`` to run the check with (``checks.replay.replayed``)."""
+        comparing = not self.session.update_baselines and self.session.reference in ("auto", "baseline")
+        return replayed(self._load_baseline if comparing else None, plan, fn, given, hashes, rehash)
 
     def _load_baseline(self):
         __tracebackhide__ = True
@@ -710,28 +669,13 @@ class ParityCase:
         raise ParityError(message, record.result)
 
     # -- internals -----------------------------------------------------------------------------
-    def _plan(self, name: str, tolerance: dict[str, Any], policy: Any, training: bool, audit_budget: Any,
-              layers: Any, owner: torch.nn.Module | None = None, **fields: Any) -> CheckPlan:
-        """Check ``name``'s settings resolved in this order (a bad spec raises naming the check):
-        tolerance, verdict policy, audit budget, layer policy (none for a compiled ``owner``:
-        ``_layers_unless_compiled``), a train step's ``store`` (``fields``), then the name checked and
-        the clock started; ``fields``' submodule and group as given."""
+    def _plan(self, name: str, asked: Asked, owner: torch.nn.Module | None = None, **fields: Any) -> CheckPlan:
+        """Check ``name``'s settings resolved (``checks.settings.CaseSettings.resolve``: a bad spec raises
+        naming the check), then the name checked and the clock started; ``fields``' submodule and group as given."""
         __tracebackhide__ = True
-        tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance, tolerance)
-        golden_policy = self._verdict_policy(name, policy, training=training)
-        budget = self._audit_budget(name, audit_budget)
-        layer_policy, layer_note = _layers_unless_compiled(self._layer_policy(name, layers), owner)
-        if layer_note:
-            fields["notes"] = (layer_note,)
-        if "store" in fields:
-            from .store.compact import parse_train_store
-
-            store = fields.pop("store")
-            fields["train_store"] = (parse_train_store(store, source="check") if store is not None
-                                     else self.marker_train_store or self.session.train_store)
-        self._check_name(name)
-        return CheckPlan(name, tol, time.perf_counter(), golden_policy=golden_policy, audit_budget=budget,
-                         layer_policy=layer_policy, **fields)
+        resolved = self._settings().resolve(name, asked, owner)
+        check_name(name, self.records, self.test_id)
+        return CheckPlan(name, start=time.perf_counter(), **resolved, **fields)
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device, *, patched: bool,
              audited: bool = False, **spec: Any):
@@ -752,56 +696,16 @@ class ParityCase:
 
     def _facts(self) -> CaseFacts:
         """This test's facts for records and verdicts."""
-        return CaseFacts(self.test_id, self.recipe, self.target, self.session.target_name, self._audit_mode(),
-                         self.audit_budget, self.session.distribution_policy)
+        return CaseFacts(self.test_id, self.recipe, self.target, self.session.target_name,
+                         self._settings().audit_mode(), self.audit_budget, self.session.distribution_policy)
 
-    def _check_name(self, name: str) -> None:
-        if not name or "/" in name:
-            raise ValueError(f"check name {name!r} must be non-empty and contain no '/'")
-        if any(r.check == name for r in self.records):
-            raise ValueError(f"check name {name!r} is used twice in {self.test_id}; names must be unique per test")
-
-    def _verdict_policy(self, name: str, policy: Any, training: bool = False) -> Any:
-        """``session.settings.verdict_policy`` for this check; a bad ``policy=`` names the check."""
-        try:
-            return self.session.settings.verdict_policy(self.recipe.name, name, explicit=policy, training=training,
-                                                        marker_parsed=self.marker)
-        except (ValueError, TypeError) as exc:
-            raise type(exc)(f"parity check {name!r}: policy={policy!r}: {exc}") from None
-
-    def _layer_policy(self, name: str, spec: Any) -> Any:
-        """The ``layers.LayerPolicy`` of check ``name``: its own ``layers=`` over the test's; a bad spec names the check."""
-        try:
-            return self.session.settings.layer_policy(self.recipe.name, self.marker, spec)
-        except ValueError as exc:
-            raise ValueError(f"parity check {name!r}: {exc}") from None
-
-    def _audit_mode(self) -> str:
-        """``off`` (no audit), ``record``, ``warn`` or ``fail`` for this test's checks."""
-        return resolve_audit_mode(self.session.audit_mode, self.marker, auditable=self.session.audit_factory is not None)
-
-    def _audit_budget(self, name: str, spec: Any) -> Any:
-        """The ``audit.AuditBudget`` of check ``name``: ``spec`` over the test's; a bad spec names the check."""
-        try:
-            return self.session.settings.audit_budget(self.marker, spec)
-        except ValueError as exc:
-            raise ValueError(f"parity check {name!r}: {exc}") from None
+    def _settings(self) -> CaseSettings:
+        """This test's settings as its checks resolve theirs (``checks.settings.CaseSettings``)."""
+        return CaseSettings(self.session.settings, self.recipe.name, self.marker, self.marker_tolerance,
+                            self.marker_train_store or self.session.train_store, self.session.audit_mode,
+                            self.session.audit_factory is not None)
 
     def _keep(self, record: CheckRecord) -> None:
         self.records.append(record)
         self.session.records.append(record)
 
-
-def _layers_unless_compiled(policy: Any, module: torch.nn.Module | None) -> tuple[Any, str | None]:
-    """``(layer policy, note)``: the check's layer policy, or None with a note when ``module`` is (or
-    holds) a ``torch.compile``d module (``layers.compiled_modules``). The layer check's forward hooks
-    would be traced into the compiled program — graph breaks at the record's sampling, another graph
-    than the one production runs — so a compiled module is judged by its outputs alone."""
-    if policy is None or module is None:
-        return policy, None
-    compiled = compiled_modules(module)
-    if not compiled:
-        return policy, None
-    where = f"submodule {compiled[0]!r}" if compiled[0] else f"the {type(module).__name__}"
-    return None, (f"layer check off: {where} is compiled (torch.compile), and recording its layers would "
-                  "change the compiled program (graph breaks); its outputs are judged")

@@ -82,3 +82,12 @@ class CaseFacts:
         ref_text = {"cpu": "a live CPU run", "given": "the given expected output"}.get(
             reference, f"baseline {provenance}")
         return f"recipe {self.recipe.name}, target {self.target} ({self.target_name}) vs {ref_text}"
+
+
+def check_name(name: str, records: list[CheckRecord], test_id: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is a new check name of test ``test_id`` (its ``records`` so
+    far): non-empty, without ``/``, used by no record."""
+    if not name or "/" in name:
+        raise ValueError(f"check name {name!r} must be non-empty and contain no '/'")
+    if any(r.check == name for r in records):
+        raise ValueError(f"check name {name!r} is used twice in {test_id}; names must be unique per test")

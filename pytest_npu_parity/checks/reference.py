@@ -37,7 +37,7 @@ from .fingerprints import STALE_KINDS, check_fingerprints, fingerprint_changes
 from .plan import CaseFacts, CheckPlan
 from .record import BaselineProblem, CheckRecord
 from .stored_golden import META_KEY as GOLDEN_META_KEY
-from .stored_golden import UNAVAILABLE_NOTE, GoldenSource, recorded_golden
+from .stored_golden import UNAVAILABLE_NOTE, GoldenSource, add_goldens, recorded_golden
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,12 @@ def check_hashes(fn: Any, args: tuple, kwargs: dict, *, modes: bool = True, labe
             "input_summary": lambda: summarize_tensors(given), "config_tensors": config_tensors,
             "structure_hash": structure_hash(structure) if structure is not None else None,
             "structure": structure, FINGERPRINTS_KEY: check_fingerprints(fn, given)}
+
+
+def train_hashes(module: Any, given: tuple) -> dict[str, Any]:
+    """``check_hashes`` of a training step: ``given`` its ``(positional, keyword, labels)``; the
+    submodules' training modes left out (the step sets them)."""
+    return check_hashes(module, given[0], given[1], modes=False, labels=given[2])
 
 
 def memo_key(name: str, recipe: str, hashes: dict[str, Any], call: CheckCall) -> tuple:
@@ -502,4 +508,19 @@ def write_recording(session: Any, test_id: str, recipe: str, pending: dict[str, 
     status = session.store.write(test_id, pending, provenance)
     session.baseline_writes[test_id] = status
     session.baselines_used.add(session.store.path_for(test_id))
+    return status
+
+
+def store_goldens(session: Any, test_id: str, recipe: str, additions: dict[str, tuple]) -> str:
+    """``--parity-store-goldens`` at the end of a compare test (``ParityCase.finish``): add the goldens
+    its checks computed live (their baseline entries store none) to its baseline file, whatever the
+    verdicts (a golden does not depend on the target; ``checks.stored_golden.add_goldens``); the status
+    is kept in ``session.baseline_writes`` like a recording's.
+
+    Raises:
+        BaselineError, OSError: as ``add_goldens``.
+    """
+    facts = recording_provenance(session.target, recipe, session.seed, session.rng)
+    status = add_goldens(session.store, test_id, additions, facts)
+    session.baseline_writes[test_id] = status
     return status

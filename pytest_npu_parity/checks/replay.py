@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import copy
 import types
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -43,9 +43,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..modules import owner_module
 from ..provenance import uninitialized
 from ..stable_init import STABLE_MARK  # set by stable_init_: weights the same on every machine
+from ..store.format import BaselineError
 
 __all__ = ["DRAW_RTOL", "REPLAY_LIMIT_BYTES", "STABLE_MARK", "Replay", "recorded_extras", "plan_replay",
-           "draw_distance"]
+           "draw_distance", "replayed"]
 
 #: Largest ``draw_distance`` a tensor may have from the recorded one and still count as the same draw
 #: recomputed on another machine. Measured between ATen's avx512 and default kernel paths (torch 2.14.1,
@@ -257,3 +258,28 @@ def plan_replay(extras: dict[str, torch.Tensor], meta: dict, fn: Any, given: tup
     return Replay(replay_fn, new_given,
                   "replayed " + " and ".join(notes) + ": this machine's random draws differ from the "
                   "recording's in last bits only"), None
+
+
+def replayed(load: Callable[[], Any] | None, plan: Any, fn: Any, given: tuple, hashes: dict[str, Any],
+             rehash: Callable[[Any, tuple], dict[str, Any]]) -> tuple[Any, tuple, dict[str, Any], Any]:
+    """``(fn, given, hashes, plan)`` to run a check (its ``CheckPlan``) with, against the entry it has in
+    the test's baseline file (``load()``: the file or None; None in record mode or without baselines):
+    the recorded ones where this machine's differ from them by no more than other random draws explain
+    (``plan_replay``; the plan's notes say so, ``rehash(fn, given)`` fingerprints them), else as given
+    (a real change then stays stale, and ``hashes["replay_refused"]`` says why; so also without an
+    entry, with one that predates replay, or a file that cannot be loaded: the check reports that)."""
+    if load is None:
+        return fn, given, hashes, plan
+    try:
+        baseline = load()
+    except BaselineError:
+        return fn, given, hashes, plan  # the check reports it
+    entry = baseline.checks.get(plan.name) if baseline is not None else None
+    if entry is None or not (entry.extras or entry.meta.get("replay")):  # a recording that predates replay
+        return fn, given, hashes, plan
+    replay, refused = plan_replay(entry.extras, entry.meta, fn, given, hashes)
+    if replay is None:
+        if refused:
+            hashes = dict(hashes, replay_refused=refused)
+        return fn, given, hashes, plan
+    return replay.fn, replay.given, rehash(replay.fn, replay.given), replace(plan, notes=plan.notes + (replay.note,))

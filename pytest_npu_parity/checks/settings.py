@@ -14,11 +14,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+import torch
+
 from ..audit import AuditBudget, parse_audit_budget
 from ..store.compact import TrainStore, parse_train_store
 from ..judge.golden_policy import parse_policy_spec
 from ..judge.layers import LayerPolicy, default_layer_policy, parse_layer_spec
 from ..judge.tolerance import Tolerance, default_for_recipe, parse_spec_items
+from ..runtime.layer_capture import compiled_modules
 
 #: Verdict policy per recipe when nothing else is configured (measured: docs/explanation/verdict-accuracy.md).
 #: fp32 eval checks keep allclose 1e-5: no legitimate variant failed it (other torch release, other
@@ -290,3 +293,107 @@ class CheckSettings:
         if explicit is not None:
             return parse_train_store(explicit, source="check")
         return (marker.train_store if marker is not None else None) or self.ini.train_store
+
+
+@dataclass(frozen=True)
+class Asked:
+    """The settings keywords of one check's own call (None: not given), as ``CaseSettings.resolve`` takes them.
+
+    Attributes:
+        tolerance: ``rtol``, ``atol``, ``budget`` and ``reason``.
+        policy, audit_budget, layers: as ``ParityCase.check`` takes them.
+        training: the check computes in training mode (its default verdict policy:
+            ``TRAINING_DEFAULT_POLICIES``).
+        step: a ``train_step``: its plan keeps a train store (``store``, else the test's).
+        store: a ``train_step``'s ``store=``.
+    """
+
+    tolerance: Mapping[str, Any]
+    policy: Any = None
+    training: bool = False
+    audit_budget: Any = None
+    layers: Any = None
+    step: bool = False
+    store: Any = None
+
+
+@dataclass(frozen=True)
+class CaseSettings:
+    """One test's settings as its checks resolve theirs (``runner.ParityCase`` builds it when a check
+    asks): the session's resolver, the test's recipe and marker. A bad spec of a check's own raises
+    naming the check.
+
+    Attributes:
+        resolver: the session's ``CheckSettings``.
+        recipe: the test's recipe name.
+        marker: the test's parsed marker.
+        marker_tolerance: the marker's tolerance, or None.
+        train_store: the test's train store (the marker's, else the session's).
+        session_audit_mode: the session's audit mode (``ParitySession.audit_mode``).
+        auditable: the session has an audit factory.
+    """
+
+    resolver: CheckSettings
+    recipe: str
+    marker: MarkerSettings
+    marker_tolerance: Tolerance | None = None
+    train_store: Any = None
+    session_audit_mode: str = "off"
+    auditable: bool = False
+
+    def verdict_policy(self, name: str, policy: Any, training: bool = False) -> Any:
+        """``CheckSettings.verdict_policy`` for check ``name``; a bad ``policy=`` names the check."""
+        try:
+            return self.resolver.verdict_policy(self.recipe, name, explicit=policy, training=training,
+                                                marker_parsed=self.marker)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"parity check {name!r}: policy={policy!r}: {exc}") from None
+
+    def layer_policy(self, name: str, spec: Any) -> Any:
+        """The ``layers.LayerPolicy`` of check ``name``: its own ``layers=`` over the test's; a bad spec names the check."""
+        try:
+            return self.resolver.layer_policy(self.recipe, self.marker, spec)
+        except ValueError as exc:
+            raise ValueError(f"parity check {name!r}: {exc}") from None
+
+    def audit_mode(self) -> str:
+        """``off`` (no audit), ``record``, ``warn`` or ``fail`` for this test's checks."""
+        return audit_mode(self.session_audit_mode, self.marker, auditable=self.auditable)
+
+    def audit_budget(self, name: str, spec: Any) -> Any:
+        """The ``audit.AuditBudget`` of check ``name``: ``spec`` over the test's; a bad spec names the check."""
+        try:
+            return self.resolver.audit_budget(self.marker, spec)
+        except ValueError as exc:
+            raise ValueError(f"parity check {name!r}: {exc}") from None
+
+    def resolve(self, name: str, asked: Asked, owner: torch.nn.Module | None = None) -> dict[str, Any]:
+        """Check ``name``'s ``CheckPlan`` settings resolved in this order (a bad spec raises naming the
+        check): tolerance, verdict policy, audit budget, layer policy (none for a compiled ``owner``:
+        ``layers_unless_compiled``, ``notes`` then say so), a train step's ``train_store``."""
+        fields: dict[str, Any] = {"tolerance": self.resolver.tolerance(self.recipe, name, self.marker_tolerance,
+                                                                        asked.tolerance)}
+        fields["golden_policy"] = self.verdict_policy(name, asked.policy, training=asked.training)
+        fields["audit_budget"] = self.audit_budget(name, asked.audit_budget)
+        fields["layer_policy"], layer_note = layers_unless_compiled(self.layer_policy(name, asked.layers), owner)
+        if layer_note:
+            fields["notes"] = (layer_note,)
+        if asked.step:
+            fields["train_store"] = (parse_train_store(asked.store, source="check") if asked.store is not None
+                                     else self.train_store)
+        return fields
+
+
+def layers_unless_compiled(policy: Any, module: torch.nn.Module | None) -> tuple[Any, str | None]:
+    """``(layer policy, note)``: the check's layer policy, or None with a note when ``module`` is (or
+    holds) a ``torch.compile``d module (``layers.compiled_modules``). The layer check's forward hooks
+    would be traced into the compiled program — graph breaks at the record's sampling, another graph
+    than the one production runs — so a compiled module is judged by its outputs alone."""
+    if policy is None or module is None:
+        return policy, None
+    compiled = compiled_modules(module)
+    if not compiled:
+        return policy, None
+    where = f"submodule {compiled[0]!r}" if compiled[0] else f"the {type(module).__name__}"
+    return None, (f"layer check off: {where} is compiled (torch.compile), and recording its layers would "
+                  "change the compiled program (graph breaks); its outputs are judged")

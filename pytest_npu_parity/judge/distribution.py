@@ -474,27 +474,13 @@ def compare_samples(actual: torch.Tensor, expected: torch.Tensor, sample_dim: in
     leaf = DistributionLeaf(path=path, policy=policy, sample_dim=dim, shape=tuple(actual.shape),
                             dtype=str(actual.dtype).removeprefix("torch."), expected_shape=tuple(expected.shape),
                             expected_dtype=str(expected.dtype).removeprefix("torch."), numel=actual.numel())
-    if actual.dtype != expected.dtype:
-        leaf.problem = f"dtype mismatch: actual {leaf.dtype}, expected {leaf.expected_dtype}"
-        return leaf
-    others = lambda s: s[:dim] + s[dim + 1:]  # noqa: E731
-    if actual.dim() != expected.dim() or others(tuple(actual.shape)) != others(tuple(expected.shape)):
-        leaf.problem = (f"shape mismatch apart from the sample axis {dim}: actual {tuple(actual.shape)}, "
-                        f"expected {tuple(expected.shape)}")
+    leaf.problem = _mismatch(leaf, actual, expected, dim)
+    if leaf.problem is not None:
         return leaf
     y, x = _as_groups(actual, dim), _as_groups(expected, dim)   # target, reference: [G, S, F]
     leaf.groups, leaf.samples, leaf.expected_samples, leaf.features = x.shape[0], y.shape[1], x.shape[1], x.shape[2]
-    if min(x.shape[1], y.shape[1]) < policy.min_samples:
-        leaf.problem = (f"too few samples for a distribution comparison: {y.shape[1]} (target) and {x.shape[1]} "
-                        f"(reference) along axis {dim}, at least {policy.min_samples} each are needed "
-                        "(draw more, e.g. num_samples=32)")
-        return leaf
-    bad_t, bad_r = int((~torch.isfinite(y)).sum()), int((~torch.isfinite(x)).sum())
-    if bad_t or bad_r:
-        leaf.problem = f"NaN/Inf among the samples: {bad_t} (target), {bad_r} (reference)"
-        return leaf
-    if not x.numel():
-        leaf.problem = "no features to compare (an empty leaf)"
+    leaf.problem = _samples_problem(y, x, dim, policy)
+    if leaf.problem is not None:
         return leaf
     pooled = torch.cat([x, y], dim=1)                    # [G, N, F]: reference first, then target
     center = pooled.mean(1, keepdim=True)
@@ -503,16 +489,58 @@ def compare_samples(actual: torch.Tensor, expected: torch.Tensor, sample_dim: in
     used = (scale > _SPREAD_FLOOR * magnitude) & (scale > 0)
     leaf.features_used = int(used.sum())
     if not leaf.features_used:
-        # Every sample of both sides is the same number: equal (a deterministic sampler) passes.
-        leaf.statistics = dict.fromkeys(STATISTICS, 0.0)
-        leaf.pvalues = dict.fromkeys(STATISTICS, 1.0)
-        leaf.pvalue, leaf.mean_shift, leaf.quantile_shift = 1.0, 0.0, 0.0
-        leaf.spread_ratio = leaf.spread_ratio_min = leaf.spread_ratio_max = 1.0
-        leaf.note = "no spread: every sample equal on both sides"
-        return leaf
+        return _without_spread(leaf)
     z = torch.where(used, (pooled - center) / torch.where(used, scale, torch.ones_like(scale)), torch.zeros_like(pooled))
-    n_ref, n_target = x.shape[1], y.shape[1]
-    n_all = n_ref + n_target
+    _permutation_test(leaf, z, used, x.shape[1], policy)
+    _effect_sizes(leaf, z, used, x.shape[1], policy)
+    if leaf.features_used < x.shape[0] * x.shape[2]:
+        leaf.note = f"{x.shape[0] * x.shape[2] - leaf.features_used} (group, feature) pairs without spread left out"
+    return leaf
+
+
+def _mismatch(leaf: DistributionLeaf, actual: torch.Tensor, expected: torch.Tensor, dim: int) -> str | None:
+    """``compare_samples``' dtype or shape mismatch (apart from the sample axis ``dim``), or None."""
+    if actual.dtype != expected.dtype:
+        return f"dtype mismatch: actual {leaf.dtype}, expected {leaf.expected_dtype}"
+    others = lambda s: s[:dim] + s[dim + 1:]  # noqa: E731
+    if actual.dim() != expected.dim() or others(tuple(actual.shape)) != others(tuple(expected.shape)):
+        return (f"shape mismatch apart from the sample axis {dim}: actual {tuple(actual.shape)}, "
+                f"expected {tuple(expected.shape)}")
+    return None
+
+
+def _samples_problem(y: torch.Tensor, x: torch.Tensor, dim: int, policy: DistributionPolicy) -> str | None:
+    """Why the target's ``y`` and the reference's ``x`` samples (``[G, S, F]``) cannot be compared
+    (too few, NaN/Inf, no features), or None."""
+    if min(x.shape[1], y.shape[1]) < policy.min_samples:
+        return (f"too few samples for a distribution comparison: {y.shape[1]} (target) and {x.shape[1]} "
+                f"(reference) along axis {dim}, at least {policy.min_samples} each are needed "
+                "(draw more, e.g. num_samples=32)")
+    bad_t, bad_r = int((~torch.isfinite(y)).sum()), int((~torch.isfinite(x)).sum())
+    if bad_t or bad_r:
+        return f"NaN/Inf among the samples: {bad_t} (target), {bad_r} (reference)"
+    if not x.numel():
+        return "no features to compare (an empty leaf)"
+    return None
+
+
+def _without_spread(leaf: DistributionLeaf) -> DistributionLeaf:
+    """``leaf`` where every sample of both sides is the same number: equal (a deterministic sampler) passes."""
+    leaf.statistics = dict.fromkeys(STATISTICS, 0.0)
+    leaf.pvalues = dict.fromkeys(STATISTICS, 1.0)
+    leaf.pvalue, leaf.mean_shift, leaf.quantile_shift = 1.0, 0.0, 0.0
+    leaf.spread_ratio = leaf.spread_ratio_min = leaf.spread_ratio_max = 1.0
+    leaf.note = "no spread: every sample equal on both sides"
+    return leaf
+
+
+def _permutation_test(leaf: DistributionLeaf, z: torch.Tensor, used: torch.Tensor, n_ref: int,
+                      policy: DistributionPolicy) -> None:
+    """Set ``leaf``'s ``statistics``, their marginal ``pvalues`` and the combined ``pvalue`` of the
+    pooled standardized samples ``z`` (``[G, N, F]``: the reference's ``n_ref`` first, then the
+    target's; ``used`` the features with spread) over ``policy.permutations`` random assignments."""
+    n_all = z.shape[1]
+    n_target = n_all - n_ref
     levels = torch.tensor(policy.quantiles, dtype=torch.float64)
     cut = torch.quantile(z, levels, dim=1).permute(1, 2, 0)        # [G, F, Q]
     q = len(policy.quantiles)
@@ -545,7 +573,13 @@ def compare_samples(actual: torch.Tensor, expected: torch.Tensor, sample_dim: in
     leaf.pvalue = float((combined >= combined[0]).sum()) / all_stats.shape[0]
     leaf.statistics = {name: float(obs[i]) for i, name in enumerate(STATISTICS)}
     leaf.pvalues = {name: float(marginal[i]) for i, name in enumerate(STATISTICS)}
-    # effect sizes (pooled standard deviations), on the observed assignment
+
+
+def _effect_sizes(leaf: DistributionLeaf, z: torch.Tensor, used: torch.Tensor, n_ref: int,
+                  policy: DistributionPolicy) -> None:
+    """Set ``leaf``'s effect sizes (in pooled standard deviations) on the observed assignment of ``z``
+    (as ``_permutation_test``): ``mean_shift`` (and where), ``quantile_shift``, ``spread_ratio*``."""
+    levels = torch.tensor(policy.quantiles, dtype=torch.float64)
     zt, zr = z[:, n_ref:], z[:, :n_ref]
     shift = (zt.mean(1) - zr.mean(1)).abs() * used[:, 0]
     flat = int(shift.argmax())
@@ -557,9 +591,6 @@ def compare_samples(actual: torch.Tensor, expected: torch.Tensor, sample_dim: in
     ratio = ratio[used[:, 0]]
     leaf.spread_ratio = float(torch.exp(ratio.mean()))
     leaf.spread_ratio_min, leaf.spread_ratio_max = float(torch.exp(ratio.min())), float(torch.exp(ratio.max()))
-    if leaf.features_used < x.shape[0] * x.shape[2]:
-        leaf.note = f"{x.shape[0] * x.shape[2] - leaf.features_used} (group, feature) pairs without spread left out"
-    return leaf
 
 
 def compare_distributions(actual: Any, expected: Any, sample_dim: int = 1, policy: DistributionPolicy | None = None,

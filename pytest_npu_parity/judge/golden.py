@@ -305,22 +305,8 @@ def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: t
     """
     tol = tolerance if tolerance is not None else default_for_dtype(expected.dtype)
     exact = not (expected.dtype.is_floating_point or expected.dtype.is_complex)
-    coarse = expected.dtype
-    note = None
     lenient = work_dtype is None or (work_dtype.is_floating_point and torch.finfo(work_dtype).bits <= 16)
-    if actual.dtype != expected.dtype and _same_kind(actual.dtype, expected.dtype) and not exact and lenient:
-        # Autocast op lists differ between devices and kernels (measured: under CPU bf16 autocast
-        # nn.TransformerEncoder's fast path returns bf16, its slow path fp32): the golden judges
-        # accuracy, not the dtype. Informative metrics are taken in the finer dtype, the rounding
-        # floor in the coarser one.
-        common = torch.promote_types(actual.dtype, expected.dtype)
-        coarse = actual.dtype if common == expected.dtype else expected.dtype
-        base = compare_tensors(actual.to(common), expected.to(common), tol, path)
-        base.dtype = str(actual.dtype).removeprefix("torch.")
-        base.expected_dtype = str(expected.dtype).removeprefix("torch.")
-        note = f"dtype differs: target {base.dtype}, reference {base.expected_dtype} (judged against the golden)"
-    else:
-        base = compare_tensors(actual, expected, EXACT if exact else tol, path)
+    base, coarse, note = _target_vs_reference(actual, expected, tol, exact, lenient, path)
     leaf = GoldenLeafResult(**{f.name: getattr(base, f.name) for f in dataclasses.fields(LeafResult)})
     leaf.policy = policy
     leaf.exact = exact
@@ -339,7 +325,35 @@ def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: t
     if policy.msprobe:
         _judge_msprobe(leaf, actual, expected, golden)
         return leaf
-    threshold, small_atol = policy.small_values_for(coarse)
+    _judge_ratios(leaf, actual, expected, golden, coarse)
+    return leaf
+
+
+def _target_vs_reference(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, exact: bool, lenient: bool,
+                         path: str) -> tuple[LeafResult, torch.dtype, str | None]:
+    """``(base, coarse, note)`` of ``judge_golden_tensors``: the informative target-vs-reference
+    comparison (``compare_tensors``, exact for integer and bool leaves), the dtype its rounding floor
+    is taken in, and the note of two floating dtypes that differ where that is ``lenient``."""
+    if actual.dtype != expected.dtype and _same_kind(actual.dtype, expected.dtype) and not exact and lenient:
+        # Autocast op lists differ between devices and kernels (measured: under CPU bf16 autocast
+        # nn.TransformerEncoder's fast path returns bf16, its slow path fp32): the golden judges
+        # accuracy, not the dtype. Informative metrics are taken in the finer dtype, the rounding
+        # floor in the coarser one.
+        common = torch.promote_types(actual.dtype, expected.dtype)
+        coarse = actual.dtype if common == expected.dtype else expected.dtype
+        base = compare_tensors(actual.to(common), expected.to(common), tol, path)
+        base.dtype = str(actual.dtype).removeprefix("torch.")
+        base.expected_dtype = str(expected.dtype).removeprefix("torch.")
+        note = f"dtype differs: target {base.dtype}, reference {base.expected_dtype} (judged against the golden)"
+        return base, coarse, note
+    return compare_tensors(actual, expected, EXACT if exact else tol, path), expected.dtype, None
+
+
+def _judge_ratios(leaf: GoldenLeafResult, actual: torch.Tensor, expected: torch.Tensor, golden: torch.Tensor,
+                  coarse: torch.dtype) -> None:
+    """Set ``leaf``'s ``target``, ``reference`` and ``floor`` metrics against ``golden`` (the floor: the
+    golden rounded to ``coarse``) and their ``ratios``, under ``leaf.policy``'s small-value criterion."""
+    threshold, small_atol = leaf.policy.small_values_for(coarse)
     sides = (_SideSums(), _SideSums(), _SideSums())  # target, reference, golden rounded to the dtype
     with _one_intra_op_thread():
         for a, e, g, rounded in float64_blocks(actual, expected, golden, golden.detach().to("cpu").to(coarse)):
@@ -358,7 +372,6 @@ def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: t
         "small_share": ratio(leaf.target.small_share, leaf.reference.small_share,
                              max(share_floor, leaf.floor.small_share)),
     }
-    return leaf
 
 
 @contextlib.contextmanager

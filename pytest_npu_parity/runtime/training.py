@@ -6,7 +6,8 @@ dynamic loss scaler under a loss-scaling recipe, ``scaled_backward_and_step``); 
 step's leaves (``loss``, ``grad.<p>``, ``amp.*``, ``param.<p>``, ``buffer.<b>``). Also here: the
 default optimizer and loss, the optimizer replay from given gradients (``replay_optimizer_step``),
 the parameters whose reference gradient is rounding noise (``rounding_level_params``), the golden
-of a step (``golden_step``) and the step's description for its baseline (``train_recipe_of``).
+of a step (``golden_step``) and the step's description for its baseline (``train_recipe_of``);
+``train_check`` puts them together into the runs, golden and ``CheckCall`` of one ``train_step``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import contextlib
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -24,7 +26,7 @@ from ..store.compact import SAMPLE_SUFFIX, STATS_SUFFIX, base_leaf
 from .recipes import Recipe, strict_fp32_flags
 from ..structure import train_recipe
 from .golden_run import GoldenUnavailableError, golden_dtypes
-from .side import RUN_RECIPE, RunSpec, Side, _CopyOnEntry, run_side, trainable_copy
+from .side import RUN_RECIPE, CheckCall, RunSpec, Side, _CopyOnEntry, _Same, run_side, trainable_copy
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -58,6 +60,18 @@ def _default_loss(output: Any) -> torch.Tensor:
         raise ValueError("train_step: the output has no scalar loss; pass loss_fn=lambda out: ... , or "
                          "labels=... with loss_fn=torch.nn.CrossEntropyLoss() (called as loss_fn(output, labels))")
     return loss
+
+
+def train_inputs(name: str, inputs: Any, labels: Any, loss_fn: Any) -> tuple[tuple, Any, Any]:
+    """``(positional, keyword, labels)`` of train step ``name``'s forward (``_forward_inputs``).
+
+    Raises:
+        ValueError: ``labels`` without a ``loss_fn``.
+    """
+    if labels is not None and loss_fn is None:
+        raise ValueError(f"train_step {name!r}: labels= needs a loss_fn(output, labels), e.g. "
+                         "loss_fn=torch.nn.CrossEntropyLoss()")
+    return (*_forward_inputs(inputs), labels)
 
 
 def _forward_inputs(inputs: Any) -> tuple[tuple, Any]:
@@ -195,6 +209,52 @@ def train_runs(side: Side, module: torch.nn.Module, step: Callable[..., dict], i
         return run(device, patched, args=args, batch=batch)[0]
 
     return run, rerun
+
+
+@dataclass(frozen=True)
+class TrainCheck:
+    """One ``train_step``'s computation (its arguments of the same names), as ``train_check`` needs it.
+
+    Attributes:
+        module: the module the step starts from.
+        forward: ``(positional, keyword, labels)`` of the forward.
+        seed: the seed of the shared random stream.
+        spec: how it trains (``TrainSpec``).
+        vacuous_ok, fault_weight: as ``train_step`` takes them.
+    """
+
+    module: torch.nn.Module
+    forward: tuple[tuple, Any, Any]
+    seed: int
+    spec: TrainSpec
+    vacuous_ok: str | None = None
+    fault_weight: str | None = None
+
+    def train_recipe(self) -> dict[str, Any]:
+        """``train_recipe_of`` this step (its fingerprint ``train_recipe``: computed when recording, or
+        comparing with a baseline that recorded one)."""
+        spec = self.spec
+        return train_recipe_of(self.module, spec.optimizer, spec.max_grad_norm, spec.loss_fn, spec.loop)
+
+
+def train_check(check: TrainCheck, side: Side, recipe: Recipe, golden_runner: Any,
+                layers: Any = None) -> tuple[Callable[..., tuple], Callable[[], dict], CheckCall]:
+    """``(run, golden, call)`` of a ``ParityCase.train_step``: ``run`` as ``train_runs`` gives it (with
+    the layer records of ``layers``), ``golden()`` the step's golden (``golden_step`` with
+    ``golden_runner``), and its ``CheckCall``, whose optimizer replay (``replay_optimizer_step``, in
+    ``recipe``'s weights dtype) is None with a ``loop`` or under a loss-scaling recipe."""
+    spec = check.spec
+    step = training_step(spec)
+    run, rerun = train_runs(side, check.module, step, check.forward, check.seed, layers)
+    golden = partial(golden_step, golden_runner, step, check.module, recipe, check.forward, check.seed)
+    replay = (partial(replay_optimizer_step, check.module, optimizer=spec.optimizer,
+                      weights_dtype=recipe.weights_dtype) if spec.loop is None and not recipe.loss_scaling else None)
+    positional, keywords, _ = check.forward
+    call = CheckCall("train_step", check.module, positional, keywords, check.seed, True, rerun, check.vacuous_ok,
+                     check.fault_weight, replay=replay,
+                     memo=(getattr(layers, "samples", None), _Same(spec.optimizer), _Same(spec.loss_fn),
+                           spec.max_grad_norm, _Same(spec.loop)), input_changes=side.input_changes)
+    return run, golden, call
 
 
 def golden_step(golden_runner: Any, step: Callable[..., dict], module: torch.nn.Module, recipe: Recipe,

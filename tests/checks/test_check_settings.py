@@ -37,7 +37,7 @@ def test_ini_and_marker_specs_are_parsed_once(monkeypatch):
     case = ParityCase(session, "t::t", "fp32", marker_policy="golden max_rel=20")
     for _ in range(3):
         assert session.tolerance("fp32", "ab").rtol == 1e-3
-        assert case._verdict_policy("ab", None).max_rel_ratio == 20
+        assert case._settings().verdict_policy("ab", None).max_rel_ratio == 20
         assert session.verdict_policy("fp32", "ab").rmse_ratio == 3
     assert "tolerance" not in calls  # parsed when the session was built
     assert calls.count("golden max_rel=20") == 1 and calls.count("golden rmse=3") == 1
@@ -49,13 +49,13 @@ def test_layers_audit_budget_and_train_store_follow_the_same_order():
     assert resolver.layer_policy("fp32").limit == 2e-5 and resolver.layer_policy("bf16") is None
     case = ParityCase(session, "t::t", "bf16", marker_layers=1e-2, audit_budget="d2h=2", marker_train_store="full",
                       audit_mode="warn")
-    assert case._layer_policy("c", None).limit == 1e-2 and case._layer_policy("c", False) is None
-    assert isinstance(case._layer_policy("c", "3e-3"), LayerPolicy)
-    budget = case._audit_budget("c", "cpu_fallback=1")
+    assert case._settings().layer_policy("c", None).limit == 1e-2 and case._settings().layer_policy("c", False) is None
+    assert isinstance(case._settings().layer_policy("c", "3e-3"), LayerPolicy)
+    budget = case._settings().audit_budget("c", "cpu_fallback=1")
     assert (budget.allowed["h2d"], budget.allowed["d2h"], budget.allowed["cpu_fallback"]) == (1, 2, 1)
     assert resolver.train_store(case.marker).mode == "full" and resolver.train_store().mode == "summary"
     assert resolver.train_store(case.marker, "summary samples=8").samples == 8
-    assert case._audit_mode() == "off"  # no audit factory: nothing is audited
+    assert case._settings().audit_mode() == "off"  # no audit factory: nothing is audited
     assert S.audit_mode("record", case.marker, auditable=True) == "warn"
 
 
