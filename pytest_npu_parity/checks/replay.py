@@ -18,8 +18,9 @@ per tensor (:func:`plan_replay`, :func:`draw_distance`):
 
 * **same computation, other draws** — same structure (``structure.structure_hash``), the same tensor
   names, shapes and dtypes, integer/bool tensors bitwise equal, and every floating tensor within
-  :data:`DRAW_RTOL` of the recorded one, each element against its own magnitude floored at the tensor's
-  median magnitude (so one large column cannot hide a change of the others): the check
+  :data:`DRAW_RTOL` of the recorded one, each element against its own magnitude floored at the median of the
+  tensor's non-zero magnitudes (so one large column cannot hide a change of the others, and a tensor
+  that is mostly exact zeros is not judged by the few values a draw left just above zero): the check
   runs on the *recorded* inputs and on a copy of the module holding the *recorded* weights, and its note
   says so (the user's module and inputs are never changed);
 * **a real change** — anything else (the user edited the model, its config, its init, the data
@@ -148,12 +149,16 @@ def recorded_extras(fn: Any, given: tuple, limit_bytes: int = REPLAY_LIMIT_BYTES
 
 
 def draw_distance(recorded: torch.Tensor, now: torch.Tensor) -> float:
-    """How far ``now`` is from ``recorded``: ``max_i |now_i - recorded_i| / max(|recorded_i|, median |recorded|)``
-    (float64) for floating tensors — each element against its own magnitude, floored at the tensor's
-    typical one (a draw's rounding error is about an ULP of the values around it, so elements near zero
-    are not held to their own tiny magnitude, while one large column cannot hide a change of the others);
-    0.0 when equal, ``inf`` when a value is not finite or an element differs where the floor is 0; 0.0 or
-    ``inf`` (equal or not) for integer and bool tensors.
+    """How far ``now`` is from ``recorded``: ``max_i |now_i - recorded_i| / max(|recorded_i|, m)`` (float64)
+    for floating tensors, where ``m`` is the median of the recorded tensor's *non-zero* magnitudes — each
+    element against its own magnitude, floored at the tensor's typical one (a draw's rounding error is
+    about an ULP of the values around it, so elements near zero are not held to their own tiny magnitude,
+    while one large column cannot hide a change of the others). Exact zeros are left out of the typical
+    magnitude: in a tensor that is mostly zeros (``relu``/``clamp`` of a draw, pruned or non-negative
+    weights, padding) the plain median is 0, and an element that the draw left just above zero would be
+    held to its own size. 0.0 when equal, ``inf`` when a value is not finite or an element differs where
+    the floor is 0 (every recorded value is zero); 0.0 or ``inf`` (equal or not) for integer and bool
+    tensors.
 
     Raises:
         ValueError: shapes or dtypes differ (the caller reports that as a change).
@@ -168,11 +173,21 @@ def draw_distance(recorded: torch.Tensor, now: torch.Tensor) -> float:
     diff = (now.to(torch.complex128 if now.is_complex() else torch.float64)
             - recorded.to(torch.complex128 if recorded.is_complex() else torch.float64)).abs()
     magnitude = recorded.abs().double().flatten()
-    floor = magnitude.median().item() if magnitude.numel() else 0.0
+    nonzero = magnitude[magnitude != 0]
+    floor = nonzero.median().item() if nonzero.numel() else 0.0
     ratio = diff.flatten() / magnitude.clamp_min(floor)
     ratio = torch.where(diff.flatten() == 0, torch.zeros_like(ratio), ratio)  # 0/0 where both are 0
     worst = ratio.max().item() if ratio.numel() else 0.0
     return worst if worst == worst else float("inf")
+
+
+def _all_zero(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and not bool(tensor.any())
+
+
+def _largest_change(recorded: torch.Tensor, now: torch.Tensor) -> float:
+    """``max |now - recorded|`` (float64) of two floating tensors of one shape."""
+    return (now.detach().to("cpu", torch.float64) - recorded.to(torch.float64)).abs().max().item()
 
 
 def _closest(recorded: dict[str, torch.Tensor], now: dict[str, Any], what: str) -> tuple[float, str | None, str | None]:
@@ -190,7 +205,9 @@ def _closest(recorded: dict[str, torch.Tensor], now: dict[str, Any], what: str) 
         except ValueError as exc:
             return float("inf"), key, f"{what} {key} changed ({exc})"
         if d > DRAW_RTOL:
-            how = "differs" if d == float("inf") else f"differs by {d:.2g} of its values"
+            how = (f"differs (by up to {_largest_change(rec, cur):.3g} where every recorded value is 0)"
+                   if d == float("inf") and _all_zero(rec) else
+                   "differs" if d == float("inf") else f"differs by {d:.2g} of its values")
             return d, key, (f"{what} {key} {how}, beyond the {DRAW_RTOL:g} that another machine's random "
                             "draws explain: a real change")
         if d > worst:

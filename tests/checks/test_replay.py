@@ -86,6 +86,35 @@ def test_draw_distance():
         draw_distance(t, t.double())
 
 
+def test_draw_distance_of_a_mostly_zero_tensor_takes_the_typical_non_zero_magnitude():
+    # relu/clamp of a draw: most values exactly 0, a few just above it. Another kernel path moves an element
+    # by an ULP of the value it was drawn near (here 0.5), not of what the clamp left (1e-7): against the
+    # plain median (0) that read as a relative change of ~1e-1, a "real change"; the typical non-zero
+    # magnitude is the floor now
+    recorded = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1e-7, 0.4, 0.6])
+    drawn_elsewhere = recorded.clone()
+    drawn_elsewhere[5] += 6e-8  # one ULP of 0.5 in float32
+    assert draw_distance(recorded, drawn_elsewhere) == pytest.approx(6e-8 / 0.4, rel=1e-2)
+    # an exact zero that the other draw leaves just above zero is judged the same way
+    flipped = recorded.clone()
+    flipped[0] = 3e-8
+    assert draw_distance(recorded, flipped) < 8e-6
+    # a real change of a value in a sparse tensor is still one
+    edited = recorded.clone()
+    edited[6] *= 1 + 1e-4
+    assert draw_distance(recorded, edited) == pytest.approx(1e-4, rel=1e-3)
+    # every value 0: any difference is a change (inf), and the stale message gives its size
+    zeros = torch.zeros(4)
+    assert draw_distance(zeros, zeros + 1e-9) == float("inf")
+
+
+def test_a_change_of_an_all_zero_tensor_is_named_with_its_size():
+    from pytest_npu_parity.checks.replay import _closest
+    d, name, why = _closest({"bias": torch.zeros(3)}, {"bias": torch.tensor([0.0, 0.25, 0.0])}, "weight")
+    assert d == float("inf") and name == "bias"
+    assert "weight bias differs (by up to 0.25 where every recorded value is 0)" in why
+
+
 def test_other_draws_are_replayed_on_a_copy_and_the_callers_objects_stay_as_they_are():
     torch.manual_seed(0)
     model, x = Net(), torch.randn(3, 8)

@@ -117,3 +117,53 @@ def test_parity_replay_limit_bounds_what_a_recording_carries(pytester: pytest.Py
     result = pytester.runpytest("--npu-parity", "test_tagger.py")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*ini parity_replay_limit='-1': give MiB, a finite number >= 0*"])
+
+
+SPARSE = """
+import torch
+from torch import nn
+
+
+class InverseWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(64))
+
+    def forward(self, feats):
+        return self.scale / (feats + 1e-3)
+
+
+def test_sparse_input(parity):
+    torch.manual_seed(0)
+    feats = (torch.randn(16, 64) - 0.5).relu()  # about 69 % exact zeros
+    parity.check("inverse", InverseWeight().eval(), feats)
+
+
+def test_sparse_weight(parity):
+    torch.manual_seed(0)
+    layer = nn.Linear(256, 256).eval()
+    nn.init.normal_(layer.weight, std=0.02)
+    with torch.no_grad():
+        layer.weight.sub_(0.01).clamp_(min=0)  # non-negative, about 69 % exact zeros
+    parity.check("nonneg", layer, torch.randn(8, 256))
+"""
+
+
+def test_mostly_zero_inputs_and_weights_are_replayed_there(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An input that is mostly exact zeros (a relu of a draw) failed there (the draws' last bits moved the
+    elements the relu left just above zero, judged against a median of 0), and a non-negative sparse weight
+    was stale; both are other draws of the same computation, so both are replayed."""
+    pytester.makeini("""
+        [pytest]
+        parity_dtypes = fp32
+    """)
+    pytester.makepyfile(test_sparse=SPARSE)
+    recorded = pytester.runpytest("--update-baselines", "test_sparse.py")
+    assert recorded.ret == 0, recorded.stdout.str()
+    result = _elsewhere(pytester, monkeypatch, "test_sparse.py")
+    out = result.stdout.str()
+    result.assert_outcomes(passed=2)
+    assert "is stale for check" not in out and "Parity check" not in out, out
+    assert "check 'inverse' (fp32): replayed the recorded inputs" in out, out
+    assert "and the recorded weights (largest draw difference" in out, out
