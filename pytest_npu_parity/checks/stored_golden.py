@@ -20,7 +20,8 @@ makes, ``CheckPlan.golden_policy`` — runs the golden once and stores it in the
   ``@sample``/``@stats``), which is what a compare run reduces a live golden to;
 * in the entry's meta under ``golden`` (:data:`META_KEY`): ``dtype`` (the golden's floating dtypes),
   ``policy`` (the verdict policy the recording was made under), ``leaves`` (the stored leaf paths) and
-  ``none_leaves`` (the golden's ``None`` leaves) — or ``unavailable`` (why the golden could not run,
+  ``none_leaves`` (the golden's ``None`` leaves), and :data:`AS_REAL_KEY` where a complex128 golden
+  leaf is stored as its float64 real view — or ``unavailable`` (why the golden could not run,
   ``golden.GoldenUnavailableError``: the compare run then judges by allclose with the same note, and runs
   no golden either).
 
@@ -51,6 +52,11 @@ __all__ = ["GOLDEN_PREFIX", "META_KEY", "GoldenSource", "recorded_golden", "gold
 GOLDEN_PREFIX = "golden:"
 #: Key of the stored golden's record in a check's meta.
 META_KEY = "golden"
+#: Key, in a check's ``golden`` meta record, of the complex golden leaves stored as their real view
+#: (``torch.view_as_real``: float64 with a last dimension of 2), since safetensors has no complex128 dtype
+#: (its ``_TYPES`` table stops at complex64); read back with ``torch.view_as_complex``.
+AS_REAL_KEY = "complex_as_real"
+_UNSTORABLE_COMPLEX = (torch.complex128,)
 #: The note of a check whose baseline entry stores no golden.
 NOT_STORED = ("golden computed live: the baseline stores none for this check (add it with --parity-store-goldens, "
               "or re-record)")
@@ -106,11 +112,22 @@ def recorded_golden(golden: dict | None, why: str | None, policy: Any,
     if golden is None:
         return {}, {"unavailable": str(why), "policy": described}
     leaves = apply_recorded(dict(golden), compact) or {}
-    extras = {GOLDEN_PREFIX + path: t.detach().to("cpu", copy=True)
-              for path, t in leaves.items() if isinstance(t, torch.Tensor)}
-    return extras, {"dtype": ",".join(_dtype_names(leaves)) or None, "policy": described,
-                    "leaves": sorted(p for p, t in leaves.items() if isinstance(t, torch.Tensor)),
-                    "none_leaves": sorted(p for p, t in leaves.items() if t is None)}
+    extras: dict[str, torch.Tensor] = {}
+    as_real: list[str] = []
+    for path, t in leaves.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = t.detach().to("cpu", copy=True)
+        if t.dtype in _UNSTORABLE_COMPLEX:  # safetensors has no complex128: its float64 (…, 2) real view
+            t = torch.view_as_real(t.resolve_conj()).clone()
+            as_real.append(path)
+        extras[GOLDEN_PREFIX + path] = t
+    meta = {"dtype": ",".join(_dtype_names(leaves)) or None, "policy": described,
+            "leaves": sorted(p for p, t in leaves.items() if isinstance(t, torch.Tensor)),
+            "none_leaves": sorted(p for p, t in leaves.items() if t is None)}
+    if as_real:
+        meta[AS_REAL_KEY] = sorted(as_real)
+    return extras, meta
 
 
 def golden_source(entry: Any, path: Any = None) -> GoldenSource:
@@ -156,6 +173,13 @@ def golden_source(entry: Any, path: Any = None) -> GoldenSource:
         raise CorruptBaselineError(f"{where} stores golden leaves {extra[:3]} of check {entry.name!r} that its "
                                    "golden record does not name; re-record it", path)
     leaves: dict[str, torch.Tensor | None] = {name: stored[name] for name in names}
+    for name in record.get(AS_REAL_KEY, []):
+        real = leaves.get(name)
+        if real is None or real.dtype != torch.float64 or real.dim() == 0 or real.shape[-1] != 2:
+            raise CorruptBaselineError(f"{where} stores the complex golden of output {name!r} of check "
+                                       f"{entry.name!r} as something other than its float64 real view; "
+                                       "re-record it", path)
+        leaves[name] = torch.view_as_complex(real.contiguous())
     leaves.update({name: None for name in none_leaves})
     return GoldenSource("stored", leaves=leaves)
 

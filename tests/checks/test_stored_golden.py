@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from pytest_npu_parity import golden as G
-from pytest_npu_parity.baselines import CorruptBaselineError, SuiteStores
+from pytest_npu_parity.baselines import CheckBaseline, CorruptBaselineError, SuiteStores
 from pytest_npu_parity.checks import stored_golden as S
 from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.runner import ParityCase, ParitySession
@@ -97,6 +97,44 @@ def test_a_recording_stores_the_golden_it_computed_and_a_compare_run_runs_none(t
     assert result.status == "pass" and result.policy == "golden" and result.reference == "baseline"
     assert {leaf.golden_dtype for leaf in result.result.leaves} == {"float64"}
     assert not result.extra.get("policy_note")
+
+
+class Spectrum(torch.nn.Module):
+    """``rfft(x @ w)``: a complex output, whose float64 golden is complex128 (safetensors has no such dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = Proj()
+
+    def forward(self, x):
+        return torch.fft.rfft(self.proj(x), dim=-1)
+
+
+def test_a_complex_golden_is_stored_as_its_real_view_and_read_back_bitwise(tmp_path):
+    # recording a bf16 check with a complex output raised KeyError: torch.complex128 in safetensors' save,
+    # so its baseline was never written
+    store = SuiteStores(tmp_path)
+    module = Spectrum()
+    entry = record(store, "bf16", "check", module, X).checks["proj"]
+    live = G.GoldenRunner().run(module, (X,), {}, recipe="bf16")
+    assert live[""].dtype == torch.complex128
+    assert entry.meta["golden"][S.AS_REAL_KEY] == [""]
+    source = S.golden_source(store.load(TEST_ID).checks["proj"])
+    assert source.kind == "stored" and source.leaves[""].dtype == torch.complex128
+    assert torch.equal(source.leaves[""], live[""])
+    result = compare_run(store, "bf16", "check", module, X)
+    assert not isinstance(result, Exception), result
+    assert result.status == "pass" and result.policy == "golden" and not result.extra.get("policy_note")
+    # the stored golden keeps its teeth: a 3e-2 weight scale on the target fails as against the live golden
+    failed = compare_run(store, "bf16", "check", module, X, patches=target_patch(scale=1 + 3e-2))
+    assert isinstance(failed, ParityError), failed
+
+
+def test_a_complex_golden_stored_as_something_else_is_an_error():
+    entry = CheckBaseline("c", {"": torch.zeros(2)}, extras={"golden:": torch.zeros(3)},
+                          meta={"golden": {"dtype": None, "leaves": [""], S.AS_REAL_KEY: [""]}})
+    with pytest.raises(CorruptBaselineError, match="float64 real view"):
+        S.golden_source(entry)
 
 
 def test_an_allclose_check_stores_no_golden(tmp_path):
