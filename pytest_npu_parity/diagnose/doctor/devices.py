@@ -10,7 +10,7 @@ import subprocess
 from typing import Any
 
 from ... import npu
-from . import troubleshoot
+from ...runtime.npu import troubleshoot
 from .report import SectionResult, _Context, _gib
 
 _NPU_SMI_ROW = re.compile(r"^\|\s*(\d+)\s+(\S+)\s*\|\s*([^|]*?)\s*\|")

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from ... import adapters, npu
-from . import troubleshoot
+from ...runtime.npu import troubleshoot
 from .report import SectionResult, _Context, _version
 
 def _section_environment(ctx: _Context, r: SectionResult) -> None:
