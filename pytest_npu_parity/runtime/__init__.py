@@ -4,6 +4,6 @@ One side's run of a check (``side``, ``golden_run``, ``layer_capture``) and the 
 training step (``training``); what a run did across the host/device boundary (``audit/``, the
 device-propagation audit); the recipes, the shared random stream and the machine-independent
 weights (``recipes``, ``rng``, ``stable_init``); the target devices and the Ascend stack (``devices``,
-``npu/``); data-parallel and Trainer runs (``distributed``, ``process_group``, ``hf_trainer``,
-``deepspeed_config``).
+``npu/``) and what the run is (``machine``: the provenance record a baseline stores); data-parallel
+and Trainer runs (``distributed``, ``process_group``, ``hf_trainer``, ``deepspeed_config``).
 """
