@@ -9,7 +9,7 @@ Everything that judges numbers lives in the engine (``runner``, ``checks``, ``co
 """
 from __future__ import annotations
 
-from .. import npu as _npu
+from ..runtime import npu as _npu
 
 # The pytest11 entry point is imported before any conftest: with torch_npu installed but unusable
 # (no CANN), `import torch` itself would fail there (device-backend autoload). Import torch and

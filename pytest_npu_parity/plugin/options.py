@@ -137,7 +137,7 @@ def _parse_audit_ini(value: Any, where: str) -> str:
 
 
 def _parse_recipes(value: Any, where: str) -> tuple[str, ...]:
-    from ..recipes import parse_recipes  # engine modules import torch: only when a value is parsed
+    from ..runtime.recipes import parse_recipes  # engine modules import torch: only when a value is parsed
 
     try:
         return tuple(r.name for r in parse_recipes(value))
