@@ -1,8 +1,8 @@
 """pytest glue for pytest-npu-parity (the ``pytest11`` entry point ``pytest_npu_parity.plugin``).
 
 pytest collects hooks and fixtures from this module object, so every one is imported here:
-``options`` (the one table of options and ini keys, parsed once into ``options.ParityConfig``),
-``hooks``, ``fixtures``, ``markers``, ``header``, ``summary`` (the terminal summary), ``paths``
+``options`` (the one table of options and ini keys), ``config`` (``ParityConfig``: every value parsed
+once), ``hooks``, ``fixtures``, ``markers``, ``header``, ``summary`` (the terminal summary), ``paths``
 (path checks and re-run commands), ``state`` (the ``config.stash`` keys), ``xdist``.
 Everything that judges numbers lives in the engine (``runner``, ``checks``, ``compare``, ``policy``,
 ``baselines`` …); this package only adapts it to pytest.

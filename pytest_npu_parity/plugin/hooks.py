@@ -18,7 +18,8 @@ import pytest
 from . import header, summary
 from ..report import columns as col
 from .markers import MARKER_HELP, marker_recipes, validate_markers
-from .options import ParityConfig, Raw, add_options, recipe_names
+from .config import ParityConfig, recipe_names
+from .options import Raw, add_options
 from .paths import record_parity_paths
 from .state import (CASES_KEY, COLLECTED_KEY, CONFIG_KEY, DEEPSPEED_LINT_KEY, LOCK_KEY, OUTCOME_KEY, PROFILE_KEY,
                     ROWS_KEY, SESSION_KEY, SKIP_REASON, TEMP_KEY)
