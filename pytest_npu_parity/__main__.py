@@ -9,9 +9,9 @@ import importlib
 import sys
 
 _COMMANDS = {
-    "doctor": ("pytest_npu_parity.doctor", "check the NPU/CUDA environment before trusting a parity number"),
+    "doctor": ("pytest_npu_parity.diagnose.doctor", "check the NPU/CUDA environment before trusting a parity number"),
     "report": ("pytest_npu_parity.report", "re-render a parity report from results or a history file"),
-    "baselines": ("pytest_npu_parity.baselines", "prune or verify a baseline store and its object pool"),
+    "baselines": ("pytest_npu_parity.store.cli", "prune or verify a baseline store and its object pool"),
 }
 
 

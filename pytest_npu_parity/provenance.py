@@ -1,6 +1,6 @@
 """Old import path of the provenance record and the content fingerprints; the code lives in
-``pytest_npu_parity.store.provenance`` (``collect_provenance``, ``describe_provenance``, ``device_name``:
-where, when and with what software a baseline was recorded), ``store.digests`` (``fingerprint_tensors``,
+``pytest_npu_parity.runtime.machine`` (``collect_provenance``, ``device_name``: where, when and with what
+software a baseline was recorded), ``store.provenance`` (``describe_provenance``), ``store.digests`` (``fingerprint_tensors``,
 ``fingerprint_module``, ``module_tensor_digests``, ``weights_changed``) and ``store.summaries``
 (``summarize_tensors``, ``summaries_close``, ``SUMMARY_RTOL``).
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .runtime import machine as _machine
 from .store import digests as _digests
 from .store import provenance as _provenance
 from .store import summaries as _summaries
@@ -33,7 +34,7 @@ from .store.digests import (  # noqa: F401  (re-exported)
     uninitialized,
     weights_changed,
 )
-from .store.provenance import (  # noqa: F401  (re-exported)
+from .runtime.machine import (  # noqa: F401  (re-exported)
     ASCEND_ENV_NAMES,
     ASCEND_ENV_PREFIXES,
     LOCATION_SET,
@@ -42,10 +43,10 @@ from .store.provenance import (  # noqa: F401  (re-exported)
     _git_state_cached,
     ascend_environment,
     collect_provenance,
-    describe_provenance,
     device_name,
     npu_compile_mode,
 )
+from .store.provenance import describe_provenance  # noqa: F401  (re-exported)
 from .store.summaries import SUMMARY_RTOL, summaries_close, summarize_tensors  # noqa: F401  (re-exported)
 
 __all__ = [
@@ -58,7 +59,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     """Any other name of the modules above (e.g. their private helpers), looked up when asked."""
-    for module in (_provenance, _digests, _summaries):
+    for module in (_machine, _provenance, _digests, _summaries):
         try:
             return getattr(module, name)
         except AttributeError:

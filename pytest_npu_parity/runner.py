@@ -61,11 +61,11 @@ from .leaves import flatten  # noqa: F401  (also runner.flatten, as before)
 from .runtime.layer_capture import compiled_modules  # noqa: F401
 from .modules import owner_module  # noqa: F401  (also runner.owner_module, as before)
 from .judge.tolerance import Tolerance
-from .recipes import RECIPES, Recipe, strict_fp32_flags
+from .runtime.recipes import RECIPES, Recipe, strict_fp32_flags
 from .checks.settings import (DEFAULT_POLICIES, TRAINING_DEFAULT_POLICIES, Asked, CaseSettings,  # noqa: F401
                               CheckSettings, IniSettings, MarkerSettings, audit_mode as resolve_audit_mode)
 from .checks.settings import layers_unless_compiled as _layers_unless_compiled  # noqa: F401  (the name runner had)
-from .rng import RNG_MODES
+from .runtime.rng import RNG_MODES
 # Moved to the runtime package; re-exported here, where tests, scripts and other modules import them.
 from .runtime.side import (CheckCall, PatchFactory, RunSpec, Side, _any_training, _CopyOnEntry,  # noqa: F401
                            _error_site, _move, _on_device, _RaisingOp, _Same, _sync_modes, _to_cpu_leaves,
@@ -203,7 +203,7 @@ class ParitySession:
         self._copies: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         self._reference_memo: dict[tuple, dict] = {}
         self.patches_applied: set[str] = set()
-        from .devices import device_name
+        from .runtime.devices import device_name
 
         self.target_name = device_name(target)
 
@@ -239,8 +239,8 @@ class ParitySession:
         import datetime
         import uuid
 
-        from .provenance import collect_provenance
-        from .recipes import precision_flags
+        from .runtime.machine import collect_provenance
+        from .runtime.recipes import precision_flags
 
         with strict_fp32_flags():
             flags = precision_flags()

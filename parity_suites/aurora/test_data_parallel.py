@@ -15,7 +15,7 @@ import functools
 
 import pytest
 
-from pytest_npu_parity import distributed
+from pytest_npu_parity.runtime import distributed
 from pytest_npu_parity.aurora import checks, factory, patches
 
 WORLD_SIZE = 2

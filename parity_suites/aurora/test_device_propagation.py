@@ -65,7 +65,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_npu_parity.audit import DEFAULT_LOGICAL_TARGET, KINDS, AuditRecord, DeviceAudit
+from pytest_npu_parity.runtime.audit import DEFAULT_LOGICAL_TARGET, KINDS, AuditRecord, DeviceAudit
 from pytest_npu_parity.aurora import factory, inputs, patches
 from pytest_npu_parity.aurora import strategies as aurora_st
 from pytest_npu_parity.hypothesis_profiles import examples_for

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_npu_parity import hf_trainer
+from pytest_npu_parity.runtime import hf_trainer
 from pytest_npu_parity.aurora.checks import HORIZON, TRAIN_STEP_FAULT
 from pytest_npu_parity.aurora.inputs import make_batch
 

@@ -15,7 +15,7 @@ Importing this package does not import ``aurora`` itself; each function imports 
 The engine never imports this package (an import contract in pyproject.toml says so); the Aurora
 suite imports it from its conftest and test modules.
 """
-from pytest_npu_parity.npu import prepare_torch
+from pytest_npu_parity.runtime.npu import prepare_torch
 
 # aurora imports transformers, whose is_torch_npu_available() imports torch_npu: a torch_npu that
 # cannot load (no CANN) is quarantined first, so a plain script can build models too.

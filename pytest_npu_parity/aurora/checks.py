@@ -185,7 +185,7 @@ def _layernorm_decoder_layer(model) -> torch.nn.Module:
     CPU kernel path)."""
     from aurora.modeling_aurora import AuroraDecoderLayer
 
-    from ..stable_init import stable_init_
+    from ..runtime.stable_init import stable_init_
 
     config = copy.deepcopy(model.config)
     config.norm_mode = "layer"

@@ -24,9 +24,10 @@ import sys
 import time
 from typing import Any
 
-from pytest_npu_parity import npu
 from pytest_npu_parity.aurora import factory, inputs, patches
-from pytest_npu_parity.doctor import DoctorContext, SectionResult, version_of
+from pytest_npu_parity.diagnose.doctor.report import DoctorContext, SectionResult, version_of
+from pytest_npu_parity.runtime import npu
+from pytest_npu_parity.runtime.npu.diagnosis import _first_line
 
 __all__ = ["environment_facts", "section_aurora_smoke", "section_patch_set"]
 
@@ -104,10 +105,10 @@ def section_patch_set(ctx: DoctorContext, r: SectionResult) -> None:
                 applied = list(patch_set.applied)
         except Exception as exc:
             r.worse("fail")
-            r.details.append(f"{label}: FAILED — {npu._first_line(exc)}")
+            r.details.append(f"{label}: FAILED — {_first_line(exc)}")
             r.fixes.append(f"the mini patch embedding fails on {ctx.target} under the patch set "
-                           f"({label}): {npu._first_line(exc)} — see seed §5.3/§10.1")
-            r.data["variants"][label] = {"ok": False, "error": npu._first_line(exc)}
+                           f"({label}): {_first_line(exc)} — see seed §5.3/§10.1")
+            r.data["variants"][label] = {"ok": False, "error": _first_line(exc)}
             continue
         finally:
             module.to("cpu")
@@ -172,9 +173,9 @@ def section_aurora_smoke(ctx: DoctorContext, r: SectionResult) -> None:
             forward_s = time.perf_counter() - start
     except Exception as exc:
         r.worse("fail")
-        r.details.append(f"tiny Aurora forward on {ctx.target}: FAILED — {npu._first_line(exc)}")
+        r.details.append(f"tiny Aurora forward on {ctx.target}: FAILED — {_first_line(exc)}")
         r.fixes.append(f"the tiny Aurora forward fails on {ctx.target} under the patch set "
-                       f"({npu._first_line(exc)}) — fix the failing ops above first, then run the "
+                       f"({_first_line(exc)}) — fix the failing ops above first, then run the "
                        "parity suite to localize the first bad module")
         return
     finally:

@@ -59,7 +59,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..stable_init import stable_init_
+from ..runtime.stable_init import stable_init_
 
 __all__ = [
     "SIZES",

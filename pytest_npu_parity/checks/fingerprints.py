@@ -69,9 +69,10 @@ from typing import Any
 
 import torch
 
-from ..compare import is_cache
+from ..leaves import is_cache
 from ..modules import owner_module
-from ..provenance import _tensor_digest, summaries_close, summarize_tensors, uninitialized
+from ..store.digests import _tensor_digest, uninitialized
+from ..store.summaries import summaries_close, summarize_tensors
 from ..structure import _SKIP, _plain, config_dict, module_structure, structure_hash
 
 __all__ = ["META_KEY", "FINGERPRINT_FORMAT", "STALE_KINDS", "check_fingerprints", "argument_record",

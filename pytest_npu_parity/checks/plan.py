@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from ..judge.tolerance import Tolerance
-from ..recipes import Recipe
+from ..runtime.recipes import Recipe
 from .record import CheckRecord
 
 

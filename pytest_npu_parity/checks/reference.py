@@ -20,16 +20,17 @@ from typing import Any, Callable
 
 import torch
 
-from ..baselines import SuiteStores
+from ..store.suites import SuiteStores
 from ..store.format import (BaselineError, CheckBaseline, CorruptBaselineError, MissingBaselineError, StaleBaselineError,
                             UnsafeBaselineError)
 from ..store.compact import compact_leaves
+from ..store.digests import fingerprint_module, fingerprint_tensors, module_tensor_digests, uninitialized
+from ..store.summaries import summarize_tensors
 from ..runtime.golden_run import GoldenUnavailableError
 from ..modules import owner_module
-from ..npu import base_version
-from ..provenance import (collect_provenance, fingerprint_module, fingerprint_tensors, module_tensor_digests,
-                          summarize_tensors, uninitialized)
-from ..recipes import precision_flags, strict_fp32_flags
+from ..runtime.machine import collect_provenance
+from ..runtime.npu import base_version
+from ..runtime.recipes import precision_flags, strict_fp32_flags
 from ..runtime.side import CheckCall
 from ..structure import module_structure, pack_structure, structure_hash
 from .fingerprints import META_KEY as FINGERPRINTS_KEY

@@ -42,8 +42,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..modules import owner_module
-from ..provenance import uninitialized
-from ..stable_init import STABLE_MARK  # set by stable_init_: weights the same on every machine
+from ..runtime.stable_init import STABLE_MARK  # set by stable_init_: weights the same on every machine
+from ..store.digests import uninitialized
 from ..store.format import BaselineError
 
 __all__ = ["DRAW_RTOL", "REPLAY_LIMIT_BYTES", "STABLE_MARK", "Replay", "recorded_extras", "plan_replay",

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..audit import AuditBudget, parse_audit_budget
+from ..runtime.audit import AuditBudget, parse_audit_budget
 from ..store.compact import TrainStore, parse_train_store
 from ..judge.golden_policy import parse_policy_spec
 from ..judge.layers import LayerPolicy, default_layer_policy, parse_layer_spec

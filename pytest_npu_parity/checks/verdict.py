@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..audit import AuditRecord, ParityAuditWarning
+from ..runtime.audit import AuditRecord, ParityAuditWarning
 from ..store.compact import SAMPLE_SUFFIX, STATS_SUFFIX, apply_recorded
 from ..judge.allclose import compare
 from ..judge.distribution import compare_distributions

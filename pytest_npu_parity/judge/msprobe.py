@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .golden_metrics import SideMetrics
-
-if TYPE_CHECKING:
-    from .allclose import _Accumulator
 
 
 #: The one-thousandth and five-thousandths thresholds of msprobe's dump compare
@@ -122,7 +119,21 @@ def msprobe_rel_dtype(dtype: torch.dtype) -> torch.dtype | None:
     return torch.float64
 
 
-def _msprobe_view(acc: _Accumulator, numel: int) -> MsprobeView:
+class _MsprobeSums(Protocol):
+    """What ``_msprobe_view`` reads of the allclose judge's blockwise sums (``judge.allclose._Accumulator``
+    has them), declared here so that this module does not import the judge that imports it."""
+
+    ms_special_mismatched: int
+    sum_aa: float
+    sum_ee: float
+    sum_ae: float
+    sum_dd: float
+    ms_max_rel: float
+    max_abs: float
+    ms_below: list[int]
+
+
+def _msprobe_view(acc: _MsprobeSums, numel: int) -> MsprobeView:
     """``MsprobeView`` of a pair of more than one element from the blockwise sums (see its docstring)."""
     if acc.ms_special_mismatched:
         return MsprobeView.all(MSPROBE_NA, "the Inf/NaN positions of NPU and bench differ")

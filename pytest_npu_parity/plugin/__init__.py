@@ -1,15 +1,15 @@
 """pytest glue for pytest-npu-parity (the ``pytest11`` entry point ``pytest_npu_parity.plugin``).
 
 pytest collects hooks and fixtures from this module object, so every one is imported here:
-``options`` (the one table of options and ini keys, parsed once into ``options.ParityConfig``),
-``hooks``, ``fixtures``, ``markers``, ``header``, ``summary`` (the terminal summary), ``paths``
+``options`` (the one table of options and ini keys), ``config`` (``ParityConfig``: every value parsed
+once), ``hooks``, ``fixtures``, ``markers``, ``header``, ``summary`` (the terminal summary), ``paths``
 (path checks and re-run commands), ``state`` (the ``config.stash`` keys), ``xdist``.
 Everything that judges numbers lives in the engine (``runner``, ``checks``, ``compare``, ``policy``,
 ``baselines`` …); this package only adapts it to pytest.
 """
 from __future__ import annotations
 
-from .. import npu as _npu
+from ..runtime import npu as _npu
 
 # The pytest11 entry point is imported before any conftest: with torch_npu installed but unusable
 # (no CANN), `import torch` itself would fail there (device-backend autoload). Import torch and

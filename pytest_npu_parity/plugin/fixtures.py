@@ -50,7 +50,7 @@ def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, p
     optimizer step (``loss_fn(output, labels)``);
     ``parity.compare(name, actual, expected)`` judges outputs you computed. See ``runner.ParityCase``.
     """
-    from ..audit import parse_audit_budget  # engine modules import torch: only when a parity test runs
+    from ..runtime.audit import parse_audit_budget  # engine modules import torch: only when a parity test runs
     from ..checks.settings import marker_tolerance
     from ..runner import ParityCase
 

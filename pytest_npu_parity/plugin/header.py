@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from .. import npu as _npu
+from ..runtime import npu as _npu
 from .state import CONFIG_KEY, DEEPSPEED_LINT_KEY, SESSION_KEY
 from .xdist import is_xdist_controller
 
@@ -29,7 +29,7 @@ def worker_pinning_line(config: pytest.Config) -> str | None:
     workers = getattr(config.option, "numprocesses", None)
     if not isinstance(workers, int) or workers < 1 or getattr(config.option, "dist", "no") == "no":
         return None
-    from ..devices import resolve_worker_target  # imports torch: a parity session's header only
+    from ..runtime.devices import resolve_worker_target  # imports torch: a parity session's header only
 
     raw = config.stash[CONFIG_KEY].raw
     spec = raw.value("parity_device")[0]
@@ -45,8 +45,8 @@ def report_header(config: pytest.Config) -> list[str]:
         return ["npu-parity: off (parity suites are skipped; run with --npu-parity)"]
     import torch
 
-    from ..npu import npu_status
-    from ..recipes import precision_flags, strict_fp32_flags
+    from ..runtime.npu import npu_status
+    from ..runtime.recipes import precision_flags, strict_fp32_flags
 
     session = config.stash[SESSION_KEY]
     status = npu_status()
@@ -67,7 +67,7 @@ def report_header(config: pytest.Config) -> list[str]:
 
     audit = cfg.audit_mode
     if audit != "off":
-        from ..audit import DEFAULT_LOGICAL_TARGET
+        from ..runtime.audit import DEFAULT_LOGICAL_TARGET
 
         lines.append(f"npu-parity: audit {audit} · default audit budget {session.audit_budget.describe()}"
                      + (f" · a CPU target is audited as the logical device {DEFAULT_LOGICAL_TARGET}"

@@ -18,7 +18,8 @@ import pytest
 from . import header, summary
 from ..report import columns as col
 from .markers import MARKER_HELP, marker_recipes, validate_markers
-from .options import ParityConfig, Raw, add_options, recipe_names
+from .config import ParityConfig, recipe_names
+from .options import Raw, add_options
 from .paths import record_parity_paths
 from .state import (CASES_KEY, COLLECTED_KEY, CONFIG_KEY, DEEPSPEED_LINT_KEY, LOCK_KEY, OUTCOME_KEY, PROFILE_KEY,
                     ROWS_KEY, SESSION_KEY, SKIP_REASON, TEMP_KEY)
@@ -90,7 +91,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _import_torch() -> None:
     """``import torch`` (a broken torch_npu can break it): a usage error saying why, in one sentence."""
-    from ..npu import explain_import_error, import_torch
+    from ..runtime.npu import explain_import_error, import_torch
 
     try:
         import_torch()
@@ -101,7 +102,7 @@ def _import_torch() -> None:
 def _resolve_target(config: pytest.Config, raw: Raw) -> Any:
     """The target device of this process; under pytest-xdist each worker (gwK) pins its own
     (``devices.pinned_device``). A usage error when it is absent or the spec is bad."""
-    from ..devices import DeviceUnavailableError, resolve_worker_target
+    from ..runtime.devices import DeviceUnavailableError, resolve_worker_target
 
     try:
         return resolve_worker_target(raw.value("parity_device")[0], xdist_worker_id(config),
@@ -121,7 +122,7 @@ def _lint_deepspeed_config(config: pytest.Config, cfg: ParityConfig) -> None:
     value = str(cfg.ini("parity_deepspeed_config") or "").strip()
     if not value:
         return
-    from ..deepspeed_config import DeepSpeedConfigError, lint_config, load_config
+    from ..runtime.deepspeed_config import DeepSpeedConfigError, lint_config, load_config
 
     path = Path(value).expanduser()
     shown = value if path.is_absolute() else str(Path(value))
@@ -138,7 +139,7 @@ def _lint_deepspeed_config(config: pytest.Config, cfg: ParityConfig) -> None:
 
 def _make_session(cfg: ParityConfig) -> Any:
     """The session's ``runner.ParitySession``, from the parsed configuration."""
-    from ..baselines import SuiteStores
+    from ..store.suites import SuiteStores
     from ..diagnose import localize, selfcheck
     from ..runner import ParitySession, target_audit
 
@@ -173,7 +174,7 @@ def _launch(config: pytest.Config, target: Any) -> None:
     runs tests (each xdist worker with its own pinned device). A CPU/CUDA target: nothing."""
     if target.type != "npu" or is_xdist_controller(config):
         return
-    from ..npu import LaunchOrderError, launch
+    from ..runtime.npu import LaunchOrderError, launch
 
     try:
         launch(target)

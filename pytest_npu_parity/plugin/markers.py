@@ -39,11 +39,11 @@ def marker_problems(marker: Any) -> list[str]:
     """What is wrong with one ``@pytest.mark.parity(...)``: unknown keywords, positional arguments,
     values of the wrong type or range, unknown recipe or policy names."""
     # engine modules import torch: imported here, in a parity session's collection
-    from ..audit import parse_audit_budget
+    from ..runtime.audit import parse_audit_budget
     from ..store.compact import parse_train_store
     from ..judge.golden_policy import parse_policy_spec
     from ..judge.layers import parse_layer_spec
-    from ..recipes import RECIPES
+    from ..runtime.recipes import RECIPES
 
     problems = []
     if marker.args:

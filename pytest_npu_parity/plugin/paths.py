@@ -132,7 +132,7 @@ def validate_paths(config: pytest.Config, raw: Raw) -> tuple[Path, str]:
         raise pytest.UsageError(f"{where}={root} is a file, not a directory; point it at the baseline "
                                 "directory (created on the first --update-baselines run)")
     if raw.options["update_baselines"]:
-        from ..baselines import SuiteStores  # engine modules import torch: only in a record session
+        from ..store.suites import SuiteStores  # engine modules import torch: only in a record session
 
         bad = SuiteStores(root).unwritable()
         if bad:

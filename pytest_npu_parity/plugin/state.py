@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-CONFIG_KEY = pytest.StashKey["Any"]()  # options.ParityConfig: every option and ini key, parsed once at configure
+CONFIG_KEY = pytest.StashKey["Any"]()  # config.ParityConfig: every option and ini key, parsed once at configure
 SESSION_KEY = pytest.StashKey["Any"]()  # runner.ParitySession of a parity session
 CASES_KEY = pytest.StashKey["list"]()
 ROWS_KEY = pytest.StashKey["list"]()
@@ -21,5 +21,5 @@ SKIP_REASON = "parity suites run only with --npu-parity (or --update-baselines)"
 
 
 def parity_config(config: pytest.Config) -> Any:
-    """This session's ``options.ParityConfig`` (stashed by ``pytest_configure``)."""
+    """This session's ``config.ParityConfig`` (stashed by ``pytest_configure``)."""
     return config.stash[CONFIG_KEY]

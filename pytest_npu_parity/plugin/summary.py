@@ -141,7 +141,7 @@ def _summarize_audit(tr: Any, rows: list[dict]) -> None:
     audited = [row for row in _per_check(rows).values() if row.get("audit_mixed_device") is not None]
     if not audited:
         return
-    from ..audit import KINDS
+    from ..runtime.audit import KINDS
 
     totals = {k: sum(int(row.get(f"audit_{k}") or 0) for row in audited) for k in KINDS}
     over = [row for row in audited if row.get("audit_problem")]

@@ -82,7 +82,7 @@ def resolve_target(spec: str, *, option: str = "--parity-device") -> torch.devic
 def device_name(device: torch.device) -> str:
     """A human name for ``device``: the CPU model, e.g. "NVIDIA H200", or the Ascend chip name
     (``provenance.device_name``; never raises)."""
-    from ..provenance import device_name as _name
+    from .machine import device_name as _name
 
     return _name(device)
 

@@ -222,7 +222,7 @@ def _default_loss(output: Any) -> torch.Tensor:
 
 
 def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    from ..runner import default_optimizer
+    from .training import default_optimizer
 
     return default_optimizer(params)
 

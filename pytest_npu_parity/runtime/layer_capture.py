@@ -125,7 +125,7 @@ def capture_layers(root: torch.nn.Module | None, samples: int = DEFAULT_SAMPLES)
     block ends and on the CPU after it. The hooks' own work is not audited (``audit.not_audited``).
     ``root`` None records nothing.
     """
-    from ..audit import not_audited
+    from .audit import not_audited
 
     records: dict[str, torch.Tensor] = {}
     handles = []

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..audit import not_audited
+from .audit import not_audited
 
 #: The functions replaced inside ``same_randomness``; the CPU draws use these import-time objects.
 _ORIGINALS = {

@@ -28,7 +28,7 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..audit import DEFAULT_LOGICAL_TARGET, DeviceAudit
+from .audit import DEFAULT_LOGICAL_TARGET, DeviceAudit
 from ..leaves import flatten, is_cache
 from ..modules import owner_module
 from .recipes import RECIPES, Recipe, RecipeUnsupportedError, strict_fp32_flags

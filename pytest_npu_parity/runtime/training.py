@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from . import recipes
-from ..audit import not_audited
+from .audit import not_audited
 from ..store.compact import SAMPLE_SUFFIX, STATS_SUFFIX, base_leaf
 from .recipes import Recipe, strict_fp32_flags
 from ..structure import train_recipe

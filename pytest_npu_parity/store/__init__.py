@@ -16,8 +16,8 @@ The modules of this package, one per question:
 * ``lock`` — ``StoreLock``, which serializes the record runs (and ``baselines prune``) of one store;
 * ``compact`` — what of a training step's large gradient and parameter leaves a baseline keeps
   (``TrainStore``, the ``@sample`` / ``@stats`` leaves, ``apply_recorded``);
-* ``provenance`` — where, when and with what software a baseline was recorded (``collect_provenance``,
-  ``describe_provenance``, ``device_name``);
+* ``provenance`` — the one-line description of where, when and with what software a baseline was
+  recorded (``describe_provenance``; the record itself is collected by ``runtime.machine``);
 * ``digests`` — content fingerprints of tensors and modules (``fingerprint_tensors``, ``fingerprint_module``,
   ``module_tensor_digests``); ``summaries`` — order-sensitive input summaries compared within a tolerance;
 * ``cli`` — ``python -m pytest_npu_parity baselines {prune,verify}``.

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .digests import fingerprint_tensors
-from .format import OBJECT_REF, POOL_MIN_BYTES, POOLED_KINDS, Baseline, CheckBaseline
+from .format import OBJECT_REF, POOL_MIN_BYTES, POOLED_KINDS, Baseline, CheckBaseline, _cpu_copy, _dtype_name
 
 if TYPE_CHECKING:
     from .pool import ObjectPool
@@ -73,15 +73,6 @@ def _store_extra(tensors: dict[str, torch.Tensor], what: str, tensor: Any, check
     key = "@" + fingerprint_tensors(copy)[:32]
     tensors.setdefault(key, copy)
     return key
-
-
-def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
-    t = tensor.detach()
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    if t.is_complex():
-        t = t.resolve_conj()
-    return t.resolve_neg().to("cpu", copy=True).contiguous()
 
 
 def _tensor_hash(tensors: dict[str, torch.Tensor], records: dict[str, dict]) -> str:
@@ -145,7 +136,3 @@ def _dumps(value: Any, what: str) -> str:
         return json.dumps(value, sort_keys=True, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{what} is not JSON-serializable: {exc}") from None
-
-
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    return str(dtype).removeprefix("torch.")

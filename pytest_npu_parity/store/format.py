@@ -173,3 +173,20 @@ def _show(path: Path | str) -> str:
         return str(path.relative_to(Path.cwd()))
     except ValueError:
         return str(path)
+
+
+# --------------------------------------------------------------------------------------------
+# how a tensor and its dtype are written (the encoding, the object pool and the staleness check share them)
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    t = tensor.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_complex():
+        t = t.resolve_conj()
+    return t.resolve_neg().to("cpu", copy=True).contiguous()
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -17,10 +17,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from .encoding import _cpu_copy, _dtype_name
 from .files import _atomic_write, _fd_path, _kind
 from .format import (OBJECT_FORMAT, OBJECTS_DIR, SUFFIX, _OBJECT_NAME, _OBJECT_REF_RE, CorruptBaselineError,
-                     _show)
+                     _cpu_copy, _dtype_name, _show)
 
 __all__ = ["ObjectPool", "PoolObjectError", "object_digest"]
 

@@ -16,8 +16,7 @@ import torch
 
 from ..structure import structure_changes, train_recipe_changes, unpack_structure
 from .digests import weights_changed
-from .encoding import _dtype_name
-from .format import CheckBaseline
+from .format import CheckBaseline, _dtype_name
 from .summaries import summaries_close
 
 __all__ = ["CheckNow", "Staleness", "staleness"]

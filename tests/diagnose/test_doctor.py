@@ -19,6 +19,7 @@ from locations import TESTS
 from pytest_npu_parity import doctor, npu
 from pytest_npu_parity.diagnose.doctor import cli as doctor_run
 from pytest_npu_parity.diagnose.doctor import distributed as doctor_distributed
+from pytest_npu_parity.runtime import npu as npu_home
 
 try:
     import jsonschema
@@ -226,7 +227,7 @@ def test_required_op_failure_fails_the_section(monkeypatch):
                                      "RuntimeError: op not implemented", 0.0)
         return results
 
-    monkeypatch.setattr(npu, "probe_ops", one_broken)
+    monkeypatch.setattr(npu_home, "probe_ops", one_broken)  # where the doctor reads it
     report = doctor.run_doctor("cpu", skip=ONLY["required_ops"])
     section = sections(report)["required_ops"]
     assert section["status"] == "fail"
@@ -243,7 +244,7 @@ def test_optional_fft_failure_warns_with_the_fallback_fix(monkeypatch):
                                       "RuntimeError: rfft not implemented", 0.0)
         return results
 
-    monkeypatch.setattr(npu, "probe_ops", no_fft)
+    monkeypatch.setattr(npu_home, "probe_ops", no_fft)  # where the doctor reads it
     report = doctor.run_doctor("cpu", skip=ONLY["optional_ops"])
     section = sections(report)["optional_ops"]
     assert section["status"] == "warn" and section["data"]["fft_fallback_needed"] is True
@@ -435,7 +436,8 @@ def _deepspeed_section(monkeypatch, info, *, target=_FakeTarget(), installed=Tru
 
     spec = importlib.machinery.ModuleSpec("deepspeed", None, is_package=True)
     spec.submodule_search_locations = []
-    monkeypatch.setattr(npu, "_find_spec", lambda name: spec if installed and name == "deepspeed" else None)
+    monkeypatch.setattr(doctor_distributed, "_find_spec",  # where the section reads it
+                        lambda name: spec if installed and name == "deepspeed" else None)
     monkeypatch.setattr(doctor_distributed, "deepspeed_accelerator", lambda: info)  # where the section reads it
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     for key, value in (env or {}).items():

@@ -12,7 +12,7 @@ import torch
 from locations import TESTS
 
 from pytest_npu_parity import ascend_release, doctor, npu
-from pytest_npu_parity.diagnose.doctor import troubleshoot  # its home: the doctor reads its names there
+from pytest_npu_parity.runtime.npu import troubleshoot  # its home: the doctor and npu's diagnosis read its names there
 from pytest_npu_parity.runtime.npu import cann as npu_cann
 
 _FAKES_PATH = TESTS / "fakes" / "fake_env.py"

@@ -123,10 +123,10 @@ def test_torch_npu_version_from_loaded_module(monkeypatch):
 
 
 def test_cann_version_comes_from_npu_module(monkeypatch):
-    fake = types.ModuleType("pytest_npu_parity.npu")
+    fake = types.ModuleType("pytest_npu_parity.runtime.npu")
     fake.cann_version = lambda: "8.2.RC1"
-    monkeypatch.setitem(sys.modules, "pytest_npu_parity.npu", fake)
-    monkeypatch.setattr(pytest_npu_parity, "npu", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "pytest_npu_parity.runtime.npu", fake)
+    monkeypatch.setattr(pytest_npu_parity.runtime, "npu", fake, raising=False)  # where runtime.machine reads it
     assert collect_provenance("cpu", recipe="fp32", seed=0)["cann"] == "8.2.RC1"
 
     def broken():

@@ -39,10 +39,10 @@ Output: text for people, ``--json`` for CI; the JSON document validates against
 Where things are: ``report`` (the sections' order, the JSON Schema, ``SectionResult``,
 ``DoctorContext``, ``render_text``), one module per group of sections (``environment``, ``devices``
 with ``parse_npu_smi``, ``ops``, ``distributed`` with the DeepSpeed section, ``precision``), ``cli``
-(``run_doctor``, ``main``) and ``troubleshoot`` (the guides' troubleshooting items).
+(``run_doctor``, ``main``); the guides' troubleshooting items it reports live low, in
+``runtime.npu.troubleshoot`` (npu's import diagnosis reads them too).
 
-Importing this package loads none of them: a name is looked up in its module when first read, so
-``troubleshoot`` (which ``npu`` imports when the plugin loads) does not load the doctor.
+Importing this package loads none of them: a name is looked up in its module when first read.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ import importlib
 from typing import Any
 
 #: The doctor's modules, searched in this order for a name read from the package.
-_MODULES = ("report", "environment", "devices", "ops", "distributed", "precision", "cli", "troubleshoot")
+_MODULES = ("report", "environment", "devices", "ops", "distributed", "precision", "cli")
 
 __all__ = [
     "DEEPSPEED_NPU_ADAPTER", "ENGINE_SECTIONS", "EXIT_FAIL", "EXIT_OK", "EXIT_USAGE", "SCHEMA_VERSION", "STATUSES",
@@ -65,7 +65,7 @@ def __getattr__(name: str) -> Any:
     when read (``report``), so importing the doctor loads no adapter."""
     if name in _MODULES:
         return importlib.import_module(f"{__name__}.{name}")
-    for module_name in _MODULES[:-1]:
+    for module_name in _MODULES:
         module = importlib.import_module(f"{__name__}.{module_name}")
         try:
             return getattr(module, name)

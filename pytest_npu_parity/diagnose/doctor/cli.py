@@ -12,7 +12,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from ... import npu
+from ...runtime import npu
+from ...runtime.npu.diagnosis import _first_line
 from .devices import _section_devices
 from .distributed import _deepspeed_lint, _section_deepspeed, _section_distributed
 from .environment import _section_environment
@@ -47,12 +48,12 @@ def _build_context(device: str) -> _Context:
     except Exception as exc:
         ctx.torch_error = (npu.explain_import_error(exc) if "torch_npu" in str(exc)
                            or "backend extension" in str(exc)
-                           else f"torch is not importable: {npu._first_line(exc)} — reinstall torch")
+                           else f"torch is not importable: {_first_line(exc)} — reinstall torch")
     ctx.status = npu.npu_status()
     if ctx.torch is None:
         return ctx
     try:
-        from ...devices import resolve_target
+        from ...runtime.devices import resolve_target
 
         ctx.target = resolve_target(device, option="--device")
     except ValueError:
@@ -65,7 +66,7 @@ def _build_context(device: str) -> _Context:
         # a CPU/CUDA target: nothing.
         ctx.launch = npu.launch(ctx.target)
     except Exception as exc:  # noqa: BLE001 - reported in the devices section
-        ctx.launch_error = npu._first_line(exc)
+        ctx.launch_error = _first_line(exc)
     return ctx
 
 
@@ -100,7 +101,7 @@ def run_doctor(device: str = "auto", *, skip: tuple[str, ...] = (),
                          f"{', '.join(known)}")
     findings = None
     if deepspeed_config is not None:
-        from ...deepspeed_config import lint_file
+        from ...runtime.deepspeed_config import lint_file
 
         findings = lint_file(deepspeed_config)  # a missing or broken file stops here, before any section
     started = time.perf_counter()
@@ -123,8 +124,8 @@ def run_doctor(device: str = "auto", *, skip: tuple[str, ...] = (),
                 func(ctx, result)
             except Exception as exc:  # a broken section must not hide the others
                 result.worse("fail")
-                result.details.append(f"section raised {npu._first_line(exc)}")
-                result.fixes.append(f"the {name} check itself failed ({npu._first_line(exc)}) — "
+                result.details.append(f"section raised {_first_line(exc)}")
+                result.fixes.append(f"the {name} check itself failed ({_first_line(exc)}) — "
                                     "rerun with --json and report it with the output")
         result.duration_s = time.perf_counter() - start
         results.append(result)

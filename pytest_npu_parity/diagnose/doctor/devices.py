@@ -9,8 +9,9 @@ import shutil
 import subprocess
 from typing import Any
 
-from ... import npu
-from . import troubleshoot
+from ...runtime import npu
+from ...runtime.npu import troubleshoot
+from ...runtime.npu.diagnosis import _first_line
 from .report import SectionResult, _Context, _gib
 
 _NPU_SMI_ROW = re.compile(r"^\|\s*(\d+)\s+(\S+)\s*\|\s*([^|]*?)\s*\|")
@@ -143,7 +144,7 @@ def _npu_memory(torch: Any, r: SectionResult, status: npu.NpuStatus) -> None:
             free, total = torch.npu.mem_get_info(index)
             memory.append({"npu": index, "free_bytes": int(free), "total_bytes": int(total)})
         except Exception as exc:  # driver quirks must not stop the report
-            memory.append({"npu": index, "error": npu._first_line(exc)})
+            memory.append({"npu": index, "error": _first_line(exc)})
     _mem_get_info_fallback(r, memory)
     for m in memory:
         if "error" not in m:

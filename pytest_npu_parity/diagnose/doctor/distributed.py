@@ -9,8 +9,10 @@ import tempfile
 import time
 from typing import Any
 
-from ... import npu
-from ...process_group import destroy_process_groups
+from ...runtime import npu
+from ...runtime.npu.diagnosis import _first_line
+from ...runtime.npu.versions import _find_spec
+from ...runtime.process_group import destroy_process_groups
 from .report import SectionResult, _Context, _version
 
 def _backend_available(dist: Any, name: str) -> bool:
@@ -75,9 +77,9 @@ def _section_distributed(ctx: _Context, r: SectionResult) -> None:
         except Exception as exc:
             r.worse("fail")
             r.details.append(f"1-process {backend} init on {ctx.target}: FAILED — "
-                             f"{npu._first_line(exc)}")
+                             f"{_first_line(exc)}")
             r.fixes.append(f"init_process_group('{backend}') fails on {ctx.target}: "
-                           f"{npu._first_line(exc)} — check the version matrix and, for hccl, "
+                           f"{_first_line(exc)} — check the version matrix and, for hccl, "
                            "HCCL_* environment variables")
             return
         seconds = time.perf_counter() - start
@@ -125,12 +127,12 @@ def deepspeed_accelerator() -> dict[str, Any]:
         return {"accelerator": str(accelerator.device_name()), "backend": str(accelerator.communication_backend_name()),
                 "chosen_by": chosen_by, "error": None}
     except Exception as exc:  # noqa: BLE001 - an import or detection failure is the finding itself
-        return {"accelerator": None, "backend": None, "chosen_by": chosen_by, "error": npu._first_line(exc)}
+        return {"accelerator": None, "backend": None, "chosen_by": chosen_by, "error": _first_line(exc)}
 
 
 def _section_deepspeed(ctx: _Context, r: SectionResult) -> None:
-    spec = npu._find_spec("deepspeed")
-    adapter = npu._find_spec(DEEPSPEED_NPU_ADAPTER) is not None
+    spec = _find_spec("deepspeed")
+    adapter = _find_spec(DEEPSPEED_NPU_ADAPTER) is not None
     ds_env = os.environ.get("DS_ACCELERATOR")
     r.data.update(installed=spec is not None, deepspeed_npu=adapter, ds_accelerator=ds_env)
     if ctx.deepspeed_findings is not None:

@@ -8,8 +8,10 @@ import platform
 import sys
 from typing import Any
 
-from ... import adapters, npu
-from . import troubleshoot
+from ... import adapters
+from ...runtime import npu
+from ...runtime.npu import troubleshoot
+from ...runtime.npu.cann import _looked_in
 from .report import SectionResult, _Context, _version
 
 def _section_environment(ctx: _Context, r: SectionResult) -> None:
@@ -37,7 +39,7 @@ def _section_environment(ctx: _Context, r: SectionResult) -> None:
         r.details.append(f"CANN {cann_info.version} (read from {cann_info.source})")
     else:
         r.details.append("CANN: not found (no version.cfg or ascend_toolkit_install.info under "
-                         f"{npu._looked_in()})")
+                         f"{_looked_in()})")
     adapter_facts = _adapter_environment(r)
 
     cann = cann_info.version if cann_info else None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ... import npu
+from ...runtime import npu
 from .report import SectionResult, _Context
 
 def _describe_probe(name: str, probe: npu.OpProbe) -> str:

@@ -1,7 +1,7 @@
 """The ``precision`` section: the TF32 (CUDA) and HF32 (torch_npu) switches in force."""
 from __future__ import annotations
 
-from ... import npu
+from ...runtime import npu
 from .report import SectionResult, _Context
 
 def _section_precision(ctx: _Context, r: SectionResult) -> None:

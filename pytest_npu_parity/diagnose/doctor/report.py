@@ -9,7 +9,8 @@ import importlib.metadata
 import math
 from typing import Any
 
-from ... import adapters, npu
+from ... import adapters
+from ...runtime import npu
 
 SCHEMA_VERSION = 1
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2

@@ -119,7 +119,7 @@ class LocalizationCache:
         """The key of the scope ``name`` (a module path in ``call.module``; ``""`` for the module
         itself) entered with reference ``inputs`` (``(args, kwargs)``), random state ``rng`` and mode
         ``state``; None where it cannot be shared."""
-        from ...provenance import fingerprint_module, fingerprint_tensors
+        from ...store.digests import fingerprint_module, fingerprint_tensors
 
         if call.kind != "check":
             return None

@@ -19,7 +19,7 @@ import torch
 
 from ...judge.allclose import CompareResult, LeafResult
 from ...leaves import cache_fields
-from ...rng import same_randomness
+from ...runtime.rng import same_randomness
 from ...runtime.side import _move, copy_state, is_state
 
 #: Levels of calls one pass records below its scope (children, grandchildren): the next level of

@@ -103,7 +103,7 @@ def _recorded_note(actual: dict, expected: dict, tol: Any) -> list[str]:
     """A note when the target's recorded outputs of the piece agree with the expected ones under the
     check's tolerance: the piece alone does not show the failure (the difference it inherited from
     earlier layers, or another call of a module that runs several times, carried it)."""
-    from ...compare import compare
+    from ...judge.allclose import compare
 
     plain = {k: v for k, v in expected.items() if not k.startswith("golden.")}
     if not plain or compare(actual, plain, tol).passed:
@@ -145,7 +145,7 @@ def _script_namespace(path: Path) -> dict[str, Any]:
 def _verify(folder: Path, expected: dict[str, torch.Tensor], tol: Any) -> tuple[str | None, str]:
     """Run the script's replay on the CPU here: (None when it gives ``expected`` bitwise, else why not;
     a README note with its verdict under ``tol``)."""
-    from ...compare import compare
+    from ...judge.allclose import compare
 
     try:
         outputs = _script_namespace(folder / "repro.py")["replay"]("cpu")

@@ -16,7 +16,8 @@ One module per question:
 * ``cann`` — where the CANN toolkit is and its release (``find_cann``), and the ``set_env.sh`` clause
   of every fix (``set_env_fix``); ``release`` — the two CANN layouts and torch_npu wheel generations;
 * ``diagnosis`` — one sentence for a failed ``import torch`` / ``import torch_npu``
-  (``explain_import_error``);
+  (``explain_import_error``); ``troubleshoot`` — the guides' troubleshooting items, each recognised
+  from distribution metadata and files (the diagnosis and the doctor report them);
 * ``loading`` — ``import_torch``, the quarantine, ``prepare_torch`` and ``npu_status`` (the
   process-wide state: the cached status, the autoload switch, the quarantine's reason);
 * ``launcher`` — the compat layer (``register_transfer_to_npu``, ``set_npu_options``,

@@ -10,7 +10,7 @@ import dataclasses
 import importlib.metadata
 import re
 
-from ... import troubleshoot
+from . import troubleshoot
 from .cann import set_env_fix
 from .versions import SEED_ROW, _suggest, base_version, cann_release, documented_rows
 

@@ -19,8 +19,8 @@ def _package_dir(name: str) -> str | None:
 
 
 _SKIPPED_DIRS = tuple(d for d in (_package_dir("torch"), _package_dir("einops")) if d)
-# This package's engine modules: its top-level files and the files of its rooms (checks/, diagnose/
-# with this very package, judge/, runtime/ ...); its suites' subpackages (the Aurora patch set,
+# This package's engine modules: its top-level files and the files of its rooms (checks/, runtime/
+# with this very package, judge/, diagnose/ ...); its suites' subpackages (the Aurora patch set,
 # aurora/) are model adaptation code whose lines are worth showing.
 _ENGINE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # pytest_npu_parity
 _ENGINE_PREFIX = os.path.join(_ENGINE_DIR, "")
