@@ -7,7 +7,7 @@ goes one step further down: it runs that module's forward once on the target und
 ops such as ``npu.*``),
 
 * runs the op itself and returns exactly what it returned (the target's outputs are unchanged:
-  ``tests/test_op_trace.py`` checks them bitwise against a plain run);
+  ``tests/diagnose/test_op_trace.py`` checks them bitwise against a plain run);
 * re-runs the same op on the CPU in float64 — the *golden* — from the target op's own inputs
   (copied to the CPU before the op runs, floating ones upcast to float64; a device argument becomes
   the CPU; every dispatch mode is off for it, so a mode that patches kernels on the target side is

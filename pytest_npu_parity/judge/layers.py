@@ -72,7 +72,7 @@ DEFAULT_FLOOR = 1e-9
 #: How many times its input's relative error a layer's output error may be (default).
 DEFAULT_AMPLIFICATION = 10.0
 #: A recurrent layer (``nn.RNNBase``: LSTM, GRU, RNN) is judged at this fraction of the limit.
-#: Measured on a 2-layer LSTM + bidirectional GRU (tests/test_layers_recurrent.py): a 1e-4 fault of
+#: Measured on a 2-layer LSTM + bidirectional GRU (tests/judge/test_layers_recurrent.py): a 1e-4 fault of
 #: the LSTM's ``weight_hh_l0`` moves the LSTM's output by a relative L2 error of 9.5e-6 — the
 #: gates damp a recurrent weight, and the first step does not see it — just under the fp32 limit
 #: of 1e-5, while correct runs agree bitwise there across thread counts, ATen's ``default``

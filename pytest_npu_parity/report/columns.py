@@ -19,7 +19,7 @@ The reference page ``docs/reference/report-columns.md`` is generated from these 
 
     python -m pytest_npu_parity.report.columns > docs/reference/report-columns.md
 
-(``tests/test_report.py`` fails when the page and the tables disagree.)
+(``tests/report/test_report.py`` fails when the page and the tables disagree.)
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ differently on another ISA. This module draws every value from integer arithmeti
 
 Integer shifts, integer-to-float conversion of 24-bit values and a single float32 multiply are
 exact or correctly rounded on every IEEE-754 machine, so the result does not depend on the CPU,
-its SIMD width, the thread count, or the torch/NumPy version. ``tests/test_stable_init.py``
+its SIMD width, the thread count, or the torch/NumPy version. ``tests/runtime/test_stable_init.py``
 checks the values against an independent NumPy implementation of the same steps and against
 known answers.
 

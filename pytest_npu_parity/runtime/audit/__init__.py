@@ -118,7 +118,7 @@ so the ratio depends on op size. Logical mode, eval forward, 2-core CPU, one thr
 Aurora with ViT-base/BERT-base-sized encoders (hidden 64) 1.3–1.5× a plain CPU forward; the
 project's tiny Aurora (1.2 M parameters, ~1 200 small ops) about 5.5×, of which PyTorch's own
 mode dispatch (a no-op dispatch mode plus a no-op function mode) is 2.5×
-(``tests/test_audit.py::test_audit_overhead_is_bounded`` prints the ratio).
+(``tests/diagnose/test_audit.py::test_audit_overhead_is_bounded`` prints the ratio).
 
 Usage::
 
