@@ -19,10 +19,12 @@
 # Measured on a shared 2-core x86-64 box (Debian 12, qemu-user-static 7.2.22), all passing: setup about
 # 2 minutes (debootstrap 23 s, about 6 GB of aarch64 wheels 91 s); `import torch` 21 s emulated; the
 # training-step checks (test_train_step.py, fp32 and bf16) 77 s to 3 min wall per CPU model depending on
-# the load (native x86: 14 s); this script with the setup in place 3 min 25 s. Under `max` that bf16 step
-# runs 432 oneDNN matmuls (292 brg:sve_512, 108 ACL gemm, 32 jit bf16 gemm; ONEDNN_VERBOSE=1), under
-# neoverse-n1 none. SELECTION=parity_suites/aurora/test_trainer.py (the Trainer check of the tiny model,
-# single process; its DeepSpeed variant skips) passes too, about 2 min 8 s per CPU model.
+# the load (native x86: 14 s). This script: 4 min 37 s from an empty sysroot and wheel folder with
+# QEMU_CPUS=neoverse-n1 (the apt packages already installed), 3 min 25 s for both models with the setup
+# in place. Under `max` that bf16 step runs 432 oneDNN matmuls (292 brg:sve_512, 108 ACL gemm, 32 jit
+# bf16 gemm; ONEDNN_VERBOSE=1), under neoverse-n1 none. SELECTION=parity_suites/aurora/test_trainer.py
+# (the Trainer check of the tiny model, single process; its DeepSpeed variant skips) passes too, about
+# 2 min 8 s per CPU model.
 # SELECTION='parity_suites/aurora/test_submodules.py -k ...' runs submodule checks of the full model: 16 of
 # them (fp32 and bf16 of attention_self_causal, ffn, encoder_layer_0[_train], decoder_layer_0[_train],
 # patch_embedding_eval_24, predict_head_eval_24) took 18 min 40 s on neoverse-n1, 17 min 20 s of it the
