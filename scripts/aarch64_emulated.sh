@@ -53,7 +53,13 @@ SITE=${ARM64_SITE:-/opt/arm64site}          # aarch64 wheels, installed from x86
 QEMU_CPUS=${QEMU_CPUS:-"neoverse-n1 max"}
 SELECTION=${SELECTION:-parity_suites/aurora/test_train_step.py}
 REPORT_DIR=${REPORT_DIR:-/tmp/aarch64-parity}
-MIRROR=${MIRROR:-http://deb.debian.org/debian}
+# The Debian archive this machine's apt already uses (its first URIs / deb line), unless MIRROR is given.
+apt_mirror() {
+  { grep -h '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null | awk '{print $2}'
+    grep -h '^deb ' /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null | awk '{print $2}'; } | head -n 1
+}
+MIRROR=${MIRROR:-$(apt_mirror)}
+[ -n "$MIRROR" ] || { echo "no Debian archive found in /etc/apt: set MIRROR to one" >&2; exit 2; }
 NCPU=$(nproc)
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
