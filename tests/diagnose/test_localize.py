@@ -301,6 +301,56 @@ def test_calls_made_on_one_side_only_are_named(x):
     assert "starts in <Gated> itself" in message  # the gate is Gated's own code
 
 
+class Noting(torch.nn.Module):
+    """A submodule whose output holds no tensor (it only looks at its input)."""
+
+    def forward(self, x):
+        return None
+
+
+class NotingNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.note = Noting()
+        self.lin = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        self.note(x)
+        return self.lin(x)
+
+
+def test_a_call_with_nothing_to_compare_is_not_compared_never_ok(x):
+    torch.manual_seed(0)
+    model = NotingNet().eval()
+    message, extra = _fail(ParityCase(_session(), "t::noting", patches=_scaled(model, "lin.weight")), "noting", model, x)
+    rows = {r["submodule"]: r for r in extra["localization"]}
+    assert rows["note"]["verdict"] == "not compared" and not rows["note"]["first_divergence"]
+    assert rows["note"]["max_abs"] is None and rows["note"]["local_err_ratio"] is None
+    assert _first(extra)["submodule"] == "lin"
+
+
+def test_a_difference_summed_from_calls_each_within_tolerance_is_followed_into_them(x):
+    # Activations of magnitude 1e-2 (no biases, x × 1e-2) read through a head scaled ×1e2: atol 1e-5
+    # dominates the blocks' tolerance, rtol the head's. blocks.1.a × (1 + 5e-4) moves each call's
+    # output by less than its tolerance (blocks.1.a local err/tol 0.8) and the head's by 24×. The
+    # first call whose own difference is of the model's size is followed (blocks.1, then its Linear
+    # a), not the model's own code.
+    torch.manual_seed(0)
+    model = Net().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+        model.head.weight.mul_(1e2)
+    x = x * 1e-2
+    case = ParityCase(_session(), "t::summed", patches=_scaled(model, "blocks.1.a.weight", 1 + 5e-4))
+    message, extra = _fail(case, "summed", model, x)
+    assert "First divergence: blocks.1.a (Linear)" in message, message
+    assert "no call inside the check's module is out of tolerance on its own" in message, message
+    rows = {r["submodule"]: r for r in extra["localization"]}
+    assert rows["blocks.1"]["verdict"] == "local" and rows["blocks.1"]["local_err_ratio"] < 1
+
+
 # --------------------------------------------------------------------------------------------
 # Localizer: sharing, budget, failures that are already explained
 

@@ -135,3 +135,26 @@ def test_generate_is_localized_to_the_faulty_layer(name):
     path = weight.format(layer=1)
     message, extra = _localized(model, path, model.generate, **kwargs)
     _assert_localized_to(message, extra, path)
+
+
+def test_a_fault_within_each_calls_tolerance_is_followed_into_the_decoder_layer_not_blamed_on_the_model():
+    # q_proj × (1 + 1e-2) in layer 0: q_proj's own output is 1e-2 off, but what it moves downstream
+    # (layers.0 by 4e-6, layers.1 by 3e-6, on activations of magnitude 0.1) stays inside atol 1e-5
+    # until the final norm scales the hidden states up: no child of LlamaModel is out of tolerance
+    # alone, the model's output is. The descent must go on into model.layers.0, not name the
+    # model's own code (its embedding lookup, rotary tables and mask compute nothing different).
+    model = _llama()
+    ids = _ids(1, 10)
+    path = "model.layers.0.self_attn.q_proj"
+    message, extra = _localized(model, path, model, input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert "First divergence: model.layers.0.self_attn.q_proj (Linear)" in message, message
+    assert "in its own code" not in message, message
+    rows = _assert_localized_to(message, extra, path)
+    assert rows["model.layers.0"]["verdict"] == "local" and rows["model.layers.0"]["local_err_ratio"] < 1
+    assert "no call inside model is out of tolerance on its own" in message, message
+    # the same check without the fault passes: nothing is localized
+    session = ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[failure_hook],
+                            recipe_policies={"fp32": "allclose"})
+    case = ParityCase(session, "t::hf", patches=edited_weight(model, f"{path}.weight", 1.0, session))
+    case.check("hf", model, input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert case.records[-1].status == "pass" and case.records[-1].localized.localization is None

@@ -24,6 +24,12 @@ MAX_LEVELS = 16
 MAX_LOCAL_RUNS = 64
 #: Calls shown after the first divergence in its level, and gradients after the first failing one.
 CONTEXT_ROWS = 2
+#: A scope out of tolerance none of whose calls is out of tolerance alone: its difference may be the
+#: sum of its calls' own differences, each within the check's tolerance (whose ``atol`` hides a
+#: relative error on small activations: a decoder layer's output of magnitude 0.1 next to the
+#: logits); the earliest call whose own (local) rel-L2 is at least this share of the scope's local
+#: rel-L2 is followed before the scope's own code is named (``_follow_within_tolerance``).
+ACCUMULATED_SHARE = 0.5
 
 
 class _Level:
@@ -86,7 +92,7 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
     ref = _Side(case, call, torch.device("cpu"), patched=False)
     tgt = _Side(case, call, case.target, patched=True)
     prefix = record.submodule or ""
-    d = _Descent(case, call, tol, ref, tgt, prefix, context_rows, max_local_runs, cache, deadline)
+    d = _Descent(case, call, tol, ref, tgt, prefix, context_rows, max_local_runs, cache, deadline, result)
     descent = _descend(d, loc, cached_only)
     if descent is None:
         return None
@@ -121,7 +127,7 @@ def _reference(record: Any) -> str:
 @dataclasses.dataclass
 class _Descent:
     """What one descent works with: the failing check (``case``, ``call``, tolerance), its two sides,
-    the check's submodule prefix and ``localize``'s limits."""
+    the check's submodule prefix, ``localize``'s limits and the check's failing comparison."""
 
     case: Any
     call: Any
@@ -133,6 +139,14 @@ class _Descent:
     max_local_runs: int
     cache: LocalizationCache | None
     deadline: float | None
+    result: CompareResult | None = None
+
+    def root_rel_l2(self) -> float | None:
+        """The rel-L2 of the check's worst leaf: the first scope's own difference, for
+        ``_follow_within_tolerance`` (None for a train step, whose leaves include gradients and
+        parameters after the step: not what its forward computes)."""
+        worst = _worst(self.result) if self.result is not None and self.call.kind == "check" else None
+        return None if worst is None else worst.rel_l2
 
 
 def _descend(d: _Descent, loc: Localization, cached_only: bool) -> tuple[list, list, _Recorder | None, Any] | None:
@@ -157,6 +171,7 @@ def _descend(d: _Descent, loc: Localization, cached_only: bool) -> tuple[list, l
     first_pass: _Recorder | None = None
     views: tuple[_View, _View] | None = None  # the next level's calls, when the last pass recorded them
     ended: _Call | str | None = None  # where the descent ended at a module's own code: its call, or "root"
+    scope_rel_l2 = d.root_rel_l2()  # the scope's own (local) difference
     while len(levels) < MAX_LEVELS:
         base = _join(d.prefix, scope_name or "")
         key = None
@@ -187,6 +202,8 @@ def _descend(d: _Descent, loc: Localization, cached_only: bool) -> tuple[list, l
         loc.levels += 1
         loc.local_runs += _judge_level(level, ref, tgt, d.tol, d.prefix, d.context_rows, d.max_local_runs, loc)
         if level.culprit is None:
+            loc.local_runs += _follow_within_tolerance(level, d, scope_rel_l2, loc)
+        if level.culprit is None:
             ended = scope_pair[0] if scope_pair is not None else ("root" if scope_key is not None else None)
             break
         ref_call, tgt_call = level.pairs[level.culprit]
@@ -195,6 +212,7 @@ def _descend(d: _Descent, loc: Localization, cached_only: bool) -> tuple[list, l
             ended = ref_call
             break  # a module without submodules: the divergence is in its own computation
         scope_pair = (ref_call, tgt_call)
+        scope_rel_l2 = level.sites[level.culprit].local.rel_l2
         scope_key = (ref_call.name, 0)  # in a pass of the scope alone, its call is the first
         scope_name = ref_call.name
         order_prefix = order_prefix + (level.sites[level.culprit].order[-1] - 0.5,)
@@ -343,6 +361,9 @@ def _judge_level(level: _Level, ref: _Side, tgt: _Side, tol: Tolerance, prefix: 
         total_result = compare(t.output, r.output, tol)
         site = Site(path, r.module_type, level.depth, order, _worst(total_result))
         level.sites.append(site)
+        if not total_result.leaves:  # no tensor compared: not evidence that the call agrees
+            site.verdict = "not compared"
+            continue
         if total_result.passed:
             continue
         site.verdict = "fail"
@@ -374,6 +395,47 @@ def _judge_level(level: _Level, ref: _Side, tgt: _Side, tol: Tolerance, prefix: 
         if paths:
             more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
             loc.notes.append(f"called on the {side} side only: {', '.join(paths[:3])}{more}")
+    return runs
+
+
+def _follow_within_tolerance(level: _Level, d: _Descent, scope_rel_l2: float | None, loc: Localization) -> int:
+    """A scope out of tolerance none of whose calls is out of tolerance alone: make the earliest call
+    whose own (local) rel-L2 is at least ``ACCUMULATED_SHARE`` of the scope's (``scope_rel_l2``) the
+    level's culprit, so the descent goes on into it instead of naming the scope's own code (which
+    is named only where no call's own difference comes near the scope's). Calls within tolerance
+    get their local comparison here (a re-run where their inputs differ). Returns the re-runs made."""
+    if scope_rel_l2 is None or not math.isfinite(scope_rel_l2) or scope_rel_l2 <= 0:
+        return 0
+    runs = 0
+    for i, ((r, t), site) in enumerate(zip(level.pairs, level.sites)):
+        if t is None or site.total is None or site.verdict == "not compared":
+            continue
+        if site.local is None:
+            if site.total.max_abs == 0:
+                continue  # the same output: no difference of its own to follow
+            if _same(r.inputs, t.inputs):
+                local_out = t.output
+            elif runs < d.max_local_runs:
+                runs += 1
+                try:
+                    local_out = d.tgt.run_call(r.name, r.inputs, r.rng, t.state)
+                except Exception:  # noqa: BLE001 - a call that cannot run alone is not followed
+                    continue
+            else:
+                break
+            site.local = _worst(compare(local_out, r.output, d.tol))
+            site.inherited = _worst(compare(t.output, local_out, d.tol))
+        own = site.local.rel_l2 if site.local is not None else math.nan
+        if math.isfinite(own) and own > 0 and own >= ACCUMULATED_SHARE * scope_rel_l2:
+            level.culprit = i
+            site.verdict = "local"
+            scope = level.base or "the check's module"
+            loc.notes.append(
+                f"no call inside {scope} is out of tolerance on its own; its difference is the sum of differences "
+                f"each within tolerance (atol hides a relative error on small activations), so the descent "
+                f"followed the first call whose own (local) rel-L2, {own:.3g}, is at least "
+                f"{ACCUMULATED_SHARE:g}× that of {scope} ({scope_rel_l2:.3g}): {site.path}")
+            break
     return runs
 
 

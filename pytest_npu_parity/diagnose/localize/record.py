@@ -24,8 +24,11 @@ class Site:
     descent (0: called directly by the check's module or function). ``total``/``local``/``inherited``
     are the worst leaves (largest ``err_ratio``) of the three comparisons (module doc); ``local`` and
     ``inherited`` are None where no local re-run was made. ``verdict``: ``ok``, ``local``,
-    ``inherited``, ``fail`` (out of tolerance, not separated) or ``missing`` (the call happened on one
-    side only).
+    ``inherited``, ``fail`` (out of tolerance, not separated), ``missing`` (the call happened on one
+    side only) or ``not compared`` (its output holds no tensor both sides could compare: nothing
+    says that it agrees, and it is never taken for a call that does). A ``local`` verdict whose
+    local err/tol is within 1 is a call followed because none of its scope's calls is out of
+    tolerance alone (``descent.ACCUMULATED_SHARE``; a note says so).
     """
 
     path: str
@@ -40,7 +43,7 @@ class Site:
 
     @property
     def failed(self) -> bool:
-        return self.verdict != "ok"
+        return self.verdict not in ("ok", "not compared")
 
     def to_row(self) -> dict[str, Any]:
         """A JSON-able dict (the report's ``localization`` entries)."""
