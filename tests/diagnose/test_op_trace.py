@@ -226,6 +226,39 @@ def test_a_correct_module_gets_no_culprit_op(net, x):
         assert max(r.ratio for r in compared) < 0.6, trace.format()
 
 
+class _Float32Tail(torch.nn.Module):
+    """A Linear (bf16 under a bf16 recipe's autocast), then an op the code computes in float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.exp(self.lin(x).float())
+
+
+def test_a_float32_op_is_judged_at_the_checks_precision_where_that_is_coarser(x):
+    # A float32 kernel 1e-4 off (its float64 golden exact): beyond float32's budget, so the culprit of an fp32
+    # check; within what a bf16 check's precision rounds away, so no culprit there (with ATen's AVX2 kernels a
+    # correct bf16 run of a tiny Llama has a float32 flash-attention op 2.3e-5 off: module doc).
+    def off_in_float32(func, args, kwargs):
+        out = func(*args, **kwargs)
+        return out * (1 + 1e-4) if out.dtype == torch.float32 else out
+
+    torch.manual_seed(0)
+    model = _Float32Tail().eval()
+    for recipe in ("fp32", "bf16"):
+        with _Kernel({aten.exp.default}, off_in_float32), torch.no_grad():
+            trace = trace_ops(model, (x,), device="cpu", recipe=RECIPES[recipe])
+        row = next(r for r in trace.rows if r.op == "aten.exp")
+        assert row.dtype == "float32" and op_budget(torch.float32) < row.local < op_budget(torch.bfloat16), row
+        if recipe == "fp32":
+            assert trace.first is row and row.verdict == "local", trace.format()
+        else:
+            assert trace.first is None and row.verdict == "ok", trace.format()
+            assert row.budget == op_budget(torch.bfloat16) and row.ratio < 0.1
+
+
 # --------------------------------------------------------------------------------------------
 # a tiny transformers model
 
