@@ -26,6 +26,7 @@ from transformers import GPT2LMHeadModel  # noqa: E402,F401
 
 import pytest_npu_parity.runner  # noqa: E402,F401
 import pytest_npu_parity.golden  # noqa: E402,F401
+from cpu_features import NO_BF16_LSTM, runs_bf16_lstm  # noqa: E402
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "tutorial" / "own-model.md"
 SECTION = "Your own model"
@@ -128,6 +129,7 @@ def test_the_page_has_the_three_examples() -> None:
             assert f'"{check}"' in EXAMPLES[name]
 
 
+@pytest.mark.skipif(not runs_bf16_lstm(), reason=NO_BF16_LSTM)  # the tagger's LSTM under bf16
 def test_the_examples_pass_against_a_live_cpu_run_in_both_recipes(pytester: pytest.Pytester) -> None:
     _project(pytester)
     result = pytester.runpytest("--npu-parity", "-p", "no:randomly")
@@ -161,6 +163,8 @@ FAULTS = [
                          ids=[f"{c}-{r}-{s:g}-{'+'.join(f[5:-3] for f in fs)}" for c, r, s, fs in FAULTS])
 def test_a_fault_on_the_target_fails_each_check(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
                                                 check: str, recipe: str, scale: float, files: list[str]) -> None:
+    if recipe == "bf16" and "test_tagger.py" in files and not runs_bf16_lstm():
+        pytest.skip(NO_BF16_LSTM)
     _project(pytester, recipe, files)
     monkeypatch.setenv("OWN_MODEL_FAULT", f"{check}:{scale}")
     result = pytester.runpytest("--npu-parity", "-p", "no:randomly", "--parity-localize-budget=0",

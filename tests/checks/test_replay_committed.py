@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from cpu_features import NO_BF16_LSTM, runs_bf16_lstm
 from locations import TESTS
 from test_own_models import EXAMPLES
 
@@ -38,11 +39,13 @@ def _judged(result: pytest.RunResult) -> str:
     return out
 
 
+@pytest.mark.skipif(not runs_bf16_lstm(), reason=NO_BF16_LSTM)  # the tagger's LSTM under bf16
 def test_the_committed_recordings_compare_green_here(pytester: pytest.Pytester) -> None:
     _project(pytester)
     _judged(pytester.runpytest("--npu-parity", "--parity-reference", "baseline", "-p", "no:randomly"))
 
 
+@pytest.mark.skipif(not runs_bf16_lstm(), reason=NO_BF16_LSTM)  # the tagger's LSTM under bf16
 def test_the_committed_recordings_compare_green_on_another_kernel_path(pytester: pytest.Pytester,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     _project(pytester)

@@ -29,6 +29,7 @@ import torch  # noqa: F401
 
 import pytest_npu_parity.golden  # noqa: F401
 import pytest_npu_parity.runner  # noqa: F401
+from cpu_features import NO_BF16_LSTM, runs_bf16_lstm
 
 try:  # the examples of "Your own model" need them (the dev extra installs both)
     import torchvision  # noqa: F401
@@ -136,6 +137,8 @@ def test_directives_are_read(tmp_path: Path) -> None:
 def test_snippet_runs(snippet: Snippet, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     if snippet.skip:
         pytest.skip(f"{snippet.id}: {snippet.skip}")
+    if "nn.LSTM" in snippet.source and "--parity-dtypes" not in " ".join(snippet.args) and not runs_bf16_lstm():
+        pytest.skip(f"{snippet.id}: {NO_BF16_LSTM}")
     if snippet.file_name is None:
         monkeypatch.chdir(pytester.path)
         exec(compile(snippet.source, snippet.id, "exec"), {"__name__": "__snippet__"})  # noqa: S102 - the page's own code

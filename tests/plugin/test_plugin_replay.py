@@ -13,6 +13,7 @@ import json
 import pytest
 from pytester_helpers import edit_module
 from test_own_models import EXAMPLES, FAULT_CONFTEST
+from cpu_features import NO_BF16_LSTM, runs_bf16_lstm
 
 OTHER_PATH = {"ATEN_CPU_CAPABILITY": "default"}
 FILES = ["test_gpt2.py", "test_tagger.py"]
@@ -37,6 +38,7 @@ def _elsewhere(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args
                                          "--parity-localize-budget=0", "-rN", *args)
 
 
+@pytest.mark.skipif(not runs_bf16_lstm(), reason=NO_BF16_LSTM)  # the tagger's LSTM under bf16
 def test_the_examples_compare_green_on_another_kernel_path_by_replaying_what_they_recorded(
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     _project(pytester, "fp32,bf16")
