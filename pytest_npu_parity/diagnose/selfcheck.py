@@ -50,7 +50,6 @@ import torch
 
 from ..judge.allclose import compare
 from ..judge.tolerance import Tolerance, default_for_dtype
-from ..report import columns as col
 
 #: The weight is scaled by 1 + WEIGHT_RTOLS·rtol of the check (1 + 1e-4 under fp32's rtol 1e-5:
 #: the fault the Aurora sensitivity tests prove every fp32 check catches).

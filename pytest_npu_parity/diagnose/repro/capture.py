@@ -3,7 +3,6 @@ the ``ops`` replay, every aten op it dispatched), and the reference run of the p
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable

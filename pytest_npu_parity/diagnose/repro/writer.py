@@ -9,7 +9,6 @@ import inspect
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import sys
