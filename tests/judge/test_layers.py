@@ -256,3 +256,45 @@ def test_a_non_contiguous_output_is_sampled_at_the_same_positions_without_a_whol
         assert torch.equal(got, expected) and got.shape == (64,)
     small = x[:1, :1, :2, :2].transpose(2, 3)  # no more values than samples: all of them, in row-major order
     assert torch.equal(_sampled("layer:s", small, 64), small.contiguous().reshape(-1))
+
+
+def test_records_written_into_preallocated_rows_are_each_layers_own_values():
+    # capture_layers writes each record into a row of one buffer per dtype: every record must be the
+    # values _sampled takes from that layer's first output and input (bf16 and fp32 layers side by side,
+    # a channels_last conv, an output with fewer values than samples), each its own copy.
+    from pytest_npu_parity.runtime.layer_capture import capture_layers, _sampled
+
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+            self.lin = torch.nn.Linear(36, 8)
+            self.low = torch.nn.Linear(8, 2).to(torch.bfloat16)
+
+        def forward(self, x):
+            y = self.conv(x.to(memory_format=torch.channels_last))
+            z = self.lin(y.flatten(2).mean(1).reshape(x.shape[0], -1)[:, :36])
+            return self.low(z.to(torch.bfloat16))
+
+    torch.manual_seed(0)
+    model, x = Mixed(), torch.randn(2, 3, 8, 8)
+    seen = {}
+
+    def keep(name):
+        def hook(_module, inputs, output):
+            seen.setdefault(name, (inputs[0].detach().clone(), output.detach().clone()))
+        return hook
+
+    hooks = [m.register_forward_hook(keep(n)) for n, m in model.named_children()]
+    with torch.no_grad(), capture_layers(model, samples=16) as records:
+        model(x)
+    for h in hooks:
+        h.remove()
+    assert set(records) == {f"layer:{n}{s}" for n in seen for s in ("", "@in")}
+    for name, (given, output) in seen.items():
+        for key, tensor in ((f"layer:{name}", output), (f"layer:{name}@in", given)):
+            expected = _sampled(key, tensor, 16)
+            assert records[key].dtype == tensor.dtype and torch.equal(records[key], expected), key
+    assert records["layer:low"].numel() == 4  # 2 x 2 values: all of them
+    pointers = [r.untyped_storage().data_ptr() for r in records.values()]
+    assert len(set(pointers)) == len(pointers)  # no record is a view of a shared buffer
