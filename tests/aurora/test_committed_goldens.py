@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 
 from pytest_npu_parity.baselines import SuiteStores, _read
+from pytest_npu_parity.store.pool import ObjectPool
 from pytest_npu_parity.checks import stored_golden as S
 
 REPO = Path(__file__).resolve().parents[2]
 BASELINES = REPO / "baselines"
+#: The store's object pool (format 4: a recorded input or golden of 4 KiB or more is stored once there).
+POOL = ObjectPool(BASELINES)
 
 #: A plugin that makes every golden computation fail the test that runs it.
 FORBID = '''
@@ -29,26 +32,33 @@ golden.GoldenRunner.run = _forbidden
 '''
 
 
+#: The fp32 checks of the suite judged by the golden floor besides the training step and the Trainer runs
+#: (a main-job run's report: ``golden_policy`` set on their rows).
+FP32_GOLDEN_JUDGED = ("forward_train_loss", "encoder_layer_0_train", "decoder_layer_0_train", "predict_head_train")
+
+
 def _entries():
     for path in sorted((BASELINES / "aurora").rglob("*.safetensors")):
-        baseline = _read(path)
+        baseline = _read(path, pool=POOL)
         for name, entry in baseline.checks.items():
             yield path, baseline, name, entry
 
 
-def test_the_whole_model_checks_of_the_committed_baselines_store_their_golden():
-    # The whole-model, training-step and Trainer checks run on the suite's real inputs, bitwise the same on
-    # every machine, so --parity-store-goldens could add their goldens; a submodule check fed by
-    # activations this machine computed (other last bits than the recording CPU's) keeps the live golden.
-    whole = {"test_model", "test_train_step", "test_trainer"}
+def test_every_golden_judged_check_of_the_committed_baselines_stores_its_golden():
+    # Every bf16 check (the golden floor is bf16's default) and every fp32 check of a module in training
+    # mode stores its golden: the whole-model, training-step and Trainer checks (their goldens added with
+    # --parity-store-goldens) and the submodule checks fed by activations (re-recorded with their inputs,
+    # which another CPU replays, so the stored golden applies there too).
     seen = 0
     for path, _, name, entry in _entries():
-        if path.parent.name in whole and ".bf16" in path.name:
+        golden_judged = ".bf16" in path.name or (".fp32" in path.name and (
+            path.parent.name in {"test_train_step", "test_trainer"} or name in FP32_GOLDEN_JUDGED))
+        if golden_judged:
             assert S.META_KEY in entry.meta, f"{path.name}: check {name!r} stores no golden"
         if S.META_KEY in entry.meta:
             S.golden_source(entry, path)  # raises on a malformed or incomplete record
             seen += 1
-    assert seen >= 20, seen
+    assert seen >= 60, seen
 
 
 def test_the_goldens_were_added_without_touching_the_recorded_provenance():
@@ -59,14 +69,14 @@ def test_the_goldens_were_added_without_touching_the_recorded_provenance():
 
 
 def test_golden_judged_aurora_checks_run_no_golden_against_the_committed_baselines(tmp_path):
-    # One run over three bf16 checks (judged by the golden floor by default) whose committed baselines
-    # store their golden, against a copy of the store where one of them has its golden taken out: that one
+    # One run over four bf16 checks (judged by the golden floor by default) whose committed baselines
+    # store their golden (one of them a submodule fed by activations this machine computes), against a copy of the store where one of them has its golden taken out: that one
     # must run the golden, which the plugin below turns into a failure; the other two run none.
     (tmp_path / "forbid_golden.py").write_text(FORBID, encoding="utf-8")
     store = SuiteStores(tmp_path / "store")
     stripped = "parity_suites/aurora/test_submodules.py::test_submodule[bf16-resample_24]"
     for path in sorted((BASELINES / "aurora" / "test_submodules").glob("test_submodule.bf16-*.safetensors")):
-        baseline = _read(path)
+        baseline = _read(path, pool=POOL)
         if baseline.test_id == stripped:
             for entry in baseline.checks.values():
                 entry.meta.pop(S.META_KEY, None)
@@ -76,10 +86,10 @@ def test_golden_judged_aurora_checks_run_no_golden_against_the_committed_baselin
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "forbid_golden", "--npu-parity",
             "--baseline-dir", str(tmp_path / "store"), "--parity-localize-budget=0", "-rf",
             "parity_suites/aurora/test_submodules.py", "-k",
-            "bf16-causal_attention_mask or bf16-resample_24 or bf16-patch_embedding_train"]
+            "bf16-causal_attention_mask or bf16-resample_24 or bf16-patch_embedding_train or bf16-attention_self_causal"]
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = done.stdout
-    assert "2 passed" in out and "1 failed" in out, out[-4000:] + done.stderr[-2000:]
+    assert "3 passed" in out and "1 failed" in out, out[-4000:] + done.stderr[-2000:]
     failed = [line for line in out.splitlines() if line.startswith("FAILED")]
     assert len(failed) == 1 and "bf16-resample_24" in failed[0], failed
     assert "a golden computation ran" in out
