@@ -1,0 +1,137 @@
+"""Counterfactual attribution: replace one suspect by its reference behaviour, measure what disappears.
+
+Part of ``pytest_npu_parity.diagnose.counterfactual`` (the package docstring describes the method).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from .modify import called_children, pristine_float64, reference_outputs
+from .rerun import Outcome, Rerunner, Spent, share_removed
+
+#: Share of the end-to-end error that must disappear for a suspect to be the root cause (a re-run
+#: that passes is the root cause whatever its share). Measured on the planted faults of
+#: tests/diagnose/test_counterfactual.py: a scaled weight replaced by its reference removed
+#: 0.98–1.00 of the error (fp32 allclose and a tiny Llama), a layer that only inherits the error
+#: -0.05–0.05; the bf16 fragile statistics module under the golden verdict 0.97–1.0, its siblings
+#: below 0.1.
+ROOT_CAUSE_SHARE = 0.9
+#: Share from which a suspect is said to contribute (between this and ``ROOT_CAUSE_SHARE``); below
+#: it, "no effect": ten times the largest share a non-faulty suspect reached in those measurements.
+CONTRIBUTING_SHARE = 0.2
+#: Top-level children attributed where nothing was localized (a golden verdict), at most.
+MAX_CHILD_SUSPECTS = 8
+
+#: What each kind of suspect is replaced by.
+REPLACED_BY = {"module": "its float64 CPU reference", "patch set": "the target run without its patch set"}
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A piece of the target's computation to replace: a submodule (``kind="module"``, ``name`` its
+    qualified name in the check's module, ``""`` the module itself) or the whole patch set
+    (``kind="patch set"``); ``why`` says where the suspicion came from."""
+
+    kind: str
+    name: str
+    why: str
+    module_type: str = ""
+
+    def label(self) -> str:
+        """``blocks.2.b (Linear)``, ``the patch set``."""
+        if self.kind == "patch set":
+            return "the patch set"
+        return f"{self.name or '<module>'} ({self.module_type})" if self.module_type else (self.name or "<module>")
+
+
+@dataclass
+class Attribution:
+    """One suspect's counterfactual re-run: its ``outcome`` (``rerun.Outcome``), the error ``before``
+    (the check's own), the ``share`` of it that disappeared and the ``verdict``: ``root cause``,
+    ``contributing``, ``no effect`` or ``not run`` (the re-run raised: ``outcome.problem``)."""
+
+    suspect: Suspect
+    outcome: Outcome
+    before: float
+    share: float
+    verdict: str
+
+    def to_row(self) -> dict[str, Any]:
+        """A JSON-able row (the report's ``counterfactual`` entries)."""
+        return {"kind": "counterfactual", "suspect": self.suspect.label(), "suspect_kind": self.suspect.kind,
+                "submodule": self.suspect.name if self.suspect.kind == "module" else None,
+                "why": self.suspect.why, "replaced_by": REPLACED_BY[self.suspect.kind],
+                "error_before": _num(self.before), "error_after": _num(self.outcome.error),
+                "share": _num(self.share), "passed": self.outcome.passed, "verdict": self.verdict,
+                "seconds": self.outcome.seconds, "problem": self.outcome.problem}
+
+
+def _num(value: float) -> float | None:
+    return None if value is None or math.isnan(value) else (value if math.isfinite(value) else str(value))
+
+
+def classify(outcome: Outcome, share: float) -> str:
+    """``root cause`` (the re-run passes, or ``share >= ROOT_CAUSE_SHARE``), ``contributing``
+    (``share >= CONTRIBUTING_SHARE``), ``no effect``; ``not run`` where the re-run raised."""
+    if outcome.problem is not None:
+        return "not run"
+    if outcome.passed or share >= ROOT_CAUSE_SHARE:
+        return "root cause"
+    return "contributing" if share >= CONTRIBUTING_SHARE else "no effect"
+
+
+def module_suspect(module: torch.nn.Module, path: str, why: str, prefix: str | None = None) -> Suspect | None:
+    """A module suspect for a display path of the localization (``blocks.2.b#1``, ``<Net>``,
+    ``encoder.blocks.0`` under a check ``submodule`` prefix ``encoder``): the call index and the prefix
+    dropped, the root as ``""``; None when the path names no submodule of ``module``."""
+    name = re.sub(r"#\d+$", "", path or "")
+    if prefix and (name == prefix or name.startswith(prefix + ".")):
+        name = name[len(prefix) + 1:] if name != prefix else ""
+    if name.startswith("<"):
+        name = ""
+    try:
+        sub = module.get_submodule(name) if name else module
+    except AttributeError:
+        return None
+    return Suspect("module", name, why, type(sub).__name__)
+
+
+def child_suspects(module: torch.nn.Module, limit: int = MAX_CHILD_SUSPECTS) -> list[Suspect]:
+    """The top-level children of ``module`` (``modify.called_children``: a ``ModuleList``'s items in
+    its place), parameter-free ones included (a fragile computation needs no weights), in
+    registration order, at most ``limit``. Each costs one re-run, and the cheapest ranking is none:
+    all are measured and the message sorts them by the share of the error they remove."""
+    return [Suspect("module", name, "top-level child of the check's module", type(child).__name__)
+            for name, child in called_children(module)[:limit]]
+
+
+def attribute(runner: Rerunner, suspects: list[Suspect], before: float) -> list[Attribution]:
+    """Re-run the check's target once per suspect with that suspect replaced by its reference
+    behaviour (a module: ``modify.reference_outputs`` of the pristine module's same-named submodule,
+    float64 on the CPU; the patch set: the run without it) and classify the share of ``before`` (the
+    check's own end-to-end error) that disappears. Stops quietly when the runner's budget is spent
+    (the suspects not run are left out)."""
+    out: list[Attribution] = []
+    module = runner.call.module
+    for suspect in suspects:
+        try:
+            if suspect.kind == "patch set":
+                outcome = runner.run(None, patched=False)
+            else:
+                pristine = {suspect.name: pristine_float64(module, suspect.name)}
+                outcome = runner.run(partial(_replaced, names=[suspect.name], pristine=pristine))
+        except Spent:
+            break
+        share = share_removed(before, outcome.error)
+        out.append(Attribution(suspect, outcome, before, share, classify(outcome, share)))
+    return out
+
+
+def _replaced(module: torch.nn.Module, names: list[str], pristine: dict) -> Any:
+    return reference_outputs(module, names, pristine=pristine)
