@@ -170,7 +170,7 @@ def what_makes_it_pass(case: Any, record: Any, call: Any, result: Any, *, locali
                is not None else "worst err/tol over the failing leaves")
     runner = Rerunner(case, call, paths, deadline=deadline, max_runs=max_runs)
     out = WhatMakesItPass(end_to_end_error(result, paths), measure)
-    out.attributions = attribute(runner, suspects_for(case, record, call, localization), out.before)
+    out.attributions = attribute(runner, suspects_for(case, record, call, localization), result)
     if islands is None:
         islands = getattr(case.recipe, "autocast_dtype", None) is not None
     if islands:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .modify import called_children, pristine_float64, reference_outputs
-from .rerun import Outcome, Rerunner, Spent, share_removed
+from .rerun import Outcome, Rerunner, Spent, end_to_end_error, share_removed
 
 #: Share of the end-to-end error that must disappear for a suspect to be the root cause (a re-run
 #: that passes is the root cause whatever its share). Measured on the planted faults of
@@ -111,12 +111,26 @@ def child_suspects(module: torch.nn.Module, limit: int = MAX_CHILD_SUSPECTS) -> 
             for name, child in called_children(module)[:limit]]
 
 
-def attribute(runner: Rerunner, suspects: list[Suspect], before: float) -> list[Attribution]:
+def measured_paths(runner: Rerunner, suspect: Suspect) -> list[str]:
+    """The failing leaves a suspect's replacement is measured on: all of them, except in a train step
+    the leaves of the replaced module's own state (``grad.<name>.…``, ``param.<name>.…``,
+    ``buffer.<name>.…``; every such leaf for the check's module itself): replacing a module's
+    *output* cannot change its own weights, their gradients or its buffers, so a scaled weight would
+    otherwise never be found. Where that leaves none, all of them."""
+    if runner.call.kind != "train_step" or suspect.kind != "module":
+        return runner.paths
+    own = tuple(f"{kind}.{suspect.name}." if suspect.name else f"{kind}." for kind in ("grad", "param", "buffer"))
+    kept = [p for p in runner.paths if not p.startswith(own)]
+    return kept or runner.paths
+
+
+def attribute(runner: Rerunner, suspects: list[Suspect], result: Any) -> list[Attribution]:
     """Re-run the check's target once per suspect with that suspect replaced by its reference
     behaviour (a module: ``modify.reference_outputs`` of the pristine module's same-named submodule,
-    float64 on the CPU; the patch set: the run without it) and classify the share of ``before`` (the
-    check's own end-to-end error) that disappears. Stops quietly when the runner's budget is spent
-    (the suspects not run are left out)."""
+    float64 on the CPU; the patch set: the run without it) and classify the share of the check's own
+    end-to-end error (in ``result``, the check's comparison) that disappears, both measured on
+    ``measured_paths``. Stops quietly when the runner's budget is spent (the suspects not run are
+    left out)."""
     out: list[Attribution] = []
     module = runner.call.module
     for suspect in suspects:
@@ -128,6 +142,10 @@ def attribute(runner: Rerunner, suspects: list[Suspect], before: float) -> list[
                 outcome = runner.run(partial(_replaced, names=[suspect.name], pristine=pristine))
         except Spent:
             break
+        paths = measured_paths(runner, suspect)
+        before = end_to_end_error(result, paths)
+        if outcome.result is not None:
+            outcome.error = end_to_end_error(outcome.result, paths)
         share = share_removed(before, outcome.error)
         out.append(Attribution(suspect, outcome, before, share, classify(outcome, share)))
     return out

@@ -212,10 +212,14 @@ def reference_outputs(model: torch.nn.Module, names: Sequence[str],
     """Inside the block the named submodules' outputs are replaced by their reference behaviour: the
     *pristine* submodule (``pristine[name]``, by default a float64 CPU copy of ``model``'s submodule
     taken on entry, before any patch of a later run edits weights) run on the CPU in float64, without
-    autocast, under ``torch.no_grad``, from the call's own inputs (moved to the CPU in float64); each
-    floating output is cast back to the dtype and device of the target's output at the same place.
-    The target's own submodule still runs first (its outputs' structure, and its random draws, are
-    kept); an output that requires grad keeps the target's gradient path (``_like``).
+    autocast, from the call's own inputs (moved to the CPU in float64); each floating output is cast
+    back to the dtype and device of the target's output at the same place. The target's own
+    submodule still runs first (its outputs' structure, and its random draws, are kept; the
+    reference runs under ``fork_rng``, so it draws nothing from the run's stream). Only the forward
+    values are replaced: an output that requires grad keeps the target's gradient path (``_like``),
+    so in a train step a fault that also acts in the backward (a scaled weight) is only partly
+    removed (measured: 25% of the error of tests/diagnose/test_counterfactual.py's train step,
+    "contributing").
 
     Raises:
         AttributeError: a name that is not a submodule of ``model``.

@@ -89,7 +89,7 @@ class Localizer:
         if record.golden_policy is not None:  # only with counterfactual (runs_under_golden)
             return self._what_makes_it_pass(case, record, call, result, None)
         text = self._localize(case, record, call, result)
-        if self.counterfactual and record.localized.localization_skipped != "structure":
+        if self.counterfactual and self._last is not None and self._last.levels:  # localized here, not reused
             more = self._what_makes_it_pass(case, record, call, result, self._last)
             text = "\n\n".join(t for t in (text, more) if t) or None
         return text
@@ -100,8 +100,9 @@ class Localizer:
         budget, its seconds added to ``spent_s``; a note where no budget is left."""
         if structural_problem(result) is not None:
             return None
-        if self.over_budget:
-            return "(What makes it pass: not run, the localization budget is spent.)"
+        if self.over_budget or (localization is None and not self.fits(record)):
+            return ("(What makes it pass: not run, it does not fit in what is left of the localization budget; "
+                    "--parity-localize runs it whatever the budget.)")
         start = time.perf_counter()
         deadline = None if self.forced or self.budget_s is None else start + self.budget_s - self.spent_s
         try:
