@@ -8,6 +8,7 @@ diagnosis to name the planted piece, and the unmodified re-run to reproduce the 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -120,6 +121,31 @@ def test_the_scaled_layer_is_the_root_cause_and_another_layer_has_no_effect():
                                                            Suspect("module", "blocks.2.b", "test")], result)}
     assert found["blocks.0.a"].verdict == "no effect" and abs(found["blocks.0.a"].share) < 0.2
     assert found["blocks.2.b"].verdict == "root cause" and found["blocks.2.b"].share >= ROOT_CAUSE_SHARE
+
+
+def test_a_patch_of_the_suspects_class_never_reaches_its_reference():
+    model, x = net(), net_input()
+    for i, block in enumerate(model.blocks):
+        block.index = i  # deep copies (the pristine reference) keep it: the patch would match them too
+    original = type(model.blocks[0]).forward
+
+    @contextlib.contextmanager
+    def own_code_fault(device):  # block 2 scales its result in its own forward, a class-level patch
+        def forward(self, x):
+            y = original(self, x)
+            return y * 1.001 if getattr(self, "index", None) == 2 else y
+        type(model.blocks[0]).forward = forward
+        try:
+            yield
+        finally:
+            type(model.blocks[0]).forward = original
+
+    case = ParityCase(_session([Localizer(None)], recipe_policies={"fp32": "allclose"}), "t::code",
+                      patches=own_code_fault)
+    message = _fails(case, "m", model, x)
+    assert "First divergence: blocks.2 (Block)" in message
+    rows = {r["suspect"]: r for r in case.records[-1].whatfix.counterfactual}
+    assert rows["blocks.2 (Block)"]["verdict"] == "root cause" and rows["blocks.2 (Block)"]["passed"]
 
 
 def test_a_train_step_under_its_golden_verdict_gets_a_counterfactual_not_the_not_localized_note():

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .modify import called_children, pristine_float64, reference_outputs
+from .modify import called_children, pristine_float64, recorded_inputs, reference_runs, replaced_outputs
 from .rerun import Outcome, Rerunner, Spent, end_to_end_error, share_removed
 
 #: Share of the end-to-end error that must disappear for a suspect to be the root cause (a re-run
@@ -128,20 +128,34 @@ def measured_paths(runner: Rerunner, suspect: Suspect) -> list[str]:
 
 def attribute(runner: Rerunner, suspects: list[Suspect], result: Any) -> list[Attribution]:
     """Re-run the check's target once per suspect with that suspect replaced by its reference
-    behaviour (a module: ``modify.reference_outputs`` of the pristine module's same-named submodule,
-    float64 on the CPU; the patch set: the run without it) and classify the share of the check's own
-    end-to-end error (in ``result``, the check's comparison) that disappears, both measured on
-    ``measured_paths``. Stops quietly when the runner's budget is spent (the suspects not run are
-    left out)."""
+    behaviour and classify the share of the check's own end-to-end error (in ``result``, the check's
+    comparison) that disappears, both measured on ``measured_paths``.
+
+    A module suspect's reference behaviour is its pristine submodule (a float64 CPU copy of the
+    check's module's same-named submodule, taken here, outside any run) on the inputs the target gave
+    that submodule: one unmodified re-run first records the inputs of every module suspect's calls
+    (``modify.recorded_inputs``); the references are computed from them outside the patch set
+    (``modify.reference_runs``: a patch of the submodule's class or of a function it calls does not
+    reach them), and each suspect's re-run returns them in place of its calls' outputs
+    (``modify.replaced_outputs``; a call the recording did not see keeps its own). The patch set's
+    re-run is the target without it. Stops quietly when the runner's budget is spent (the suspects
+    not run are left out)."""
     out: list[Attribution] = []
     module = runner.call.module
+    names = [s.name for s in suspects if s.kind == "module"]
+    calls: dict[str, list] = {}
+    if names:
+        try:
+            runner.run(partial(_recording, names=names, store=calls))
+        except Spent:
+            return out
     for suspect in suspects:
         try:
             if suspect.kind == "patch set":
                 outcome = runner.run(None, patched=False)
             else:
-                pristine = {suspect.name: pristine_float64(module, suspect.name)}
-                outcome = runner.run(partial(_replaced, names=[suspect.name], pristine=pristine))
+                refs = reference_runs(pristine_float64(module, suspect.name), calls.get(suspect.name, []))
+                outcome = runner.run(partial(_replacing, name=suspect.name, outputs=refs))
         except Spent:
             break
         paths = measured_paths(runner, suspect)
@@ -153,5 +167,9 @@ def attribute(runner: Rerunner, suspects: list[Suspect], result: Any) -> list[At
     return out
 
 
-def _replaced(module: torch.nn.Module, names: list[str], pristine: dict) -> Any:
-    return reference_outputs(module, names, pristine=pristine)
+def _recording(module: torch.nn.Module, names: list[str], store: dict) -> Any:
+    return recorded_inputs(module, names, store)
+
+
+def _replacing(module: torch.nn.Module, name: str, outputs: list) -> Any:
+    return replaced_outputs(module, name, outputs)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from ...leaves import is_cache
+from ...runtime.side import copy_state, is_state
 
 
 def _map_floats(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], depth: int = 0) -> Any:
@@ -174,10 +175,6 @@ def _hooked(module: torch.nn.Module, pre: Callable | None, post: Callable | None
             handle.remove()
 
 
-def _float64_cpu(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to(device="cpu", dtype=torch.float64)
-
-
 def _like(ref: Any, out: Any) -> Any:
     """``ref`` (the float64 reference output) shaped as the target's ``out``: each floating tensor cast
     to the dtype and device of the target's tensor at the same place; where the target's tensor
@@ -206,20 +203,105 @@ def pristine_float64(model: torch.nn.Module, name: str) -> torch.nn.Module:
         return copy.deepcopy(sub).to(device="cpu", dtype=torch.float64)
 
 
+def _snapshot(obj: Any, depth: int = 0) -> Any:
+    """A CPU copy of a call's inputs: every tensor detached and cloned to the CPU, a key/value cache or
+    other stateful argument deep-copied with its tensors so (``runtime.side.copy_state``), so that
+    neither the rest of the run nor the reference run changes what was recorded or what the target
+    uses."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if depth > 16:
+        return obj
+    if is_state(obj):
+        return copy_state(obj, lambda t: t.detach().to("cpu", copy=True), torch.device("cpu"))
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_snapshot(v, depth + 1) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_snapshot(v, depth + 1) for v in obj)
+    if isinstance(obj, dict):
+        mapped = {k: _snapshot(v, depth + 1) for k, v in obj.items()}
+        try:
+            return type(obj)(mapped)
+        except Exception:  # noqa: BLE001 - see _map_floats
+            return mapped
+    return obj
+
+
+def _to_float64(obj: Any) -> Any:
+    """A fresh copy of a snapshot (``_snapshot``) with its floating tensors in float64, caches included."""
+    if is_state(obj):
+        return copy_state(obj, lambda t: t.to(torch.float64) if t.is_floating_point() else t.clone())
+    return _map_floats(_snapshot(obj), lambda t: t.to(torch.float64))
+
+
+@contextlib.contextmanager
+def recorded_inputs(model: torch.nn.Module, names: Sequence[str], store: dict[str, list]) -> Iterator[None]:
+    """Inside the block each call of a named submodule appends a CPU snapshot of its ``(args,
+    kwargs)`` (``_snapshot``) to ``store[name]`` (a forward pre-hook that changes nothing).
+
+    Raises:
+        AttributeError: a name that is not a submodule of ``model``.
+    """
+    with contextlib.ExitStack() as stack:
+        for name, module in _resolve(model, names):
+            calls = store.setdefault(name, [])
+
+            def pre(mod: torch.nn.Module, args: tuple, kwargs: dict, calls: list = calls) -> None:
+                calls.append((_snapshot(args), _snapshot(kwargs)))
+
+            stack.enter_context(_hooked(module, pre, None))
+        yield
+
+
+def reference_runs(pristine: torch.nn.Module, calls: list) -> list[Any]:
+    """The outputs of ``pristine`` (a float64 CPU module, ``pristine_float64``) on each recorded call
+    (``recorded_inputs``), in float64 on the CPU, without autocast or autograd, drawing nothing from
+    the caller's random stream (``fork_rng``)."""
+    outputs = []
+    with torch.no_grad(), torch.autocast("cpu", enabled=False), torch.random.fork_rng(devices=[]):
+        for args, kwargs in calls:
+            outputs.append(pristine(*_to_float64(args), **_to_float64(kwargs)))
+    return outputs
+
+
+@contextlib.contextmanager
+def replaced_outputs(model: torch.nn.Module, name: str, outputs: list) -> Iterator[None]:
+    """Inside the block the k-th call of ``model``'s submodule ``name`` (counted from the block's
+    start, copies of ``model`` made inside included) returns ``outputs[k]`` instead of its own
+    output, each floating tensor cast to the dtype and device of the target's tensor at the same
+    place (``_like``); calls past ``len(outputs)`` keep their own. The target's own submodule still
+    runs (its outputs' structure and its random draws are kept).
+
+    Raises:
+        AttributeError: ``name`` is not a submodule of ``model``.
+    """
+    ((_, module),) = _resolve(model, [name])
+    count = [0]
+
+    def post(mod: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        index = count[0]
+        count[0] += 1
+        if output is None or index >= len(outputs):
+            return None
+        return _like(outputs[index], output)
+
+    with _hooked(module, None, post):
+        yield
+
+
 @contextlib.contextmanager
 def reference_outputs(model: torch.nn.Module, names: Sequence[str],
                       pristine: dict[str, torch.nn.Module] | None = None) -> Iterator[None]:
-    """Inside the block the named submodules' outputs are replaced by their reference behaviour: the
-    *pristine* submodule (``pristine[name]``, by default a float64 CPU copy of ``model``'s submodule
-    taken on entry, before any patch of a later run edits weights) run on the CPU in float64, without
-    autocast, from the call's own inputs (moved to the CPU in float64); each floating output is cast
-    back to the dtype and device of the target's output at the same place. The target's own
-    submodule still runs first (its outputs' structure, and its random draws, are kept; the
-    reference runs under ``fork_rng``, so it draws nothing from the run's stream). Only the forward
-    values are replaced: an output that requires grad keeps the target's gradient path (``_like``),
-    so in a train step a fault that also acts in the backward (a scaled weight) is only partly
-    removed (measured: 25% of the error of tests/diagnose/test_counterfactual.py's train step,
-    "contributing").
+    """Inside the block the named submodules' outputs are replaced by their reference behaviour, in
+    one run: the *pristine* submodule (``pristine[name]``, by default a float64 CPU copy of
+    ``model``'s submodule taken on entry) run on the CPU in float64 from a snapshot of the call's own
+    inputs, cast back to the target output's dtype and device. It runs inside the call's forward
+    hook, so whatever else is active then (a patch of the submodule's class or of a function it
+    calls) acts on it too: the counterfactual attribution (``attribution.attribute``) therefore
+    records the inputs in one run and computes the reference outside the patch set
+    (``recorded_inputs``, ``reference_runs``, ``replaced_outputs``). Only forward values are replaced:
+    an output that requires grad keeps the target's gradient path (``_like``), so in a train step a
+    fault that also acts in the backward (a scaled weight) is only partly removed.
 
     Raises:
         AttributeError: a name that is not a submodule of ``model``.
@@ -237,20 +319,8 @@ def reference_outputs(model: torch.nn.Module, names: Sequence[str],
                      ref_module: torch.nn.Module = ref_module) -> Any:
                 if output is None:
                     return None
-                with torch.no_grad(), torch.autocast("cpu", enabled=False), torch.random.fork_rng(devices=[]):
-                    ref = ref_module(*_map_floats(args, _float64_cpu), **_map_floats(kwargs, _float64_cpu))
+                (ref,) = reference_runs(ref_module, [(_snapshot(args), _snapshot(kwargs))])
                 return _like(ref, output)
 
             stack.enter_context(_hooked(module, None, post))
         yield
-
-
-def on_all(modules: Iterable[torch.nn.Module], make: Callable[[torch.nn.Module], Any]) -> contextlib.ExitStack:
-    """An ``ExitStack`` context entering ``make(m)`` for each distinct module ``m`` (by identity)."""
-    stack = contextlib.ExitStack()
-    seen: set[int] = set()
-    for module in modules:
-        if id(module) not in seen:
-            seen.add(id(module))
-            stack.enter_context(make(module))
-    return stack
