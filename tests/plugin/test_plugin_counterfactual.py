@@ -55,5 +55,7 @@ def test_a_bf16_golden_failure_gets_the_verified_fp32_island(pytester: pytest.Py
                                  "*blocks.1 (NormBlock) replaced by its float64 CPU reference*ROOT CAUSE*",
                                  "*Precision islands: the check passes with blocks.1.norm in float32*verified*",
                                  '*pytest_npu_parity.fp32_islands(model, [[]"blocks.1.norm"])*'])  # [[] is a literal [
+    result.stdout.fnmatch_lines(["what makes it pass: 1 failing check re-run counterfactually in * s, "
+                                 "1 verified fp32-island fix"])
     rows = list(csv.DictReader((pytester.path / "report" / "results.csv").open()))
     assert rows[0]["fp32_islands"] == "blocks.1.norm" and "root cause" in rows[0]["counterfactual"]

@@ -13,10 +13,13 @@ named submodules that survive the copies a run makes (``copy.deepcopy`` keeps ho
 
 * ``fp32`` (``fp32_islands``): the submodule runs with autocast off and its 16-bit floating inputs in
   float32;
-* ``reference`` (``reference_outputs``): the submodule's output replaced by the pristine module's
-  same-named submodule (the check's own module, copied before any patch of the re-run edits weights)
-  run on the CPU in float64 from the target's own inputs of that call, cast back to the target
-  output's dtype and device.
+* ``reference``: the submodule's output replaced by the pristine module's same-named submodule (the
+  check's own module, copied before any patch of the re-run edits weights) run on the CPU in float64
+  from the target's own inputs of that call, cast back to the target output's dtype and device. The
+  attribution records those inputs in one unmodified re-run (``recorded_inputs``), computes the
+  references outside the patch set (``reference_runs``: a patched class or function does not reach
+  them) and returns them from the suspect's calls in its own re-run (``replaced_outputs``);
+  ``reference_outputs`` does it in one run, inside the call's hook.
 
 Counterfactual attribution (``attribution.attribute``): for each suspect — the localization's first
 divergence, the op trace's culprit op's module, the patch set as a whole; where nothing is localized

@@ -45,6 +45,10 @@ class Localizer:
     ``localization`` (the table, as ``failure_hook``), ``localization_s`` (seconds this check
     spent), ``localization_reused`` (the check whose localization answered it),
     ``localization_skipped`` (``budget`` or ``structure``) and ``localization_stopped`` (``budget``: the descent stopped between levels).
+    With ``counterfactual`` it also sets ``record.whatfix`` (``checks.record.CounterfactualOutcome``) where
+    the counterfactual ran: after a localization made here (not one answered by an earlier check's,
+    nor a structural difference), and under a golden verdict instead of a localization when its
+    expected cost (``fits``) fits the budget.
 
     Raises:
         ValueError: ``budget_s`` negative or not finite.
