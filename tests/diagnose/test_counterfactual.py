@@ -245,3 +245,38 @@ def test_a_planted_fault_in_a_tiny_llama_is_named_root_cause():
     rows = {r["submodule"]: r for r in case.records[-1].whatfix.counterfactual if r["kind"] == "counterfactual"}
     assert rows["model.layers.1.mlp.down_proj"]["verdict"] == "root cause"
     assert "model.layers.1.mlp.down_proj (Linear) replaced by its float64 CPU reference" in message
+
+
+def _counting(module: torch.nn.Module) -> list:
+    calls: list = []
+    module.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def test_nothing_runs_for_a_passing_check_nor_past_the_budget():
+    model, x = norm_net(), norm_input()
+    calls = _counting(model.head)
+    case = ParityCase(_session([Localizer(None)]), "t::clean", "bf16")
+    case.check("m", model, x)  # no patch set: it passes
+    own = len(calls)  # the check's own runs: reference, target, golden (a deep copy keeps the hook)
+    assert own == 3 and case.records[-1].whatfix.counterfactual is None
+    calls.clear()
+    case = ParityCase(_session([Localizer(0)]), "t::spent", "bf16", patches=fragile_moments)
+    message = _fails(case, "m", model, x)
+    assert len(calls) == own and "What makes it pass: not run" in message
+    assert case.records[-1].whatfix.counterfactual is None
+
+
+def test_a_bounded_search_stops_and_says_so():
+    captured = _Captured()
+    model, x = norm_net(), norm_input()
+    case = ParityCase(_session([captured.failure_hook]), "t::bounded", "bf16", patches=fragile_moments)
+    _fails(case, "m", model, x)
+    from pytest_npu_parity.diagnose.counterfactual import what_makes_it_pass
+
+    case_, record, call, result = captured.args
+    found = what_makes_it_pass(case, record, call, result, max_runs=4)
+    assert found.runs == 4 and found.stopped and "the re-run budget ran out" in found.format()
+    assert record.whatfix.fp32_islands is None  # nothing verified within 4 re-runs
+    past = what_makes_it_pass(case, record, call, result, deadline=0.0)
+    assert past.runs == 0 and "no suspect re-run: budget spent" in past.format()
