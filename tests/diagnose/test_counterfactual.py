@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from counterfactual_models import (FRAGILE, fragile_moments, net, net_input, norm_input, norm_net,  # noqa: F401
                                    scaled)
 
@@ -280,3 +281,40 @@ def test_a_bounded_search_stops_and_says_so():
     assert record.whatfix.fp32_islands is None  # nothing verified within 4 re-runs
     past = what_makes_it_pass(case, record, call, result, deadline=0.0)
     assert past.runs == 0 and "no suspect re-run: budget spent" in past.format()
+
+
+class _SoftmaxInHalf(TorchDispatchMode):
+    """A wrong softmax kernel on the target: computed in float16 (the other ops run as they are)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._softmax.default:
+            x, dim, _ = args
+            with _disable_current_modes():
+                return func(x.half(), dim, False).to(x.dtype)
+        return func(*args, **kwargs)
+
+
+class _Attention(torch.nn.Module):
+    """Single-head attention whose scores and softmax live in its own code."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / 4.0
+        return torch.softmax(scores, dim=-1) @ self.v(x)
+
+
+def test_the_op_traces_culprit_kernel_is_removed_with_its_module():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), _Attention(), torch.nn.Linear(16, 4)).eval()
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    case = ParityCase(_session([Localizer(None)], recipe_policies={"fp32": "allclose"}), "t::kernel",
+                      patches=lambda device: _SoftmaxInHalf())
+    message = _fails(case, "m", model, x)
+    assert "first culprit op: aten._softmax" in message
+    rows = [r for r in case.records[-1].whatfix.counterfactual if r["kind"] == "counterfactual"]
+    named = next(r for r in rows if r["submodule"] == "1")
+    assert "module of the culprit op aten._softmax" in named["why"] and named["verdict"] == "root cause"

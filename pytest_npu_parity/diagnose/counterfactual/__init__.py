@@ -42,6 +42,7 @@ verified by a re-run with exactly the printed fix (``pytest_npu_parity.fp32_isla
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -140,8 +141,14 @@ def suspects_for(case: Any, record: Any, call: Any, localization: Any = None) ->
         op = getattr(trace, "first", None) if trace is not None else None
         if op is not None:
             out.append(module_suspect(module, op.module, f"module of the culprit op {op.op}", prefix))
-    out = [s for s in out if s is not None]
-    out = [s for i, s in enumerate(out) if all(s.name != t.name for t in out[:i])]
+    merged: list[Suspect] = []
+    for suspect in (s for s in out if s is not None):  # one suspect per module, its reasons joined
+        same = next((i for i, t in enumerate(merged) if t.name == suspect.name), None)
+        if same is None:
+            merged.append(suspect)
+        else:
+            merged[same] = dataclasses.replace(merged[same], why=f"{merged[same].why}; {suspect.why}")
+    out = merged
     if not out:
         out = child_suspects(module)
     if getattr(case, "patches", None) is not None:
