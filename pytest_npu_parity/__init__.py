@@ -31,6 +31,7 @@ _EXPORTS = {
     "ParitySession": "runner",
     "ParityCase": "runner",
     "CheckRecord": "runner",
+    "fp32_islands": "diagnose.counterfactual.modify",
 }
 
 __all__ = ["__version__", *_EXPORTS]

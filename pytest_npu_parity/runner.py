@@ -34,6 +34,7 @@ names that moved there are re-exported here.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 import weakref
 from functools import partial
@@ -54,7 +55,7 @@ from .checks.reference import (STALE_CAUSES, Expected, ReferenceSource, StaleSui
                                stale_suites, store_goldens, thread_count_mismatch, torch_version_mismatch,
                                train_hashes, write_recording)
 from .checks.verdict import (LEAVES, DistributionVerdict, LeafVerdict, Sides, compared_sides, given_sides,
-                             optimizer_replay, split_layer_records, verdict_for)
+                             optimizer_replay, rejudged, split_layer_records, verdict_for)
 from .checks.verdict import vacuity_problems as _vacuity_problems  # the name runner had
 from .judge.allclose import CompareResult, ParityError, compare  # noqa: F401  (also runner.compare, as before)
 from .leaves import flatten  # noqa: F401  (also runner.flatten, as before)
@@ -611,6 +612,7 @@ class ParityCase:
                 found = addable(expected.entry, source, golden)
                 if found is not None:
                     self._golden_additions[plan.name] = (*found, plan.golden_policy)
+            call.rejudge = partial(rejudged, self._facts(), plan, sides, dataclasses.replace(call), golden)
             sides = compared_sides(sides, call, replay, golden, plan.golden_policy)
         return self._settle(plan, sides, call, judge)
 

@@ -35,15 +35,20 @@ def failure_diagnosis(hooks: Iterable[Callable[..., str | None]], case: Any, rec
                       call: Any) -> str:
     """What the failure hooks (``hook(case, record, call, result)``) add to a failure message, each
     text after a blank line; a hook that raises says so instead (a diagnosis must never hide the
-    failure itself). Under a golden verdict no hook runs: first-divergence localization judges
-    submodule outputs by the allclose tolerance, which says nothing about a golden verdict."""
+    failure itself). Under a golden verdict only the hooks whose ``runs_under_golden`` is true run
+    (``localize.Localizer``: the counterfactual re-runs, judged by the check's own golden verdict,
+    instead of a localization); without one, ``NO_LOCALIZATION_UNDER_GOLDEN``: first-divergence
+    localization judges submodule outputs by the allclose tolerance, which says nothing about a golden
+    verdict."""
 
 
     __tracebackhide__ = True
     hooks = tuple(hooks)
     text = ""
     if record.golden_policy is not None and hooks:
-        return NO_LOCALIZATION_UNDER_GOLDEN
+        hooks = tuple(hook for hook in hooks if getattr(hook, "runs_under_golden", False))
+        if not hooks:
+            return NO_LOCALIZATION_UNDER_GOLDEN
     for hook in hooks:
         try:
             extra = hook(case, record, call, record.result)

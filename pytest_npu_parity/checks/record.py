@@ -150,6 +150,26 @@ class LocalizationOutcome:
     localization_ops: list | None = None
 
 
+@dataclass
+class CounterfactualOutcome:
+    """What makes a failing check pass (``diagnose.counterfactual``): counterfactual re-runs of its
+    target side, judged by its own verdict.
+
+    Attributes:
+        counterfactual: one row per re-run made (``counterfactual.WhatMakesItPass.to_rows()``: a
+            JSON-able list of dicts: the suspect, the modification, the error before/after, the share
+            of the error that disappears, the verdict, the class ``root cause``/``contributing``/``no
+            effect``; the precision-island search's runs last), or None.
+        fp32_islands: the verified precision-island fix: the submodule names, comma-separated, whose
+            float32 run makes the check pass (``""``: the whole module), or None.
+        counterfactual_s: seconds the counterfactual re-runs and the island search took.
+    """
+
+    counterfactual: list | None = None
+    fp32_islands: str | None = None
+    counterfactual_s: float | None = None
+
+
 #: ``LocalizationOutcome`` fields exported on a check's first row, besides the JSON table.
 _LOCALIZATION_COLUMNS = ("localization_s", "localization_reused", "localization_skipped", "localization_stopped")
 #: Audit counts exported as ``audit_<kind>`` columns.
@@ -204,6 +224,7 @@ class CheckRecord:
     layer_check: LayerCheckOutcome = field(default_factory=LayerCheckOutcome)
     audit_check: AuditCheckOutcome = field(default_factory=AuditCheckOutcome)
     localized: LocalizationOutcome = field(default_factory=LocalizationOutcome)
+    whatfix: CounterfactualOutcome = field(default_factory=CounterfactualOutcome)
 
     @property
     def extra(self) -> Mapping[str, Any]:
@@ -212,7 +233,8 @@ class CheckRecord:
         items: dict[str, Any] = dict(_set_items(self.notes))
         if self.baseline_problem is not None:
             items.update(self.baseline_problem.columns())
-        for outcome in (self.vacuity, self.self_check, self.layer_check, self.audit_check, self.localized):
+        for outcome in (self.vacuity, self.self_check, self.layer_check, self.audit_check, self.localized,
+                        self.whatfix):
             items.update(_set_items(outcome))
         return MappingProxyType(items)
 
@@ -283,4 +305,11 @@ class CheckRecord:
                 columns["localization"] = json.dumps(self.localized.localization, default=str)
             if self.localized.localization_ops is not None:
                 columns["localization_ops"] = json.dumps(self.localized.localization_ops, default=str)
+            whatfix = self.whatfix
+            if whatfix.counterfactual is not None:
+                columns["counterfactual"] = json.dumps(whatfix.counterfactual, default=str)
+            if whatfix.fp32_islands is not None:
+                columns["fp32_islands"] = whatfix.fp32_islands
+            if whatfix.counterfactual_s is not None:
+                columns["counterfactual_s"] = whatfix.counterfactual_s
         return columns

@@ -126,6 +126,23 @@ def compared_sides(sides: Sides, call: CheckCall, replay: tuple[dict | None, str
                                note=note)
 
 
+def rejudged(facts: CaseFacts, plan: CheckPlan, sides: Sides, call: CheckCall,
+             golden: tuple[dict | None, str | None], leaves: dict) -> Any:
+    """Another target run's ``leaves`` (``{path: CPU tensor or None}``, as ``call.rerun`` returns them)
+    judged as the check judged its own (``CheckCall.rejudge``): the same expected leaves, the same
+    ``golden`` (computed once, by the check), the optimizer replay from these leaves' gradients, the
+    compact reduction (``compact.apply_recorded``, which leaves reduced leaves as they are) and the
+    verdict (allclose or golden, ``measure``). ``sides``: the check's sides before
+    ``compared_sides``; ``call``: a copy of the check's call (``compared_sides`` may wrap its
+    ``rerun``). Returns the ``CompareResult`` (a ``GoldenCompareResult`` under a golden verdict);
+    nothing is recorded or raised."""
+    actual = split_layers(leaves)[0]
+    again = dataclasses.replace(sides, actual=actual)
+    replay = optimizer_replay(call, actual, again.expected.leaves, plan.tolerance, again.expected.compact)
+    again = compared_sides(again, dataclasses.replace(call), replay, golden, plan.golden_policy)
+    return measure(facts, plan, again).result
+
+
 def optimizer_replay(call: CheckCall, actual: dict, expected: dict, tol: Tolerance,
                      compact: dict | None) -> tuple[dict | None, str | None]:
     """``(replayed param.* leaves or None, note or None)`` of a training step's optimizer replay

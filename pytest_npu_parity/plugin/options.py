@@ -262,11 +262,12 @@ def table() -> tuple[Setting, ...]:
                 help="what the audit does with events beyond a check's budget: fail the check or warn; off "
                      "turns the audit off (a mode other than off implies --parity-audit)"),
         Setting("--parity-localize", "parity_localize", None, kwargs={"action": "store_true"}, default=False,
-                help="localize the first divergence of every failing check of the selected tests, whatever "
-                     "the localization budget (e.g. with -k NAME or a node id)"),
+                help="localize the first divergence of every failing check of the selected tests, and run "
+                     "its counterfactual re-runs, whatever the localization budget (e.g. with -k NAME or a node id)"),
         Setting("--parity-localize-budget", "parity_localize_budget", "parity_localize_budget",
                 kwargs={"metavar": "SECONDS"}, parse=_parse_localize_budget,
-                help="wall seconds a session may spend localizing failing checks (first-divergence tables); "
+                help="wall seconds a session may spend localizing failing checks (first-divergence tables, "
+                     "and the counterfactual re-runs and fp32 precision islands of 'what makes it pass'); "
                      "later failures say they were not localized and how to localize one; 0 turns "
                      f"localization off (default: ini parity_localize_budget or {budget:g})",
                 ini_help="default for --parity-localize-budget (seconds)", ini_default=str(budget)),

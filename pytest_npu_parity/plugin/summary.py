@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from ..report import columns
 from .state import COLLECTED_KEY, CONFIG_KEY, LOCK_KEY, ROWS_KEY, SESSION_KEY, STALE_KEY, TEMP_KEY
 
 
@@ -52,6 +53,7 @@ def terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Conf
     _summarize_teeth(tr, rows)
     _summarize_baseline_problems(tr, rows, session)
     _summarize_localization(tr, rows, session)
+    _summarize_counterfactual(tr, rows)
     _summarize_writes(tr, session)
     _summarize_temporary_files(tr, config)
     _summarize_unmatched_patterns(tr, session, rows)
@@ -277,6 +279,19 @@ def _summarize_localization(tr: Any, rows: list[dict], session: Any) -> None:
     if structure:
         tr.write_line(f"localization not run for {len(structure)} check{'s' * (len(structure) != 1)}: their outputs "
                       "differ in structure, shape or dtype")
+
+
+def _summarize_counterfactual(tr: Any, rows: list[dict]) -> None:
+    """How many failing checks got counterfactual re-runs (``diagnose.counterfactual``), in how many
+    seconds, and how many verified fp32-island fixes were found."""
+    first = [r for r in _per_check(rows).values() if r.get(columns.COUNTERFACTUAL_S) is not None]
+    if not first:
+        return
+    seconds = sum(float(r[columns.COUNTERFACTUAL_S] or 0) for r in first)
+    islands = sum(1 for r in first if r.get(columns.FP32_ISLANDS) is not None)
+    tr.write_line(f"what makes it pass: {len(first)} failing check{'s' * (len(first) != 1)} re-run counterfactually "
+                  f"in {seconds:.1f} s" + (f", {islands} verified fp32-island fix{'es' * (islands != 1)}"
+                                           if islands else ""))
 
 
 _CAUSE_PARTS = {"weights": "the model's weights", "config": "the model's configuration", "input": "the inputs",

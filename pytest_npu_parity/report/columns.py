@@ -161,6 +161,9 @@ LOCALIZATION_REUSED = "localization_reused"
 LOCALIZATION_SKIPPED = "localization_skipped"
 LOCALIZATION_STOPPED = "localization_stopped"
 LOCALIZATION_OPS = "localization_ops"
+COUNTERFACTUAL = "counterfactual"
+FP32_ISLANDS = "fp32_islands"
+COUNTERFACTUAL_S = "counterfactual_s"
 REPRO = "repro"
 WORKER = "worker"
 
@@ -291,6 +294,12 @@ EXTRA_TABLE: tuple[Column, ...] = (
     Column(LOCALIZATION_STOPPED, TEXT, "budget: the localization descent stopped between levels (first row only)"),
     Column(LOCALIZATION_OPS, JSON, "op table of the module where the localization ended: each op's local error vs "
            "its float64 CPU golden, the first culprit op first (JSON list of rows; first row only)"),
+    Column(COUNTERFACTUAL, JSON, "what makes a failing check pass: one row per counterfactual re-run of its target "
+           "(suspect, modification, error before/after, share of the error that disappears, root cause/contributing/"
+           "no effect; precision-island runs last) (JSON list of rows; first row only)"),
+    Column(FP32_ISLANDS, TEXT, "the verified precision-island fix of a failing 16-bit check: submodules, comma-separated, "
+           "whose float32 run makes it pass (pytest_npu_parity.fp32_islands; first row only)"),
+    Column(COUNTERFACTUAL_S, FLOAT, "seconds the counterfactual re-runs and the precision-island search took (first row only)"),
     Column(REPRO, TEXT, "--parity-repro: the folder holding the check's standalone repro (inputs, weights, expected and actual outputs, repro.py)"),
     Column(WORKER, TEXT, "pytest-xdist worker that ran the check (gw0, gw1, ...); absent without xdist"),
 )

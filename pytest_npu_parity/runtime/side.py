@@ -65,6 +65,10 @@ class CheckCall:
             layer records); a train step's ``optimizer``, ``loss_fn``, ``max_grad_norm`` and
             ``loop`` (callables by identity, ``_Same``).
         input_changes: the ``Side.input_changes`` of the check's runs, or None.
+        rejudge: ``(target leaves as rerun returns them) -> CompareResult``: those leaves judged by
+            the check's own verdict against the same expected leaves and golden as the check's
+            comparison (``checks.verdict.rejudged``; nothing is computed again), or None (a check
+            judged as distributions, a record-mode run).
     """
 
     kind: str
@@ -80,6 +84,7 @@ class CheckCall:
     replay: Callable[[dict], dict] | None = None
     memo: tuple = ()
     input_changes: dict | None = None
+    rejudge: Callable[[dict], Any] | None = None
 
     @property
     def module(self) -> torch.nn.Module | None:

@@ -127,6 +127,12 @@ def test_full_forward_failure_names_the_faulty_decoder_layer(ctx, session, local
     if fault == "dropped_mask":  # the mask is built in the layer's own forward, not in a child
         assert first["submodule"] == LAYER and "in its own code outside its submodules" in message
     assert math.isfinite(first["local_max_abs"])
+    # What makes it pass: the first divergence replaced by its float64 CPU reference (computed outside the
+    # patch set, so the dropped mask does not reach it) removes the error, as turning the patch set off does.
+    counterfactual = [row for row in case.records[-1].whatfix.counterfactual if row["kind"] == "counterfactual"]
+    named = [row for row in counterfactual if row["why"] == "first divergence"]
+    assert len(named) == 1 and first["submodule"].endswith(named[0]["submodule"]), message
+    assert named[0]["verdict"] == "root cause" and named[0]["share"] > 0.9, message
     if fault != "scaled_weight":
         return
     # The decoder-layer check on the activations the model handed layer 4: answered by the descent

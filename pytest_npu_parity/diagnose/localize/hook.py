@@ -12,6 +12,7 @@ from typing import Any
 
 from ...budgets import DEFAULT_BUDGET_S
 from ...judge.allclose import CompareResult
+from ..counterfactual import what_makes_it_pass
 from .cache import LocalizationCache
 from .descent import localize, structural_problem
 
@@ -30,6 +31,10 @@ class Localizer:
         forced: localize every failing check whatever the budget (``--parity-localize``).
         hint: the command that localizes one check despite the budget, with ``{test_id}`` for its
             shell-quoted test id (the plugin gives ``pytest --npu-parity --parity-localize {test_id}``).
+        counterfactual: after the localization (allclose) or instead of it (golden verdict), re-run the
+            target with suspects replaced by their reference behaviour and, under an autocast recipe,
+            search fp32 precision islands (``counterfactual.what_makes_it_pass``), within what is left
+            of the same budget; False: localization only (and nothing under a golden verdict).
 
     Attributes:
         spent_s: wall seconds spent localizing so far; ``cache``: the ``LocalizationCache``;
@@ -40,22 +45,35 @@ class Localizer:
     ``localization`` (the table, as ``failure_hook``), ``localization_s`` (seconds this check
     spent), ``localization_reused`` (the check whose localization answered it),
     ``localization_skipped`` (``budget`` or ``structure``) and ``localization_stopped`` (``budget``: the descent stopped between levels).
+    With ``counterfactual`` it also sets ``record.whatfix`` (``checks.record.CounterfactualOutcome``) where
+    the counterfactual ran: after a localization made here (not one answered by an earlier check's,
+    nor a structural difference), and under a golden verdict instead of a localization when its
+    expected cost (``fits``) fits the budget.
 
     Raises:
         ValueError: ``budget_s`` negative or not finite.
     """
 
-    def __init__(self, budget_s: float | None = DEFAULT_BUDGET_S, *, forced: bool = False, hint: str | None = None):
+    def __init__(self, budget_s: float | None = DEFAULT_BUDGET_S, *, forced: bool = False, hint: str | None = None,
+                 counterfactual: bool = True):
         if budget_s is not None and not (math.isfinite(budget_s) and budget_s >= 0):
             raise ValueError(f"localization budget {budget_s!r}: give a number of seconds >= 0")
         self.budget_s = budget_s
         self.forced = forced
         self.hint = hint
+        self.counterfactual = counterfactual
         self.spent_s = 0.0
         self.cache = LocalizationCache()
         self.localized = 0
         self.reused = 0
         self.skipped: Counter = Counter()
+        self._last: Any = None
+
+    @property
+    def runs_under_golden(self) -> bool:
+        """Whether this hook runs under a golden verdict (``checks.hooks.failure_diagnosis``): with
+        ``counterfactual``, which judges its re-runs by the check's own verdict."""
+        return self.counterfactual
 
     @property
     def over_budget(self) -> bool:
@@ -72,6 +90,35 @@ class Localizer:
     def __call__(self, case: Any, record: Any, call: Any, result: CompareResult) -> str | None:
         if call.module is None:
             return None
+        if record.golden_policy is not None:  # only with counterfactual (runs_under_golden)
+            return self._what_makes_it_pass(case, record, call, result, None)
+        text = self._localize(case, record, call, result)
+        if self.counterfactual and self._last is not None and self._last.levels:  # localized here, not reused
+            more = self._what_makes_it_pass(case, record, call, result, self._last)
+            text = "\n\n".join(t for t in (text, more) if t) or None
+        return text
+
+    def _what_makes_it_pass(self, case: Any, record: Any, call: Any, result: CompareResult,
+                            localization: Any) -> str | None:
+        """The counterfactual section (``counterfactual.what_makes_it_pass``) within what is left of the
+        budget, its seconds added to ``spent_s``; a note where no budget is left."""
+        if structural_problem(result) is not None:
+            return None
+        if self.over_budget or (localization is None and not self.fits(record)):
+            return ("(What makes it pass: not run, it does not fit in what is left of the localization budget; "
+                    "--parity-localize runs it whatever the budget.)")
+        start = time.perf_counter()
+        deadline = None if self.forced or self.budget_s is None else start + self.budget_s - self.spent_s
+        try:
+            found = what_makes_it_pass(case, record, call, result, localization=localization, deadline=deadline)
+        finally:
+            self.spent_s += time.perf_counter() - start
+        return found.format() if found is not None else None
+
+    def _localize(self, case: Any, record: Any, call: Any, result: CompareResult) -> str | None:
+        """The first-divergence localization's text (``localize``), or why it did not run; the
+        ``Localization`` in ``self._last`` (None where there is none)."""
+        self._last = None
         problem = structural_problem(result)
         if problem is not None:
             record.localized.localization_skipped = "structure"
@@ -99,6 +146,7 @@ class Localizer:
                     f"{COST_FACTOR * record.duration_s:.2g} s, more than the {left:.2g} s left of this session's "
                     f"localization budget of {self.budget_s:g} s ({self.spent_s:.2g} s went to earlier failures). "
                     f"To localize this check: {command})")
+        self._last = loc
         record.localized.localization = loc.to_rows()
         record.localized.localization_ops = loc.op_rows()
         if loc.reused_from is not None:

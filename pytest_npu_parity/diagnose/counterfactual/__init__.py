@@ -1,0 +1,196 @@
+"""What makes a failing check pass: counterfactual re-runs of its target side and fp32 precision islands.
+
+A localization says where the target first computes something else; it does not say whether fixing
+that place is enough, and under a golden verdict (every bf16 check) it does not run at all. Here the
+check's *target* side is run again with one piece changed and the new outputs are judged by the
+check's *own* verdict (``CheckCall.rejudge``: allclose or the golden floor, against the same
+expected leaves and the same golden as the original comparison; nothing of the reference side or the
+golden is computed again). An unmodified re-run reproduces the check's target outputs bitwise and
+its verdict (tests/diagnose/test_counterfactual.py).
+
+Modifications (``modify``), context managers over the target's module, through forward hooks on the
+named submodules that survive the copies a run makes (``copy.deepcopy`` keeps hooks):
+
+* ``fp32`` (``fp32_islands``): the submodule runs with autocast off and its 16-bit floating inputs in
+  float32;
+* ``reference``: the submodule's output replaced by the pristine module's same-named submodule (the
+  check's own module, copied before any patch of the re-run edits weights) run on the CPU in float64
+  from the target's own inputs of that call, cast back to the target output's dtype and device. The
+  attribution records those inputs in one unmodified re-run (``recorded_inputs``), computes the
+  references outside the patch set (``reference_runs``: a patched class or function does not reach
+  them) and returns them from the suspect's calls in its own re-run (``replaced_outputs``);
+  ``reference_outputs`` does it in one run, inside the call's hook.
+
+Counterfactual attribution (``attribution.attribute``): for each suspect — the localization's first
+divergence, the op trace's culprit op's module, the patch set as a whole; where nothing is localized
+(a golden verdict) the top-level children of the check's module — one re-run with that piece
+replaced by its reference behaviour (the patch set: turned off). The end-to-end error is the largest
+``rerun.leaf_error`` over the leaves that failed (allclose: err/tol; golden: the worst metric ratio
+over its limit); the share of it that disappears is ``1 − after / before``: ``root cause`` (the
+re-run passes, or share >= ``ROOT_CAUSE_SHARE``), ``contributing`` (>= ``CONTRIBUTING_SHARE``),
+``no effect``.
+
+Precision islands (``islands.find_islands``), for a failing check under an autocast recipe (bf16,
+fp16): the whole module in float32 first (failing too: precision is not the cause), then a
+hierarchical bisection for the smallest set of submodules whose float32 run makes the check pass,
+verified by a re-run with exactly the printed fix (``pytest_npu_parity.fp32_islands``).
+
+``what_makes_it_pass`` runs both within a deadline and ``rerun.MAX_RERUNS`` re-runs, fills
+``record.whatfix`` (``checks.record.CounterfactualOutcome``: report columns ``counterfactual``,
+``fp32_islands``, ``counterfactual_s``) and returns the failure message's section. The session's
+``localize.Localizer`` calls it after the localization (allclose) or instead of it (golden verdict).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .attribution import (CONTRIBUTING_SHARE, MAX_CHILD_SUSPECTS, ROOT_CAUSE_SHARE, Attribution,  # noqa: F401
+                          Suspect, attribute, child_suspects, module_suspect)
+from .islands import IslandSearch, find_islands
+from .modify import fp32_islands, pristine_float64, reference_outputs  # noqa: F401
+from .rerun import MAX_RERUNS, Outcome, Rerunner, end_to_end_error, failing_paths, leaf_error  # noqa: F401
+
+__all__ = ["WhatMakesItPass", "what_makes_it_pass", "fp32_islands", "reference_outputs", "Rerunner",
+           "attribute", "find_islands", "Suspect"]
+
+
+@dataclass
+class WhatMakesItPass:
+    """The outcome of ``what_makes_it_pass``: the ``attributions`` (``attribution.Attribution``), the
+    ``islands`` search (``islands.IslandSearch``, or None where not run), the check's own error
+    ``before``, the re-runs made and their seconds, and ``stopped`` (the budget ran out)."""
+
+    before: float
+    measure: str
+    attributions: list[Attribution] = field(default_factory=list)
+    islands: IslandSearch | None = None
+    runs: int = 0
+    seconds: float = 0.0
+    stopped: bool = False
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """The report's ``counterfactual`` rows: attributions, then the island search's re-runs."""
+        rows = [a.to_row() for a in self.attributions]
+        return rows + (self.islands.to_rows() if self.islands is not None else [])
+
+    def format(self) -> str:
+        """The failure message's section."""
+        lines = [f"What makes it pass ({self.runs} re-run(s) of the target, {self.seconds:.2g} s, each judged by the "
+                 f"check's own verdict; error: {self.measure}, {_fmt(self.before)} in the check):"]
+        ranked = sorted(self.attributions, key=lambda a: (-a.share if math.isfinite(a.share) else 0.0))
+        for a in ranked:
+            if a.outcome.problem is not None:
+                lines.append(f"  {a.suspect.label()} replaced by {_replaced(a)}: not run ({a.outcome.problem})")
+                continue
+            lines.append(f"  {a.suspect.label()} replaced by {_replaced(a)}: error {_fmt(a.before)} -> "
+                         f"{_fmt(a.outcome.error)} ({a.share:.0%} removed{', passes' if a.outcome.passed else ''}): "
+                         f"{a.verdict.upper()}  [{a.suspect.why}]")
+        if not self.attributions:
+            lines.append("  (no suspect re-run: budget spent)")
+        lines += self._island_lines()
+        if self.stopped:
+            lines.append("  (the re-run budget ran out: later suspects or finer islands were not tried)")
+        return "\n".join(lines)
+
+    def _island_lines(self) -> list[str]:
+        found = self.islands
+        if found is None:
+            return []
+        if found.status == "not applicable":
+            return [f"Precision islands: not applicable ({found.why})."]
+        if found.status == "budget":
+            return ["Precision islands: not searched (budget spent)."]
+        if found.status == "not precision":
+            return ["Precision islands: even the whole module in float32 fails this check, so precision is not the "
+                    "cause."]
+        names = ", ".join(n or "<the whole module>" for n in found.islands)
+        if found.status == "unverified":
+            return [f"Precision islands: {names} in float32 — NOT verified (the re-run with exactly this fix did not "
+                    "pass)."]
+        fix = "\n".join("    " + line for line in found.fix().splitlines())
+        return [f"Precision islands: the check passes with {names} in float32 ({len(found.tried)} re-run(s); "
+                "verified by a re-run with exactly this fix). Fix:", fix]
+
+
+def _fmt(value: float) -> str:
+    return "inf" if math.isinf(value) else f"{value:.3g}"
+
+
+def _replaced(a: Attribution) -> str:
+    from .attribution import REPLACED_BY
+
+    return REPLACED_BY[a.suspect.kind]
+
+
+def suspects_for(case: Any, record: Any, call: Any, localization: Any = None) -> list[Suspect]:
+    """The suspects of a failing check: the localization's first divergence and the module of its op
+    trace's culprit op (each once), else the check's module's top-level children
+    (``attribution.child_suspects``); then the patch set, when the case has one."""
+    module = call.module
+    out: list[Suspect] = []
+    prefix = getattr(record, "submodule", None)
+    if localization is not None:
+        first = getattr(localization, "first", None)
+        if first is not None:
+            out.append(module_suspect(module, first.path, "first divergence", prefix))
+        trace = getattr(localization, "op_trace", None)
+        op = getattr(trace, "first", None) if trace is not None else None
+        if op is not None:
+            out.append(module_suspect(module, op.module, f"module of the culprit op {op.op}", prefix))
+    merged: list[Suspect] = []
+    for suspect in (s for s in out if s is not None):  # one suspect per module, its reasons joined
+        same = next((i for i, t in enumerate(merged) if t.name == suspect.name), None)
+        if same is None:
+            merged.append(suspect)
+        else:
+            merged[same] = dataclasses.replace(merged[same], why=f"{merged[same].why}; {suspect.why}")
+    out = merged
+    if not out:
+        out = child_suspects(module)
+    if getattr(case, "patches", None) is not None:
+        out.append(Suspect("patch set", "", "the case's patch set"))
+    return out
+
+
+def what_makes_it_pass(case: Any, record: Any, call: Any, result: Any, *, localization: Any = None,
+                       deadline: float | None = None, islands: bool | None = None,
+                       max_runs: int = MAX_RERUNS) -> WhatMakesItPass | None:
+    """Counterfactual attribution and (for an autocast recipe) the precision-island search of a failing
+    check (package doc), within ``deadline`` (``time.perf_counter()``) and ``max_runs`` re-runs.
+
+    Args:
+        case, record, call, result: as a ``ParitySession`` failure hook gets them.
+        localization: the check's ``localize.Localization``, or None (then the top-level children are
+            the suspects).
+        islands: search precision islands (default: under an autocast recipe, ``recipe.autocast_dtype``).
+
+    Returns:
+        The outcome (also written to ``record.whatfix``), or None where the check cannot be re-run
+        (a function, no ``call.rejudge``).
+    """
+    if call is None or call.module is None or getattr(call, "rejudge", None) is None:
+        return None
+    start = time.perf_counter()
+    paths = failing_paths(result)
+    measure = ("worst metric ratio / its limit over the failing leaves" if getattr(record, "golden_policy", None)
+               is not None else "worst err/tol over the failing leaves")
+    runner = Rerunner(case, call, paths, deadline=deadline, max_runs=max_runs)
+    out = WhatMakesItPass(end_to_end_error(result, paths), measure)
+    out.attributions = attribute(runner, suspects_for(case, record, call, localization), result)
+    if islands is None:
+        islands = getattr(case.recipe, "autocast_dtype", None) is not None
+    if islands:
+        out.islands = find_islands(runner, case.recipe)
+    out.runs, out.seconds = runner.runs, time.perf_counter() - start
+    out.stopped = not runner.left() or bool(out.islands is not None and out.islands.stopped)
+    whatfix = getattr(record, "whatfix", None)
+    if whatfix is not None:
+        whatfix.counterfactual = out.to_rows()
+        whatfix.counterfactual_s = out.seconds
+        if out.islands is not None and out.islands.status == "found":
+            whatfix.fp32_islands = ", ".join(out.islands.islands)
+    return out
