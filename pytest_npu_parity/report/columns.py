@@ -161,6 +161,7 @@ LOCALIZATION_REUSED = "localization_reused"
 LOCALIZATION_SKIPPED = "localization_skipped"
 LOCALIZATION_STOPPED = "localization_stopped"
 LOCALIZATION_OPS = "localization_ops"
+LOCALIZATION_BACKWARD = "localization_backward"
 REPRO = "repro"
 WORKER = "worker"
 
@@ -291,6 +292,9 @@ EXTRA_TABLE: tuple[Column, ...] = (
     Column(LOCALIZATION_STOPPED, TEXT, "budget: the localization descent stopped between levels (first row only)"),
     Column(LOCALIZATION_OPS, JSON, "op table of the module where the localization ended: each op's local error vs "
            "its float64 CPU golden, the first culprit op first (JSON list of rows; first row only)"),
+    Column(LOCALIZATION_BACKWARD, JSON, "backward table of a failing train step, layer by layer in backward order: "
+           "grad_output (inherited), param grad and grad_input (total) and local error, verdict (JSON list of rows; "
+           "first row only)"),
     Column(REPRO, TEXT, "--parity-repro: the folder holding the check's standalone repro (inputs, weights, expected and actual outputs, repro.py)"),
     Column(WORKER, TEXT, "pytest-xdist worker that ran the check (gw0, gw1, ...); absent without xdist"),
 )

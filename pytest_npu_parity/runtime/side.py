@@ -65,6 +65,10 @@ class CheckCall:
             layer records); a train step's ``optimizer``, ``loss_fn``, ``max_grad_norm`` and
             ``loop`` (callables by identity, ``_Same``).
         input_changes: the ``Side.input_changes`` of the check's runs, or None.
+        loss: for a train step without ``loop``, ``(output, module) -> scalar tensor``: the step's loss
+            from its forward's ``output`` (``module`` the side's copy, for a loss module holding
+            tensors), as the step computes it; None for other checks (the backward localization
+            needs it).
     """
 
     kind: str
@@ -80,6 +84,7 @@ class CheckCall:
     replay: Callable[[dict], dict] | None = None
     memo: tuple = ()
     input_changes: dict | None = None
+    loss: Callable[[Any, torch.nn.Module], torch.Tensor] | None = None
 
     @property
     def module(self) -> torch.nn.Module | None:
