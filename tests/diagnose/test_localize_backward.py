@@ -138,6 +138,8 @@ def test_a_scaled_backward_in_layer_0_is_local_and_the_layers_after_it_are_ok():
         assert rows[name]["verdict"] == "ok", rows[name]
         assert rows[name]["backward_rank"] < rows["layers.0"]["backward_rank"]
     assert "the layer whose backward differs is layers.0 (Layer)" in message
+    assert "Backward: layers.0 (Layer) computes its own gradients differently" in message
+    assert rows["<Chain>"]["verdict"] == "local" and rows["<Chain>"]["holds_first"]  # through layers.0
     assert "every submodule call's output agrees" in message  # the forward agrees
 
 

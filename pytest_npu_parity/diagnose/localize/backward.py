@@ -316,7 +316,19 @@ def backward_table(loc: Localization, case: Any, call: Any, tol: Tolerance, pref
         if row["first_divergence"]:
             loc.first_backward = f"{path} ({r.module_type})"
         loc.backward.append(row)
+    _mark_holders(loc.backward, order)
     if loc.first is not None and loc.backward:
         loc.notes.append(f"the forward already diverges ({loc.first.path}): the backward table's inputs differ "
                          "between the sides from there on; its local column re-runs each call on the "
                          "reference's inputs and grad_output")
+
+
+def _mark_holders(rows: list[dict[str, Any]], order: list[_Call]) -> None:
+    """``holds_first``: a ``local`` row whose call holds the first local call (its parent, the check's
+    module): its own backward includes the first's, so it is local through it."""
+    first = next((c for row, c in zip(rows, order) if row.get("first_divergence")), None)
+    if first is None:
+        return
+    for row, c in zip(rows, order):
+        if row["verdict"] == "local" and c is not first and (c.name == "" or first.name.startswith(c.name + ".")):
+            row["holds_first"] = True

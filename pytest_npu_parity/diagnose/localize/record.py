@@ -179,7 +179,13 @@ class Localization:
                    f"{self.passes} pass(es), {self.local_runs} local re-run(s)")
         else:
             how = "nothing re-run (answered by an earlier localization, see the note)"
-        lines = [self.summary(), f"Localized against {self.reference}: {how}.",
+        lines = [self.summary()]
+        if self.first_backward is not None:
+            row = next(r for r in self.backward if r.get("first_divergence"))
+            lines.append(f"Backward: {self.first_backward} computes its own gradients differently (local err/tol "
+                         f"{_fmt(row.get('local_err_ratio'))} on the reference's inputs and grad_output); the "
+                         "gradients before it in the forward inherit that (backward table below)")
+        lines += [f"Localized against {self.reference}: {how}.",
                  "(local: the target's submodule on the reference's inputs vs the reference; inherited: the "
                  "target's output vs that re-run; err/tol: max |diff| / (atol + rtol·|reference|), > 1 fails)"]
         lines += [f"Note: {note}" for note in self.notes]
@@ -254,7 +260,8 @@ def _backward_lines(rows: list[dict[str, Any]], first: str | None) -> list[str]:
     header = ("module (backward order)", "grad_output err", "param grad err", "grad_input err", "local err", "verdict")
     table = [header] + [(r["submodule"], _fmt(r.get("grad_output_err_ratio")), _fmt(r.get("param_grad_err_ratio")),
                          _fmt(r.get("grad_input_err_ratio")), _fmt(r.get("local_err_ratio")),
-                         r["verdict"] + (" <- first" if r.get("first_divergence") else "")) for r in shown]
+                         r["verdict"] + (" <- first" if r.get("first_divergence") else
+                                         " (holds the first)" if r.get("holds_first") else "")) for r in shown]
     widths = [max(len(str(t[i])) for t in table) for i in range(len(header))]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(t, widths)).rstrip() for t in table]
     if len(shown) < len(rows):
