@@ -16,7 +16,7 @@ import torch
 
 from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.diagnose.localize import Localization, failure_hook
-from pytest_npu_parity.diagnose.localize.backward import backward_table, grad_pass
+from pytest_npu_parity.diagnose.localize.backward import backward_table, call_gradients, grad_pass
 from pytest_npu_parity.diagnose.localize.sides import _Side
 from pytest_npu_parity.runner import ParityCase, ParitySession
 
@@ -64,14 +64,17 @@ class Layer(torch.nn.Module):
 
 
 class Chain(torch.nn.Module):
-    def __init__(self, faults: tuple = (None, None, None), width: int = 8):
+    """Layers (a dropout of ``p`` after each), then a Linear head."""
+
+    def __init__(self, faults: tuple = (None, None, None), width: int = 8, p: float = 0.0):
         super().__init__()
         self.layers = torch.nn.ModuleList([Layer(width, f) for f in faults])
+        self.drop = torch.nn.Dropout(p)
         self.head = torch.nn.Linear(width, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x)
+            x = self.drop(layer(x))
         return self.head(x)
 
 
@@ -212,7 +215,8 @@ def _captured_call(model: torch.nn.Module, inputs: dict) -> tuple[object, object
 
 def test_a_correct_model_has_no_local_layer_and_the_capture_changes_nothing():
     torch.manual_seed(0)
-    call, record = _captured_call(Chain((None, "input", None)), {"x": _x()})
+    # with dropout: each re-run must replay the random stream the call began with
+    call, record = _captured_call(Chain((None, "input", None), p=0.3), {"x": _x()})
     clean = ParityCase(_session(), "t::clean")  # no patch set: the target computes what the reference does
     loc = Localization(check="step", reference="a live CPU run")
     start = time.perf_counter()
@@ -230,3 +234,11 @@ def test_a_correct_model_has_no_local_layer_and_the_capture_changes_nothing():
         assert recorder.grad_out and outs.keys() == plain_outs.keys() and grads.keys() == plain_grads.keys()
         assert all(torch.equal(outs[k], plain_outs[k]) for k in outs)
         assert all(torch.equal(grads[k], plain_grads[k]) for k in grads)
+    # A re-run replays the random stream its call began with: dropout k's re-run passes on what
+    # layer k's output received in the pass (the same mask), not a mask drawn from another state.
+    calls = {c.key: c for c in recorder.calls}
+    for k in range(3):
+        drop = calls["drop", k]
+        passed_on = call_gradients(side, drop, drop.inputs, drop.rng, recorder.needs[drop.key],
+                                   recorder.grad_out[drop.key])
+        assert torch.equal(passed_on["grad_input[0][0]"], recorder.grad_out["layers.%d" % k, 0][""])

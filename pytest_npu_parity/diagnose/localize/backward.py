@@ -99,8 +99,11 @@ class _GradRecorder(_Recorder):
             self.needs[call.key] = [p for p, t in _tensors((args, kwargs)) if _differentiable(t)]
 
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        call, depth = self.stack[-1]
-        super()._post(module, args, kwargs, output)
+        call, depth = self.stack.pop()  # as _Recorder._post, without copying the outputs (not compared here)
+        self.done += 1
+        self.last_done[call.name] = self.done
+        if depth:
+            self.calls.append(call)
         if depth and self.capture:
             grads = self.grad_out.setdefault(call.key, {})
             for path, t in _tensors(output):
@@ -138,11 +141,18 @@ def grad_pass(side: _Side, capture: bool = True) -> tuple[_GradRecorder | None, 
             output = side.run_root(root)
         loss = loss_of(output, root)
         params = [(n, p) for n, p in root.named_parameters() if p.requires_grad]
-        grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+        with _no_autocast(side):  # the step runs its backward outside the recipe's context
+            grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
     outs = {path or "<output>": t.detach().to("cpu", copy=True) for path, t in _tensors(output)}
     outs["loss"] = loss.detach().to("cpu", copy=True)
     return recorder, outs, {f"grad.{n}": g.detach().to("cpu", copy=True) for (n, _), g in zip(params, grads)
                             if g is not None}
+
+
+def _no_autocast(side: _Side) -> Any:
+    """Autocast off on ``side``'s device type: the backward runs as ``training_step`` runs it, outside
+    the recipe's context (an autocast-enabled backward would cast its matmuls too)."""
+    return torch.autocast(side.device.type, enabled=False)
 
 
 def _ancestors(outputs: list[torch.Tensor]) -> set[int]:
@@ -207,8 +217,9 @@ def call_gradients(side: _Side, call: _Call, inputs: tuple, rng: tuple, needs: l
             del pairs[i]
         params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         wrt = list(leaves.values()) + [p for _, p in params]
-        grads = (torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                 if pairs and wrt else [None] * len(wrt))
+        with _no_autocast(side):
+            grads = (torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                     if pairs and wrt else [None] * len(wrt))
     names = [f"grad_input{p}" for p in leaves] + [f"grad.{n}" for n, _ in params]
     return {name: (g if g is not None else torch.zeros_like(x)).detach().to("cpu", copy=True)
             for name, g, x in zip(names, grads, wrt)}
@@ -280,6 +291,9 @@ def backward_table(loc: Localization, case: Any, call: Any, tol: Tolerance, pref
     """
     if getattr(call, "loss", None) is None:
         loc.notes.append("no backward table: the step trains through a loop, whose loss is not known here")
+        return
+    if deadline is not None and time.perf_counter() >= deadline:
+        loc.notes.append("no backward table: the session's localization budget is spent")
         return
     ref = _Side(case, call, torch.device("cpu"), patched=False)
     tgt = _Side(case, call, case.target, patched=True)
