@@ -500,10 +500,12 @@ def vs_msprobe(elements: int, repeat: int) -> dict[str, Any]:
 
 
 def _load_file(path: Path) -> Any:
-    """``BaselineStore.load``'s reading, validation and checksum of one file (``baselines._read``)."""
-    from pytest_npu_parity.baselines import _read
+    """``BaselineStore.load``'s reading, validation and checksum of one file (``store.reading._read``), with
+    the store's object pool (format 4: recorded inputs and goldens of 4 KiB or more, re-hashed on reading)."""
+    from pytest_npu_parity.store.pool import ObjectPool
+    from pytest_npu_parity.store.reading import _read
 
-    return _read(path)
+    return _read(path, pool=ObjectPool(ROOT / "baselines"))
 
 
 # --------------------------------------------------------------------------------------------

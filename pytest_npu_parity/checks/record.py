@@ -140,6 +140,8 @@ class LocalizationOutcome:
         localization_stopped: why a descent stopped early (``budget``), or None.
         localization_ops: the op table of the module where the descent ended
             (``localize.Localization.op_rows()``: JSON-able dicts, the first culprit op first), or None.
+        localization_backward: a failing train step's backward table, layer by layer in backward
+            order (``localize.Localization.backward_rows()``: JSON-able dicts), or None.
     """
 
     localization: list | None = None
@@ -148,6 +150,7 @@ class LocalizationOutcome:
     localization_skipped: str | None = None
     localization_stopped: str | None = None
     localization_ops: list | None = None
+    localization_backward: list | None = None
 
 
 @dataclass
@@ -295,7 +298,8 @@ class CheckRecord:
     def _extra_columns(self, first: bool) -> dict[str, Any]:
         """Vacuity and self-check columns (``vacuous``/``vacuous_ok``/``teeth``/``teeth_problem``) on
         every row, the localization columns, the first-divergence table ``localization`` and the op
-        table ``localization_ops`` (JSON text) on the check's first row only."""
+        table ``localization_ops`` and the backward table ``localization_backward`` (JSON text) on the check's
+        first row only."""
         columns = dict(_set_items(self.vacuity))
         columns.update((k, v) for k, v in _set_items(self.self_check) if k != "selfcheck")
         if first:
@@ -312,4 +316,6 @@ class CheckRecord:
                 columns["fp32_islands"] = whatfix.fp32_islands
             if whatfix.counterfactual_s is not None:
                 columns["counterfactual_s"] = whatfix.counterfactual_s
+            if self.localized.localization_backward is not None:
+                columns["localization_backward"] = json.dumps(self.localized.localization_backward, default=str)
         return columns

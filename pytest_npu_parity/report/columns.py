@@ -164,6 +164,7 @@ LOCALIZATION_OPS = "localization_ops"
 COUNTERFACTUAL = "counterfactual"
 FP32_ISLANDS = "fp32_islands"
 COUNTERFACTUAL_S = "counterfactual_s"
+LOCALIZATION_BACKWARD = "localization_backward"
 REPRO = "repro"
 WORKER = "worker"
 
@@ -300,6 +301,9 @@ EXTRA_TABLE: tuple[Column, ...] = (
     Column(FP32_ISLANDS, TEXT, "the verified precision-island fix of a failing 16-bit check: submodules, comma-separated, "
            "whose float32 run makes it pass (pytest_npu_parity.fp32_islands; first row only)"),
     Column(COUNTERFACTUAL_S, FLOAT, "seconds the counterfactual re-runs and the precision-island search took (first row only)"),
+    Column(LOCALIZATION_BACKWARD, JSON, "backward table of a failing train step, layer by layer in backward order: "
+           "grad_output (inherited), param grad and grad_input (total) and local error, verdict (JSON list of rows; "
+           "first row only)"),
     Column(REPRO, TEXT, "--parity-repro: the folder holding the check's standalone repro (inputs, weights, expected and actual outputs, repro.py)"),
     Column(WORKER, TEXT, "pytest-xdist worker that ran the check (gw0, gw1, ...); absent without xdist"),
 )

@@ -69,6 +69,10 @@ class CheckCall:
             the check's own verdict against the same expected leaves and golden as the check's
             comparison (``checks.verdict.rejudged``; nothing is computed again), or None (a check
             judged as distributions, a record-mode run).
+        loss: for a train step without ``loop``, ``(output, module) -> scalar tensor``: the step's loss
+            from its forward's ``output`` (``module`` the side's copy, for a loss module holding
+            tensors), as the step computes it; None for other checks (the backward localization
+            needs it).
     """
 
     kind: str
@@ -85,6 +89,7 @@ class CheckCall:
     memo: tuple = ()
     input_changes: dict | None = None
     rejudge: Callable[[dict], Any] | None = None
+    loss: Callable[[Any, torch.nn.Module], torch.Tensor] | None = None
 
     @property
     def module(self) -> torch.nn.Module | None:

@@ -26,7 +26,7 @@ from ..store.compact import SAMPLE_SUFFIX, STATS_SUFFIX, base_leaf
 from .recipes import Recipe, strict_fp32_flags
 from ..structure import train_recipe
 from .golden_run import GoldenUnavailableError, golden_dtypes
-from .side import RUN_RECIPE, CheckCall, RunSpec, Side, _CopyOnEntry, _Same, run_side, trainable_copy
+from .side import RUN_RECIPE, CheckCall, RunSpec, Side, _CopyOnEntry, _Same, _move, run_side, trainable_copy
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -253,8 +253,23 @@ def train_check(check: TrainCheck, side: Side, recipe: Recipe, golden_runner: An
     call = CheckCall("train_step", check.module, positional, keywords, check.seed, True, rerun, check.vacuous_ok,
                      check.fault_weight, replay=replay,
                      memo=(getattr(layers, "samples", None), _Same(spec.optimizer), _Same(spec.loss_fn),
-                           spec.max_grad_norm, _Same(spec.loop)), input_changes=side.input_changes)
+                           spec.max_grad_norm, _Same(spec.loop)), input_changes=side.input_changes,
+                     loss=None if spec.loop is not None else partial(step_loss, spec, check.forward[2]))
     return run, golden, call
+
+
+def step_loss(spec: TrainSpec, labels: Any, output: Any, m: torch.nn.Module) -> torch.Tensor:
+    """The loss ``training_step`` computes from the forward's ``output`` of ``m`` (``labels`` moved to
+    ``m``'s device): ``CheckCall.loss`` of a train step.
+
+    Raises:
+        ValueError: no scalar loss in the output (``_default_loss``).
+    """
+    if spec.loss_fn is None:
+        return _default_loss(output)
+    if not spec.has_labels:
+        return spec.loss_fn(output)
+    return _loss_on(spec.loss_fn, m)(output, _move(labels, _device_of(m)))
 
 
 def golden_step(golden_runner: Any, step: Callable[..., dict], module: torch.nn.Module, recipe: Recipe,

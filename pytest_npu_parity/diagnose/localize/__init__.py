@@ -53,6 +53,15 @@ and the loss agree, the first divergence is the first gradient out of tolerance 
 pass), else the first buffer — named by its owner, e.g. the BatchNorm whose momentum differs, not
 the model around it —, else the first parameter after the step (the optimizer step).
 
+The backward pass, layer by layer (``backward.backward_table``; ``Localization.backward``, the
+report's ``localization_backward``): where a train step's gradients are out of tolerance, both sides
+run the step's forward and backward once more, tensor hooks catching the gradient w.r.t. each module
+call's output, and each call (the step's module and two levels below) is re-run alone to get its
+parameter gradients and the gradient it passes on: *inherited* (its grad_output, target vs
+reference), *total* (its param grads and grad_input) and *local* (the target's call on the
+reference's inputs and grad_output). The first call in backward order with a local error is the
+layer whose backward differs, not the first layer whose gradient inherits it.
+
 Outputs that are not plain strided tensors are made comparable (``comparable``): a nested tensor
 (``nn.TransformerEncoder``'s fast path in eval with a ``src_key_padding_mask`` passes them between
 its layers; they have no ``shape``) is compared as ``torch.nested.to_padded_tensor(t, 0.0)``, a
@@ -105,6 +114,7 @@ from .descent import (  # noqa: F401
     CONTEXT_ROWS, MAX_LEVELS, MAX_LOCAL_RUNS, _conclude, _conversion_notes, _gradients, _judge_level, _Level,
     _owner, _scope_key, _state, _trace_culprit, failure_hook, localize, structural_problem,
 )
+from .backward import BACKWARD_DEPTH, MAX_BACKWARD_CALLS, backward_table, grad_pass  # noqa: F401
 from .hook import COST_FACTOR, Localizer  # noqa: F401
 from .record import Localization, Site, _buffer_table, _fmt, _gradient_table, _num, _site_table  # noqa: F401
 from .sides import (  # noqa: F401
@@ -113,7 +123,7 @@ from .sides import (  # noqa: F401
 )
 
 __all__ = [
-    "COST_FACTOR", "CONTEXT_ROWS", "DEFAULT_BUDGET_S", "MAX_LEVELS", "MAX_LOCAL_RUNS", "RECORD_DEPTH",
+    "BACKWARD_DEPTH", "COST_FACTOR", "CONTEXT_ROWS", "DEFAULT_BUDGET_S", "MAX_LEVELS", "MAX_LOCAL_RUNS", "RECORD_DEPTH",
     "Localization", "LocalizationCache", "Localizer", "Site", "comparable", "failure_hook", "localize",
     "output_leaves", "structural_problem",
 ]

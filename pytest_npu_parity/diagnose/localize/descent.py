@@ -111,6 +111,10 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
         _gradients(loc, result, first_pass.last_done, context_rows)
     if call.kind == "train_step":
         _state(loc, result, call.module)
+    if call.kind == "train_step" and not cached_only and _gradients_fail(result):
+        from .backward import backward_table
+
+        backward_table(loc, case, call, tol, prefix, deadline)
     _conversion_notes(loc, ref.notes, tgt.notes, prefix=prefix)
     return loc
 
@@ -509,6 +513,11 @@ def _gradients(loc: Localization, result: CompareResult, last_done: dict[str, in
                               "verdict": "pass" if leaf.passed else "fail", "first_divergence": i == first})
 
 
+def _gradients_fail(result: CompareResult) -> bool:
+    """Whether a train step's ``grad.<p>`` leaves include one out of tolerance."""
+    return any(leaf.path.startswith("grad.") and not leaf.passed for leaf in result.leaves)
+
+
 def failure_hook(case: Any, record: Any, call: Any, result: CompareResult) -> str | None:
     """``ParitySession`` failure hook without budget or sharing: localize, keep the table in
     ``record.localized.localization`` and return the text for the failure message (None for a check
@@ -518,6 +527,7 @@ def failure_hook(case: Any, record: Any, call: Any, result: CompareResult) -> st
         return None
     record.localized.localization = loc.to_rows()
     record.localized.localization_ops = loc.op_rows()
+    record.localized.localization_backward = loc.backward_rows()
     return loc.format()
 
 

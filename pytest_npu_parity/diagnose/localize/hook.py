@@ -149,6 +149,7 @@ class Localizer:
         self._last = loc
         record.localized.localization = loc.to_rows()
         record.localized.localization_ops = loc.op_rows()
+        record.localized.localization_backward = loc.backward_rows()
         if loc.reused_from is not None:
             record.localized.localization_reused = loc.reused_from
         if loc.levels:

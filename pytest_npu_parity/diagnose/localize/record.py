@@ -10,6 +10,10 @@ from typing import Any
 
 from ...judge.allclose import LeafResult
 
+#: Rows of the backward table shown in the failure message at most (the report's
+#: ``localization_backward`` has every row).
+BACKWARD_SHOWN_ROWS = 16
+
 
 # --------------------------------------------------------------------------------------------
 # results
@@ -92,6 +96,11 @@ class Localization:
             submodules, or the one whose own code diverges), naming the first op beyond its budget;
             None where the descent did not end at a module (a bound method's own code, a budget
             stop, levels reused from another check, a train step whose forward agrees).
+        backward: train steps whose gradients fail: the backward table (``backward.backward_table``),
+            one JSON-able row per module call in backward order: inherited (grad_output), total
+            (param grads, grad_input) and local error, and the verdict.
+        first_backward: ``"<path> (<type>)"`` of the first call in backward order whose own backward
+            (local) is out of tolerance, or None.
     """
 
     check: str
@@ -114,6 +123,8 @@ class Localization:
     first_param: str | None = None
     loss_agrees: bool = False
     op_trace: Any = None
+    backward: list[dict[str, Any]] = field(default_factory=list)
+    first_backward: str | None = None
 
     def to_rows(self) -> list[dict[str, Any]]:
         """The table as JSON-able dicts (``record.localized.localization``): activation rows, then
@@ -127,6 +138,11 @@ class Localization:
         """The op table (``op_trace.OpTrace.to_rows``: the first culprit op first) as JSON-able dicts
         (``record.localized.localization_ops``), or None without an op trace."""
         return None if self.op_trace is None else self.op_trace.to_rows()
+
+    def backward_rows(self) -> list[dict[str, Any]] | None:
+        """The backward table (``backward``, in backward order) as JSON-able dicts
+        (``record.localized.localization_backward``), or None without one."""
+        return [dict(row, reference=self.reference) for row in self.backward] if self.backward else None
 
     def summary(self) -> str:
         """One line naming the first divergence and its local vs inherited error."""
@@ -163,7 +179,13 @@ class Localization:
                    f"{self.passes} pass(es), {self.local_runs} local re-run(s)")
         else:
             how = "nothing re-run (answered by an earlier localization, see the note)"
-        lines = [self.summary(), f"Localized against {self.reference}: {how}.",
+        lines = [self.summary()]
+        if self.first_backward is not None:
+            row = next(r for r in self.backward if r.get("first_divergence"))
+            lines.append(f"Backward: {self.first_backward} computes its own gradients differently (local err/tol "
+                         f"{_fmt(row.get('local_err_ratio'))} on the reference's inputs and grad_output); the "
+                         "gradients before it in the forward inherit that (backward table below)")
+        lines += [f"Localized against {self.reference}: {how}.",
                  "(local: the target's submodule on the reference's inputs vs the reference; inherited: the "
                  "target's output vs that re-run; err/tol: max |diff| / (atol + rtol·|reference|), > 1 fails)"]
         lines += [f"Note: {note}" for note in self.notes]
@@ -175,6 +197,9 @@ class Localization:
             lines.append("Gradients in backward order (reverse forward completion of their modules; no backward "
                          "hooks): first out of tolerance: " + (self.first_gradient or "none"))
             lines += _gradient_table(self.gradients)
+        if self.backward:
+            lines.append("")
+            lines += _backward_lines(self.backward, self.first_backward)
         if self.buffers:
             lines.append("")
             lines.append("Buffers out of tolerance, with the module that owns each:")
@@ -215,6 +240,33 @@ def _buffer_table(buffers: list[dict[str, Any]]) -> list[str]:
                        for b in buffers]
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
     return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _backward_lines(rows: list[dict[str, Any]], first: str | None) -> list[str]:
+    """The backward table of the failure message: a heading naming the first local row, then the
+    rows in backward order (at most ``BACKWARD_SHOWN_ROWS``, kept around the first local row)."""
+    if first is not None:
+        row = next(r for r in rows if r.get("first_divergence"))
+        head = (f"Backward pass, layer by layer: the layer whose backward differs is {first} — local err/tol "
+                f"{_fmt(row.get('local_err_ratio'))} on the reference's inputs and grad_output (grad_output "
+                f"inherited err/tol {_fmt(row.get('grad_output_err_ratio'))})")
+    else:
+        head = "Backward pass, layer by layer: no layer's own backward is out of tolerance"
+    lines = [head, "(grad_output: inherited from the layers after it; param grad, grad_input: total; local: the "
+                   "target's layer backward on the reference's inputs and grad_output vs the reference; err/tol)"]
+    index = next((i for i, r in enumerate(rows) if r.get("first_divergence")), 0)
+    start = max(0, min(index - BACKWARD_SHOWN_ROWS // 2, len(rows) - BACKWARD_SHOWN_ROWS))
+    shown = rows[start:start + BACKWARD_SHOWN_ROWS]
+    header = ("module (backward order)", "grad_output err", "param grad err", "grad_input err", "local err", "verdict")
+    table = [header] + [(r["submodule"], _fmt(r.get("grad_output_err_ratio")), _fmt(r.get("param_grad_err_ratio")),
+                         _fmt(r.get("grad_input_err_ratio")), _fmt(r.get("local_err_ratio")),
+                         r["verdict"] + (" <- first" if r.get("first_divergence") else
+                                         " (holds the first)" if r.get("holds_first") else "")) for r in shown]
+    widths = [max(len(str(t[i])) for t in table) for i in range(len(header))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(t, widths)).rstrip() for t in table]
+    if len(shown) < len(rows):
+        lines.append(f"({len(rows) - len(shown)} more rows in the report's localization_backward column)")
+    return lines
 
 
 def _gradient_table(gradients: list[dict[str, Any]]) -> list[str]:
