@@ -5,6 +5,8 @@ import contextlib
 
 import torch
 
+from pytest_npu_parity.diagnose.selfcheck import scaled_parameter
+
 
 class Block(torch.nn.Module):
     def __init__(self, width: int = 8):
@@ -41,18 +43,7 @@ def net_input() -> torch.Tensor:
 
 def scaled(module: torch.nn.Module, name: str, factor: float):
     """A patch factory scaling ``module``'s parameter ``name`` on the target side (restored bit-exactly)."""
-    @contextlib.contextmanager
-    def patch(device):
-        param = module.get_parameter(name)
-        saved = param.detach().clone()
-        with torch.no_grad():
-            param.mul_(factor)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                param.copy_(saved)
-    return patch
+    return lambda device: scaled_parameter(module, name, factor)
 
 
 class Moments(torch.nn.Module):
