@@ -62,7 +62,10 @@ def test_destroy_process_groups_after_async_collective_returns():
 def test_plain_destroy_is_the_deadlock_the_helper_avoids():
     release = torch.__version__.split("+")[0]
     if release.startswith("2.5."):
-        assert not _teardown_in_child("plain"), "plain destroy_process_group returned on torch 2.5"
+        # A race: the hang needs the dropped gather still on gloo's worker when destroy runs, which a loaded
+        # machine can miss (seen once in a CI run beside other work). One hang in three shows the deadlock.
+        hung = any(not _teardown_in_child("plain") for _ in range(3))
+        assert hung, "plain destroy_process_group returned three times on torch 2.5"
     elif release.startswith("2.14."):
         assert _teardown_in_child("plain")
     else:
@@ -114,7 +117,7 @@ RANK_CHILD = textwrap.dedent("""
     rank = int(os.environ["RANK"])
     for attempt in range(3):
         dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=30))
+                                timeout=datetime.timedelta(seconds=90))
         x = torch.full((4,), float(rank + 1 + attempt))
         dist.all_reduce(x)
         assert x.tolist() == [3.0 + 2 * attempt] * 4, x
@@ -126,13 +129,15 @@ RANK_CHILD = textwrap.dedent("""
 
 def test_two_ranks_reinitialize_on_the_same_port_after_the_release():
     # The kept group's TCPStore server answers a new group on its port with the old group's keys; two ranks
-    # then time out in the init or the first collective (module docstring), unless the release ran.
+    # then time out in the init or the first collective (module docstring), unless the release ran. The
+    # init's limit leaves room for a rank that starts slowly on a loaded machine (30 s timed out once, with
+    # 1 of 2 clients joined, in a CI run beside other work).
     port = str(free_port())
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     ranks = [subprocess.Popen([sys.executable, "-c", RANK_CHILD], env=dict(env, RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
-        outs = [p.communicate(timeout=150) for p in ranks]
+        outs = [p.communicate(timeout=300) for p in ranks]
     finally:
         for p in ranks:
             if p.poll() is None:
