@@ -165,6 +165,16 @@ def test_a_train_step_under_its_golden_verdict_gets_a_counterfactual_not_the_not
     assert rows["blocks.2 (Block)"]["verdict"] in ("root cause", "contributing")
     assert all(rows[f"blocks.{i} (Block)"]["verdict"] == "no effect" for i in (0, 1, 3))
     assert rows["the patch set"]["verdict"] == "root cause"
+    # ... and the message says that a backward fault is not removed by these re-runs, and where to look.
+    assert "its backward stays the target's" in message and "--parity-policy allclose" in message
+
+
+def test_a_forward_check_says_nothing_of_the_backward():
+    model, x = net(), net_input()
+    case = ParityCase(_session([Localizer(None)]), "t::fwd", patches=scaled(model, "blocks.2.b.weight", 1.01))
+    with pytest.raises(ParityError) as info:
+        case.check("fwd", model, x)
+    assert "What makes it pass" in str(info.value) and "its backward stays" not in str(info.value)
 
 
 def test_without_the_counterfactual_a_golden_failure_is_not_localized():

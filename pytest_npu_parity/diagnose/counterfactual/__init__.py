@@ -62,7 +62,8 @@ __all__ = ["WhatMakesItPass", "what_makes_it_pass", "fp32_islands", "reference_o
 class WhatMakesItPass:
     """The outcome of ``what_makes_it_pass``: the ``attributions`` (``attribution.Attribution``), the
     ``islands`` search (``islands.IslandSearch``, or None where not run), the check's own error
-    ``before``, the re-runs made and their seconds, and ``stopped`` (the budget ran out)."""
+    ``before``, the re-runs made and their seconds, ``stopped`` (the budget ran out) and ``train_step``
+    (the check is a training step: only forward values are replaced, ``format`` says so)."""
 
     before: float
     measure: str
@@ -71,6 +72,7 @@ class WhatMakesItPass:
     runs: int = 0
     seconds: float = 0.0
     stopped: bool = False
+    train_step: bool = False
 
     def to_rows(self) -> list[dict[str, Any]]:
         """The report's ``counterfactual`` rows: attributions, then the island search's re-runs."""
@@ -81,6 +83,10 @@ class WhatMakesItPass:
         """The failure message's section."""
         lines = [f"What makes it pass ({self.runs} re-run(s) of the target, {self.seconds:.2g} s, each judged by the "
                  f"check's own verdict; error: {self.measure}, {_fmt(self.before)} in the check):"]
+        if self.train_step:
+            lines.append("  (a training step: a suspect's forward values are replaced, its backward stays the target's, "
+                         "so a fault in a backward is not removed here and NO EFFECT does not clear it; the backward "
+                         "table names the layer whose backward differs: rerun with --parity-policy allclose)")
         ranked = sorted(self.attributions, key=lambda a: (-a.share if math.isfinite(a.share) else 0.0))
         for a in ranked:
             if a.outcome.problem is not None:
@@ -179,7 +185,7 @@ def what_makes_it_pass(case: Any, record: Any, call: Any, result: Any, *, locali
     measure = ("worst metric ratio / its limit over the failing leaves" if getattr(record, "golden_policy", None)
                is not None else "worst err/tol over the failing leaves")
     runner = Rerunner(case, call, paths, deadline=deadline, max_runs=max_runs)
-    out = WhatMakesItPass(end_to_end_error(result, paths), measure)
+    out = WhatMakesItPass(end_to_end_error(result, paths), measure, train_step=call.kind == "train_step")
     out.attributions = attribute(runner, suspects_for(case, record, call, localization), result)
     if islands is None:
         islands = getattr(case.recipe, "autocast_dtype", None) is not None
