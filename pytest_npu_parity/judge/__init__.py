@@ -17,7 +17,10 @@ Every judge of the engine lives here, one module per question, in import order:
   computed by ``runtime.golden_run.GoldenRunner``: running a computation is not judging it);
 * ``distribution`` — two sets of samples, one permutation-test verdict (``compare_distributions``);
 * ``layers`` — the layer check's verdict over the layer records (``judge_layers``, ``LayerPolicy``;
-  the records are taken by ``runtime.layer_capture``).
+  the records are taken by ``runtime.layer_capture``);
+* ``trajectory`` — two training trajectories (loss, global and per-module gradient-norm curves over N
+  steps): mean relative loss error, the steps where the curves part, the module that parts first
+  (``judge_trajectory``, ``TrajectoryPolicy``; limits measured, see the module).
 
 Which judge applies to a check is decided in one place, ``checks.verdict``. The judges read
 outputs as named leaves (``pytest_npu_parity.leaves``) and never run a computation, never import
