@@ -1,0 +1,158 @@
+"""N training steps recorded as curves: what ``judge.trajectory`` judges (no check calls it yet).
+
+``TrajectoryLoop`` trains a module for ``steps`` optimizer steps the way upstream Aurora trains
+(``runner.py`` ``AuroraRunner.train_model``: AdamW lr 1e-4, betas (0.9, 0.95), eps 1e-8, weight decay
+0.1, ``max_grad_norm`` 1.0, ``lr_scheduler_type='constant'``; or, with ``schedule="warmup_log"``,
+``deepspeed.json``'s ``WarmupLR`` from 0 to the lr, whose DeepSpeed defaults are 1000 steps and
+``warmup_type='log'``: DeepSpeed 0.19.8 ``deepspeed/runtime/lr_schedules.py`` ``WarmupLR._get_gamma``
+gives lr · ln(i + 1) / ln(warmup_steps) at scheduler iteration i, and ``engine.py``
+``DeepSpeedEngine._take_model_step`` steps the scheduler after ``optimizer.step()``, so optimizer step
+k >= 1 runs with iteration k - 1's lr and step 0 with the lr ``WarmupLR.__init__`` set, the minimum:
+0, 0, 1.0e-5, 1.6e-5 … for lr 1e-4 — checked against DeepSpeed's own class), cycling through the
+batches it is given.
+
+Per step it records, without a host sync (rows of one preallocated tensor on the run's device, copied
+to the CPU once at the end): the loss, the global gradient 2-norm before clipping, and the gradient
+2-norm of every module that owns trainable parameters. The learning rate of each step and the weight
+2-norm of every such module at ``checkpoints`` evenly spaced steps (the last included) come with them.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+SCHEDULES = ("constant", "warmup_log", "warmup_linear")
+
+
+@dataclass(frozen=True)
+class TrajectoryLoop:
+    """``steps`` optimizer steps over ``batches``, recorded as curves (module docstring).
+
+    Attributes:
+        steps: optimizer steps (>= 1).
+        learning_rate, adam_betas, adam_epsilon, weight_decay, max_grad_norm: upstream Aurora's AdamW
+            (``max_grad_norm`` None: no clipping).
+        schedule: ``constant``, ``warmup_log`` or ``warmup_linear`` (DeepSpeed ``WarmupLR``, from 0).
+        warmup_steps: DeepSpeed ``warmup_num_steps`` (its default 1000; at least 2, as DeepSpeed clamps).
+        checkpoints: steps at which weight norms are recorded (evenly spaced, the last step included).
+        loss_fn: ``loss_fn(output)`` for a dict batch, ``loss_fn(output, target)`` for a ``(inputs…,
+            target)`` batch; None: ``output.loss`` (a dict batch only).
+    """
+
+    steps: int = 300
+    learning_rate: float = 1e-4
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    adam_epsilon: float = 1e-8
+    weight_decay: float = 0.1
+    max_grad_norm: float | None = 1.0
+    schedule: str = "constant"
+    warmup_steps: int = 1000
+    checkpoints: int = 5
+    loss_fn: Callable[..., torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"TrajectoryLoop: steps must be a positive int, got {self.steps!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"TrajectoryLoop: schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        if not isinstance(self.checkpoints, int) or self.checkpoints < 1:
+            raise ValueError(f"TrajectoryLoop: checkpoints must be a positive int, got {self.checkpoints!r}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based)."""
+        if self.schedule == "constant":
+            return self.learning_rate
+        warmup = max(2, self.warmup_steps)
+        iteration = step - 1  # DeepSpeed steps its scheduler after the optimizer (module docstring)
+        if iteration < 0:
+            return 0.0
+        if iteration >= warmup:
+            return self.learning_rate
+        gamma = math.log(iteration + 1) / math.log(warmup) if self.schedule == "warmup_log" else iteration / warmup
+        return self.learning_rate * gamma
+
+    def checkpoint_steps(self) -> list[int]:
+        """The steps whose weight norms are recorded (after that step's update), ascending."""
+        k = min(self.checkpoints, self.steps)
+        return sorted({round((i + 1) * self.steps / k) - 1 for i in range(k)})
+
+    def __call__(self, module: torch.nn.Module, batch: Mapping[str, Any], recipe: Any = None) -> dict[str, torch.Tensor]:
+        """Train ``module`` in place on ``batch["batches"]`` (cycled) and return its curves.
+
+        Args:
+            module: the model, in training mode, on its device.
+            batch: ``{"batches": [b0, b1, …]}``, each a dict (``module(**b)``) or a tuple/list
+                ``(inputs…, target)`` (``loss_fn(module(*inputs), target)``), already on the device.
+            recipe: the run's ``recipes.Recipe`` (its autocast context around forward and loss), or None.
+
+        Returns:
+            ``loss``, ``grad_norm`` (float32 ``[steps]``), ``lr`` (float64 ``[steps]``),
+            ``layer_grad_norm.<module>`` (float32 ``[steps]``), ``weight_norm.<module>`` (float32
+            ``[checkpoints]``), ``checkpoint_steps`` (int64 ``[checkpoints]``), all on the CPU.
+
+        Raises:
+            ValueError: no batches, a batch form the loss cannot be computed from, or a non-scalar loss.
+        """
+        batches: Sequence[Any] = batch.get("batches") or ()
+        if not batches:
+            raise ValueError("TrajectoryLoop: give the batches as {'batches': [batch, …]} (at least one)")
+        owners = [(name, [p for p in m.parameters(recurse=False) if p.requires_grad])
+                  for name, m in module.named_modules()]
+        owners = [(name or "<root>", ps) for name, ps in owners if ps]
+        params = [p for _, ps in owners for p in ps]
+        device = params[0].device
+        opt = torch.optim.AdamW(params, lr=self.lr_at(0), betas=self.adam_betas, eps=self.adam_epsilon,
+                                weight_decay=self.weight_decay)
+        rows = torch.zeros(self.steps, 2 + len(owners), dtype=torch.float32, device=device)
+        marks = self.checkpoint_steps()
+        weights = torch.zeros(len(marks), len(owners), dtype=torch.float32, device=device)
+        lrs = []
+        for step in range(self.steps):
+            lr = self.lr_at(step)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            lrs.append(lr)
+            opt.zero_grad(set_to_none=True)
+            with recipe.context(device) if recipe is not None else contextlib.nullcontext():
+                loss = self._loss(module, batches[step % len(batches)])
+            loss.backward()
+            with torch.no_grad():
+                norms = [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float())
+                                                               for p in ps if p.grad is not None] or
+                                                              [torch.zeros((), device=device)]))
+                         for _, ps in owners]
+                rows[step, 2:] = torch.stack(norms)
+                rows[step, 0] = loss.detach().float()
+            clip = self.max_grad_norm if self.max_grad_norm is not None else math.inf
+            rows[step, 1] = torch.nn.utils.clip_grad_norm_(params, clip).detach().float()
+            opt.step()
+            if step in marks:
+                with torch.no_grad():
+                    weights[marks.index(step)] = torch.stack(
+                        [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.float()) for p in ps]))
+                         for _, ps in owners])
+        rows, weights = rows.cpu(), weights.cpu()
+        out = {"loss": rows[:, 0].clone(), "grad_norm": rows[:, 1].clone(),
+               "lr": torch.tensor(lrs, dtype=torch.float64), "checkpoint_steps": torch.tensor(marks)}
+        for i, (name, _) in enumerate(owners):
+            out[f"layer_grad_norm.{name}"] = rows[:, 2 + i].clone()
+            out[f"weight_norm.{name}"] = weights[:, i].clone()
+        return out
+
+    def _loss(self, module: torch.nn.Module, batch: Any) -> torch.Tensor:
+        if isinstance(batch, Mapping):
+            output = module(**batch)
+            loss = self.loss_fn(output) if self.loss_fn is not None else getattr(output, "loss", None)
+        elif isinstance(batch, (tuple, list)) and len(batch) >= 2 and self.loss_fn is not None:
+            loss = self.loss_fn(module(*batch[:-1]), batch[-1])
+        else:
+            raise ValueError("TrajectoryLoop: a batch is a dict (module(**batch), output.loss or loss_fn(output)) "
+                             "or (inputs…, target) with loss_fn=…; got "
+                             f"{type(batch).__name__}{' without loss_fn' if self.loss_fn is None else ''}")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("TrajectoryLoop: the loss is not a one-element tensor; pass loss_fn=…")
+        return loss.reshape(())
