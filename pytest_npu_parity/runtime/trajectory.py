@@ -28,6 +28,13 @@ import torch
 SCHEDULES = ("constant", "warmup_log", "warmup_linear")
 
 
+def _norm(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The 2-norm of ``tensors`` taken together (float32 0-d on ``device``; 0 for none)."""
+    if not tensors:
+        return torch.zeros((), device=device)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.detach().float()) for t in tensors]))
+
+
 @dataclass(frozen=True)
 class TrajectoryLoop:
     """``steps`` optimizer steps over ``batches``, recorded as curves (module docstring).
@@ -121,20 +128,15 @@ class TrajectoryLoop:
                 loss = self._loss(module, batches[step % len(batches)])
             loss.backward()
             with torch.no_grad():
-                norms = [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.float())
-                                                               for p in ps if p.grad is not None] or
-                                                              [torch.zeros((), device=device)]))
-                         for _, ps in owners]
-                rows[step, 2:] = torch.stack(norms)
+                rows[step, 2:] = torch.stack([_norm([p.grad for p in ps if p.grad is not None], device)
+                                              for _, ps in owners])
                 rows[step, 0] = loss.detach().float()
             clip = self.max_grad_norm if self.max_grad_norm is not None else math.inf
             rows[step, 1] = torch.nn.utils.clip_grad_norm_(params, clip).detach().float()
             opt.step()
             if step in marks:
                 with torch.no_grad():
-                    weights[marks.index(step)] = torch.stack(
-                        [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.float()) for p in ps]))
-                         for _, ps in owners])
+                    weights[marks.index(step)] = torch.stack([_norm(ps, device) for _, ps in owners])
         rows, weights = rows.cpu(), weights.cpu()
         out = {"loss": rows[:, 0].clone(), "grad_norm": rows[:, 1].clone(),
                "lr": torch.tensor(lrs, dtype=torch.float64), "checkpoint_steps": torch.tensor(marks)}
