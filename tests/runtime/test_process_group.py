@@ -111,7 +111,7 @@ def test_a_call_with_nothing_initialized_frees_the_kept_groups(gloo_group):
 
 
 RANK_CHILD = textwrap.dedent("""
-    import datetime, os
+    import datetime, os, time
     import torch, torch.distributed as dist
     from pytest_npu_parity.process_group import destroy_process_groups
     rank = int(os.environ["RANK"])
@@ -123,17 +123,25 @@ RANK_CHILD = textwrap.dedent("""
         assert x.tolist() == [3.0 + 2 * attempt] * 4, x
         destroy_process_groups()
         destroy_process_groups()  # frees the kept group: its store no longer answers on MASTER_PORT
+        # A launcher starts the next group once every rank has left the last one. Without this handshake
+        # rank 1 can re-join while rank 0 still serves the old store, and reads the old group's keys.
+        open(os.path.join(os.environ["HANDSHAKE_DIR"], f"{attempt}.{rank}"), "w").close()
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(os.environ["HANDSHAKE_DIR"], f"{attempt}.{1 - rank}")):
+            assert time.monotonic() < deadline, "the other rank never released its group"
+            time.sleep(0.05)
     print("re-initialized", flush=True)
 """)
 
 
-def test_two_ranks_reinitialize_on_the_same_port_after_the_release():
+def test_two_ranks_reinitialize_on_the_same_port_after_the_release(tmp_path):
     # The kept group's TCPStore server answers a new group on its port with the old group's keys; two ranks
     # then time out in the init or the first collective (module docstring), unless the release ran. The
     # init's limit leaves room for a rank that starts slowly on a loaded machine (30 s timed out once, with
     # 1 of 2 clients joined, in a CI run beside other work).
     port = str(free_port())
-    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+               HANDSHAKE_DIR=str(tmp_path))
     ranks = [subprocess.Popen([sys.executable, "-c", RANK_CHILD], env=dict(env, RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
