@@ -76,7 +76,7 @@ def test_grad_norms_are_only_reported_without_a_limit(reference):
     curves["layer_grad_norm.0"] = curves["layer_grad_norm.0"] * 1.5
     result = judge_trajectory(curves, reference, TrajectoryPolicy(1e-6, None))
     assert result.passed and result.first_parting_layer == ("0", 0)
-    assert not judge_trajectory(curves, reference, TrajectoryPolicy(1e-6, 5e-6)).passed
+    assert not judge_trajectory(curves, reference, TrajectoryPolicy(1e-6, 5e-6, layer_limit=5e-6)).passed
 
 
 def test_parting_step_uses_a_trailing_window():
@@ -100,3 +100,26 @@ def test_bad_curves_are_named():
         TrajectoryPolicy(0.0)
     assert default_policy("fp16") is DEFAULT_LIMITS["bf16"]
     assert relative_errors(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0])).tolist() == [0.0, 0.0]
+
+
+def test_a_modules_curve_has_its_own_limit_above_its_legitimate_spread():
+    # On another CPU kernel path a small module's gradient-norm curve moved by 1.1e-5 on average (the
+    # module docstring): within fp32's layer limit, while the global curves stay exact. 2e-3 fails.
+    steps = torch.linspace(1.0, 2.0, 50, dtype=torch.float64)
+    expected = {"loss": steps, "grad_norm": steps, "layer_grad_norm.text": steps / 100}
+    legit = dict(expected, **{"layer_grad_norm.text": steps / 100 * (1 + 1.1e-5)})
+    assert judge_trajectory(legit, expected, DEFAULT_LIMITS["fp32"]).passed
+    faulty = dict(expected, **{"layer_grad_norm.text": steps / 100 * (1 + 2e-3)})
+    result = judge_trajectory(faulty, expected, DEFAULT_LIMITS["fp32"])
+    assert not result.passed and result.first_parting_layer == ("text", 0)
+    assert "layer_grad_norm.text: mean relative error 0.002 > 0.001" in result.format()
+
+
+def test_a_policy_without_a_layer_limit_reports_modules_without_failing():
+    steps = torch.linspace(1.0, 2.0, 50, dtype=torch.float64)
+    expected = {"loss": steps, "layer_grad_norm.a": steps}
+    result = judge_trajectory(dict(expected, **{"layer_grad_norm.a": steps * 1.5}), expected,
+                              TrajectoryPolicy(1e-6, 5e-6))
+    assert result.passed and result.first_parting_layer == ("a", 0)
+    with pytest.raises(ValueError, match="layer_limit"):
+        TrajectoryPolicy(1e-6, layer_limit=0.0)
