@@ -54,19 +54,22 @@ from .checks.reference import (STALE_CAUSES, Expected, ReferenceSource, StaleSui
                                memo_key, recorded_golden_run, recording, recording_provenance, stale_cause,
                                stale_suites, store_goldens, thread_count_mismatch, torch_version_mismatch,
                                train_hashes, write_recording)
-from .checks.verdict import (LEAVES, DistributionVerdict, LeafVerdict, Sides, compared_sides, given_sides,
-                             optimizer_replay, rejudged, split_layer_records, verdict_for)
+from .checks.verdict import (LEAVES, DistributionVerdict, LeafVerdict, Sides, TrajectoryVerdict, compared_sides,
+                             given_sides, optimizer_replay, rejudged, split_layer_records, verdict_for)
 from .checks.verdict import vacuity_problems as _vacuity_problems  # the name runner had
 from .judge.allclose import CompareResult, ParityError, compare  # noqa: F401  (also runner.compare, as before)
 from .leaves import flatten  # noqa: F401  (also runner.flatten, as before)
 from .runtime.layer_capture import compiled_modules  # noqa: F401
 from .modules import owner_module  # noqa: F401  (also runner.owner_module, as before)
 from .judge.tolerance import Tolerance
+from .judge.trajectory import TrajectoryPolicy
+from .judge.trajectory import default_policy as default_trajectory_policy
 from .runtime.recipes import RECIPES, Recipe, strict_fp32_flags
 from .checks.settings import (DEFAULT_POLICIES, TRAINING_DEFAULT_POLICIES, Asked, CaseSettings,  # noqa: F401
                               CheckSettings, IniSettings, MarkerSettings, audit_mode as resolve_audit_mode)
 from .checks.settings import layers_unless_compiled as _layers_unless_compiled  # noqa: F401  (the name runner had)
 from .runtime.rng import RNG_MODES
+from .runtime.trajectory import TrajectoryLoop
 # Moved to the runtime package; re-exported here, where tests, scripts and other modules import them.
 from .runtime.side import (CheckCall, PatchFactory, RunSpec, Side, _any_training, _CopyOnEntry,  # noqa: F401
                            _error_site, _move, _on_device, _RaisingOp, _Same, _sync_modes, _to_cpu_leaves,
@@ -523,11 +526,66 @@ class ParityCase:
         asked = Asked(dict(rtol=rtol, atol=atol, budget=budget, reason=reason), policy, True, audit_budget, layers,
                       True, store)
         plan = self._plan(name, asked, module, submodule=submodule, group=group)
+        return self._train(plan, module, given, (optimizer or default_optimizer, loss_fn, max_grad_norm, loop), seed,
+                           vacuous_ok, fault_weight)
+
+    def trajectory(self, name: str, module: torch.nn.Module, batches: Any, *, loop: TrajectoryLoop | None = None,
+                   policy: TrajectoryPolicy | None = None, seed: int | None = None, submodule: str | None = None,
+                   group: str | None = None, vacuous_ok: str | None = None,
+                   audit_budget: Any = None) -> CheckRecord:
+        """N training steps on each side from the same weights, judged by their loss curves.
+
+        Each side trains a fresh copy of ``module`` (training mode, its device, the shared random
+        stream, the recipe's autocast) with ``loop`` (default ``TrajectoryLoop()``: 300 AdamW steps as
+        upstream Aurora trains, constant lr 1e-4, clip 1.0) over ``batches``, cycled. The curves it
+        records (loss, global grad norm, per-module grad norms per step; weight norms at checkpoints)
+        are the check's leaves: a baseline stores them. The verdict (``judge.trajectory``): the mean
+        relative loss error over all steps within ``policy.loss_limit`` and the grad-norm curves'
+        within ``policy.grad_norm_limit``; the message names the step where the loss curves part,
+        the step where the grad-norm curves part and the module whose gradient norm parts first.
+
+        Args:
+            batches: the training batches, each as ``TrajectoryLoop`` takes it (a dict for
+                ``module(**batch)`` with ``output.loss`` or the loop's ``loss_fn``, or ``(inputs…,
+                target)`` with ``loss_fn``), CPU tensors; a list, or any iterable (a ``DataLoader`` is
+                drawn once, here, so both sides train on the same batches).
+            loop: the training loop (``runtime.trajectory.TrajectoryLoop``: steps, optimizer settings,
+                lr schedule, loss).
+            policy: the limits (``judge.trajectory.TrajectoryPolicy``); default
+                ``judge.trajectory.default_policy`` of the test's recipe (measured).
+            seed, submodule, group, vacuous_ok, audit_budget: as ``train_step`` takes them. The check
+                is judged by its curves only: no golden, layer records, self-check or localization.
+
+        Raises:
+            ValueError: no batches; a batch the loop cannot compute a loss from.
+            ParityError: the curves part (the message says where), or a curve is missing on one side.
+            baselines.BaselineError: as ``check``.
+        """
+        __tracebackhide__ = True
+        loop = TrajectoryLoop() if loop is None else loop
+        batches = list(batches)
+        if not batches:
+            raise ValueError(f"parity trajectory {name!r}: no batches to train on")
+        given = train_inputs(name, {"batches": batches}, None, None)
+        asked = Asked({}, "allclose", True, audit_budget, False, True, "full")
+        plan = self._plan(name, asked, module, submodule=submodule, group=group)
+        judge = TrajectoryVerdict(policy if policy is not None else default_trajectory_policy(self.recipe.name))
+        return self._train(plan, module, given, (default_optimizer, None, loop.max_grad_norm, loop), seed, vacuous_ok,
+                           None, judge)
+
+    def _train(self, plan: CheckPlan, module: torch.nn.Module, given: tuple, how: tuple, seed: int | None,
+               vacuous_ok: str | None, fault_weight: str | None, judge: Any = None) -> CheckRecord:
+        """The pipeline of ``train_step`` and ``trajectory`` once the plan is resolved: replayed inputs
+        against a baseline that recorded them, the run, then ``_record_or_compare`` (``judge``: the
+        verdict, None for ``verdict_for``'s). ``how``: ``(optimizer, loss_fn, max_grad_norm, loop)``."""
+        __tracebackhide__ = True
         module, forward, hashes, plan = self._replayed(plan, module, given, train_hashes(module, given), train_hashes)
-        spec = TrainSpec(optimizer or default_optimizer, loss_fn, forward[2] is not None, max_grad_norm, loop)
+        optimizer, loss_fn, max_grad_norm, loop = how
+        spec = TrainSpec(optimizer, loss_fn, forward[2] is not None, max_grad_norm, loop)
         train = TrainCheck(module, forward, self.session.seed if seed is None else seed, spec, vacuous_ok, fault_weight)
         run, golden, call = train_check(train, self._side(), self.recipe, self.session.golden_runner, plan.layer_policy)
-        return self._record_or_compare(plan, run, dict(hashes, train_recipe=train.train_recipe), call, golden, given)
+        return self._record_or_compare(plan, run, dict(hashes, train_recipe=train.train_recipe), call, golden, given,
+                                       judge)
 
     def compare(self, name: str, actual: Any, expected: Any, *, rtol: float | None = None,
                 atol: float | None = None, budget: float | None = None, reason: str | None = None,
@@ -582,11 +640,12 @@ class ParityCase:
 
     # -- the check's pipeline: settings -> reference (record mode stops there) -> target -> verdict ------
     def _record_or_compare(self, plan: CheckPlan, run: Callable, hashes: dict[str, Any], call: CheckCall,
-                           golden_run: Callable[[], dict], given: tuple) -> CheckRecord:
+                           golden_run: Callable[[], dict], given: tuple, judge: Any = None) -> CheckRecord:
         """The tail shared by ``check`` and ``train_step``: in record mode record the reference run
         (``_record``); else the reference (``checks.reference``), the target's run under the patch set
         (audited unless the audit is off), the leaves to compare (``checks.verdict.compared_sides``:
-        compact leaves, optimizer replay, golden) and the verdict that applies (``_settle``). ``given``:
+        compact leaves, optimizer replay, golden) and the verdict that applies (``_settle``; ``judge``: the
+        check's own, else ``checks.verdict.verdict_for``'s). ``given``:
         the check's inputs as the caller passed them (recorded for replay, ``checks.replay``)."""
         __tracebackhide__ = True
         if self.session.update_baselines:
@@ -603,7 +662,9 @@ class ParityCase:
         actual, audit = run(self.target, patched=True, audited=self._settings().audit_mode() != "off")
         sides = split_layer_records(Sides(actual, expected, audit, weights, notes=plan.notes,
                                           input_changes=call.input_changes), plan.layer_policy)
-        judge = verdict_for(call.sample_dim, call.sample_dim is not None and self.session.rng == "device", expected.rng)
+        if judge is None:
+            judge = verdict_for(call.sample_dim, call.sample_dim is not None and self.session.rng == "device",
+                                expected.rng)
         if judge is LEAVES:  # samples judged as distributions are compared as they are
             replay = optimizer_replay(call, sides.actual, sides.expected.leaves, plan.tolerance, expected.compact)
             golden = golden_for(self.session.golden, memo_key(plan.name, self.recipe.name, hashes, call), plan,

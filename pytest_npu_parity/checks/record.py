@@ -192,7 +192,9 @@ class CheckRecord:
     ``weights`` is the fingerprint of the module the check ran (``provenance.fingerprint_module``;
     None for a free function or a ``compare``). ``distribution_policy`` is the
     ``distribution.DistributionPolicy`` of a sampling check judged as distributions (``result`` is
-    then a ``distribution.DistributionResult``), else None. ``layer_records`` is ``(target's,
+    then a ``distribution.DistributionResult``), else None. ``trajectory_policy`` is the
+    ``judge.trajectory.TrajectoryPolicy`` of a ``ParityCase.trajectory`` (``result`` is then a
+    ``judge.trajectory.TrajectoryResult``, one row per curve), else None. ``layer_records`` is ``(target's,
     reference's)`` layer records (``layers.capture_layers``) of a check judged by a layer policy,
     else None; ``layer_check`` holds that verdict. ``golden_policy`` is the ``golden.GoldenPolicy``
     the check was judged by, or None for the allclose tolerance; a check that asked for the golden
@@ -220,6 +222,7 @@ class CheckRecord:
     weights: str | None = None
     distribution_policy: Any = None
     layer_records: tuple | None = None
+    trajectory_policy: Any = None
     notes: CheckNotes = field(default_factory=CheckNotes)
     baseline_problem: BaselineProblem | None = None
     vacuity: VacuityOutcome = field(default_factory=VacuityOutcome)
@@ -243,10 +246,13 @@ class CheckRecord:
 
     @property
     def policy(self) -> str:
-        """The verdict policy the check was judged by: ``allclose``, ``golden`` or ``distribution``
-        (a sampling check whose sides drew from their own streams, ``distribution.DistributionPolicy``)."""
+        """The verdict policy the check was judged by: ``allclose``, ``golden``, ``distribution``
+        (a sampling check whose sides drew from their own streams, ``distribution.DistributionPolicy``)
+        or ``trajectory`` (``ParityCase.trajectory``, ``judge.trajectory.TrajectoryPolicy``)."""
         if self.distribution_policy is not None:
             return "distribution"
+        if self.trajectory_policy is not None:
+            return "trajectory"
         return "allclose" if self.golden_policy is None else "golden"
 
     def rows(self) -> list[dict[str, Any]]:
@@ -299,7 +305,9 @@ class CheckRecord:
         """Vacuity and self-check columns (``vacuous``/``vacuous_ok``/``teeth``/``teeth_problem``) on
         every row, the localization columns, the first-divergence table ``localization`` and the op
         table ``localization_ops`` and the backward table ``localization_backward`` (JSON text) on the check's
-        first row only."""
+        first row only; a trajectory's curves to plot (``trajectory_series``, JSON) and its findings
+        (``traj_mean_rel_loss``, ``traj_loss_parted_at``, ``traj_grad_norm_parted_at``, ``traj_first_layer``)
+        there too."""
         columns = dict(_set_items(self.vacuity))
         columns.update((k, v) for k, v in _set_items(self.self_check) if k != "selfcheck")
         if first:
@@ -318,4 +326,11 @@ class CheckRecord:
                 columns["counterfactual_s"] = whatfix.counterfactual_s
             if self.localized.localization_backward is not None:
                 columns["localization_backward"] = json.dumps(self.localized.localization_backward, default=str)
+            if self.trajectory_policy is not None and self.result is not None:
+                layer = self.result.first_parting_layer
+                columns.update(trajectory_series=json.dumps(self.result.series),
+                               traj_mean_rel_loss=self.result.mean_rel_loss_error,
+                               traj_loss_parted_at=self.result.loss_parted_at,
+                               traj_grad_norm_parted_at=self.result.grad_norm_parted_at,
+                               traj_first_layer=None if layer is None else f"{layer[0]} at step {layer[1]}")
         return columns

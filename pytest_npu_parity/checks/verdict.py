@@ -5,7 +5,8 @@ golden verdict, ``golden.judge_golden``) into a ``CheckRecord``; ``check_problem
 check as a whole (vacuity, the layer check, the audit budget); ``failure_message`` is the text a
 failing check raises with. Which judge applies is decided in one place, ``verdict_for``: leaf by
 leaf (``LEAVES``) or, for a sampling check whose sides drew from their own streams, as
-distributions (``DistributionVerdict``, ``measure_distribution``). A training step's expected ``param.*`` leaves come from the optimizer
+distributions (``DistributionVerdict``, ``measure_distribution``); a ``ParityCase.trajectory`` is judged
+by its curves (``TrajectoryVerdict``, ``judge.trajectory``). A training step's expected ``param.*`` leaves come from the optimizer
 replay when it is trusted (``optimizer_replay``), else its parameters whose reference gradient is
 rounding noise are left out (``compared_sides``). ``given_sides`` prepares what ``ParityCase.compare``
 was handed. Nothing here runs a computation of
@@ -27,6 +28,7 @@ from ..judge.distribution import compare_distributions
 from ..judge.golden import judge_golden
 from ..judge.golden_policy import WORK_DTYPES
 from ..judge.layers import judge_layers
+from ..judge.trajectory import TrajectoryPolicy, judge_trajectory
 from ..judge.tolerance import Tolerance
 from ..runtime.layer_capture import split_layers
 from ..runtime.side import CheckCall, _to_cpu_leaves
@@ -479,6 +481,50 @@ class DistributionVerdict:
         """``distribution_failure``."""
         __tracebackhide__ = True
         return distribution_failure(facts, record, expected, problems, self.own_stream)
+
+
+@dataclass(frozen=True)
+class TrajectoryVerdict:
+    """As training trajectories (``judge.trajectory.judge_trajectory`` under ``policy``): the mean
+    relative loss error against its limit, and where the loss, grad-norm and per-module grad-norm
+    curves part. Its problems: a curve that could not be compared, and a constant reference loss
+    curve (vacuous: nothing was trained). No hooks (they perturb or localize one step's elements)."""
+
+    policy: TrajectoryPolicy
+    hooked: ClassVar[bool] = False
+
+    def measure(self, facts: CaseFacts, plan: CheckPlan, sides: Sides) -> CheckRecord:
+        """The record of the curves judged; ``notes.policy_note`` gives the steps and the limits."""
+        __tracebackhide__ = True
+        result = judge_trajectory(sides.actual, sides.expected.leaves, self.policy)
+        record = facts.record(plan, sides.expected.reference, status="pass" if result.passed else "fail",
+                              result=result, reference_provenance=sides.expected.provenance, audit=sides.audit,
+                              weights=sides.weights, trajectory_policy=self.policy)
+        steps = result.curves[0].steps if result.curves else 0
+        record.notes.policy_note = (f"trajectory of {steps} steps: mean relative loss error "
+                                    f"{result.mean_rel_loss_error:.3g} (limit {self.policy.loss_limit:g})")
+        if result.problems:
+            record.notes.check_problem = "; ".join(result.problems)
+        return record
+
+    def problems(self, facts: CaseFacts, plan: CheckPlan, sides: Sides, record: CheckRecord,
+                 vacuous_ok: str | None) -> list[str]:
+        """A constant reference loss curve, unless ``vacuous_ok`` says why it may be."""
+        __tracebackhide__ = True
+        loss = sides.expected.leaves.get("loss")
+        if vacuous_ok or loss is None or loss.numel() < 2 or bool((loss != loss[0]).any()):
+            return []
+        problem = (f"{plan.name}: the reference's loss is the same at every step ({float(loss[0]):g}): nothing "
+                   "was trained (learning rate 0, frozen parameters?), so the curves cannot tell a fault; "
+                   "pass vacuous_ok='why' if this is meant")
+        record.notes.check_problem = problem
+        return [problem]
+
+    def failure_message(self, facts: CaseFacts, record: CheckRecord, expected: Expected, problems: list[str]) -> str:
+        """``TrajectoryResult.format`` with the test's context, then the problems; the record marked ``fail``."""
+        __tracebackhide__ = True
+        record.status = "fail"
+        return "\n\n".join([record.result.format(facts.context(expected.reference, expected.provenance))] + problems)
 
 
 #: The leaf-by-leaf verdict.

@@ -177,7 +177,8 @@ def _summarize_policies(tr: Any, rows: list[dict], stored_now: bool = False) -> 
         return
     counts = Counter(row.get("golden_policy") or "allclose" for row in judged if row.get("policy") == "golden")
     counts.update(row.get("distribution_policy") or "distribution" for row in distribution)
-    n_allclose = sum(1 for row in judged if row.get("policy") not in ("golden", "distribution"))
+    counts.update("trajectory" for row in judged if row.get("policy") == "trajectory")
+    n_allclose = sum(1 for row in judged if row.get("policy") not in ("golden", "distribution", "trajectory"))
     tr.write_line("verdicts: " + ", ".join([f"{n} by {text}" for text, n in sorted(counts.items())]
                                            + [f"{n_allclose} by allclose"] * bool(n_allclose))
                   + (" (distribution: sampling checks whose sides drew their own noise, --parity-rng device)"
