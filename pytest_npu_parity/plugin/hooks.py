@@ -17,7 +17,7 @@ import pytest
 
 from . import header, summary
 from ..report import columns as col
-from .markers import MARKER_HELP, marker_recipes, validate_markers
+from .markers import MARKER_HELP, NIGHTLY_MARKER_HELP, marker_recipes, skip_nightly_unless_selected, validate_markers
 from .config import ParityConfig, recipe_names
 from .options import Raw, add_options
 from .paths import record_parity_paths
@@ -58,6 +58,15 @@ def _hypothesis_profiles(config: pytest.Config) -> None:
             settings.load_profile(name)
 
 
+def _nightly_profile() -> bool:
+    """The loaded hypothesis profile is the nightly one (False without hypothesis)."""
+    try:
+        from ..hypothesis_profiles import NIGHTLY_PROFILE, current_profile_name
+    except ImportError:
+        return False
+    return current_profile_name() == NIGHTLY_PROFILE
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     _release_store(config)
     previous = config.stash.get(PROFILE_KEY, None)
@@ -73,6 +82,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[CONFIG_KEY] = ParityConfig.unparsed(raw)
     _hypothesis_profiles(config)
     config.addinivalue_line("markers", MARKER_HELP)
+    config.addinivalue_line("markers", NIGHTLY_MARKER_HELP)
     config.stash[CASES_KEY] = []
     config.stash[ROWS_KEY] = []
     config.stash[COLLECTED_KEY] = []
@@ -205,6 +215,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if parity_enabled(config):
         validate_markers(items)
+        skip_nightly_unless_selected(items, _nightly_profile())
         # Before -k/-m deselection: every collected test keeps its baseline (see _unused_baselines).
         config.stash[COLLECTED_KEY] = [item.nodeid for item in items]
         return

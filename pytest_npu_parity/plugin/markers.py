@@ -9,6 +9,9 @@ import pytest
 
 from .options import MARKER_KEYS
 
+NIGHTLY_MARKER_HELP = ("parity_nightly: a long parity check (a 300-step training trajectory) that runs only "
+                       "under the nightly job's --hypothesis-profile nightly; skipped otherwise, saying so")
+
 MARKER_HELP = (
     "parity(rtol=None, atol=None, budget=None, reason=None, recipes=None, vacuous_ok=None, policy=None, "
     "audit=None, audit_budget=None, train_store=None, layers=None): "
@@ -102,3 +105,14 @@ def validate_markers(items: list[pytest.Item]) -> None:
                 lines += [f"  {item.nodeid}: {p}" for p in problems]
     if lines:
         raise pytest.UsageError("@pytest.mark.parity: bad arguments\n" + "\n".join(lines))
+
+
+def skip_nightly_unless_selected(items: list[pytest.Item], nightly: bool) -> None:
+    """Mark every ``parity_nightly`` item skipped unless ``nightly`` (the hypothesis profile loaded is
+    the nightly one: ``--hypothesis-profile nightly``, ``hypothesis_profiles.NIGHTLY_PROFILE``)."""
+    if nightly:
+        return
+    skip = pytest.mark.skip(reason="parity_nightly: runs in the nightly job (--hypothesis-profile nightly)")
+    for item in items:
+        if item.get_closest_marker("parity_nightly") is not None:
+            item.add_marker(skip)
