@@ -131,6 +131,29 @@ def suite_batch() -> Any:
     return aurora_inputs.make_batch().normalized()
 
 
+#: Windows and windows per step of the trajectory checks (``trajectory_batches``).
+TRAJECTORY_WINDOWS, TRAJECTORY_BATCH = 64, 4
+
+
+def trajectory_batches(windows: int = TRAJECTORY_WINDOWS, per_step: int = TRAJECTORY_BATCH) -> list[dict[str, Any]]:
+    """The training batches of the trajectory checks: ``windows`` real CO2 windows (context 528,
+    horizon ``HORIZON``, with their text; evenly spaced over the record, ``inputs.make_batch``),
+    standardized per window (``suite_batch``'s reason), cut in order into batches of ``per_step``
+    windows: ``AuroraForPrediction.forward`` keyword dicts (``input_ids`` ``[per_step, 528]``
+    float32, ``labels`` ``[per_step, HORIZON]`` float32, the text tensors ``[per_step, 125]`` int64),
+    one per step, cycled by ``runtime.trajectory.TrajectoryLoop``.
+
+    Raises:
+        ValueError: ``windows`` is not a positive multiple of ``per_step``.
+    """
+    if per_step < 1 or windows < per_step or windows % per_step:
+        raise ValueError(f"trajectory_batches: windows ({windows}) must be a positive multiple of per_step "
+                         f"({per_step})")
+    kwargs = aurora_inputs.make_batch(windows, horizons=(HORIZON,)).normalized().forward_kwargs(HORIZON, train=True)
+    return [{k: v[i:i + per_step] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            for i in range(0, windows, per_step)]
+
+
 def build_context(model: torch.nn.Module, batch: Any) -> AuroraContext:
     """Capture submodule inputs and derive the extra tensors the catalogue needs (CPU, no grad)."""
     captured = aurora_inputs.capture_submodule_inputs(model, batch, _CAPTURE, horizon=HORIZON)

@@ -1,0 +1,86 @@
+"""The Aurora trajectory check (parity_suites/aurora/test_trajectory.py) has teeth: planted training faults
+on the target fail it, naming the step where the curves part.
+
+The same 60-step loop on the tiny seeded Aurora and the same real CO2 batches as the suite; the reference is
+a live CPU run of the unpatched model (memoized: run once), the target the model under the NPU patch set
+plus one fault, as a port's runtime patches would change it: one decoder FFN weight × (1 + 1e-4), AdamW's
+eps × 10 (a fused optimizer with another default), gradient clipping gone.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from pytest_npu_parity.aurora import checks, factory, patches
+from pytest_npu_parity.compare import ParityError
+from pytest_npu_parity.runner import ParityCase, ParitySession
+from pytest_npu_parity.runtime.trajectory import TrajectoryLoop
+
+LOOP = TrajectoryLoop(steps=60)  # the suite's short form
+TEST_ID = "tests/aurora/test_trajectory_faults.py::t"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return factory.get_model("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def session():
+    return ParitySession(torch.device("cpu"), reference="cpu")  # the reference runs once, memoized
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return checks.trajectory_batches()
+
+
+def _eps_times_10():
+    adamw = torch.optim.AdamW
+    torch.optim.AdamW = lambda params, **kw: adamw(params, **dict(kw, eps=kw["eps"] * 10))
+    try:
+        yield
+    finally:
+        torch.optim.AdamW = adamw
+
+
+def _no_clipping():
+    clip = torch.nn.utils.clip_grad_norm_
+    torch.nn.utils.clip_grad_norm_ = lambda params, max_norm, **kw: clip(params, math.inf, **kw)
+    try:
+        yield
+    finally:
+        torch.nn.utils.clip_grad_norm_ = clip
+
+
+def _target(model, fault):
+    @contextlib.contextmanager
+    def apply(device):
+        with patches.patched(device):
+            if fault == "weight":
+                with checks.scaled_parameter(model, checks.TRAIN_STEP_FAULT, 1 + 1e-4):
+                    yield
+            else:
+                with contextlib.contextmanager({"eps": _eps_times_10, "clip": _no_clipping}[fault])():
+                    yield
+    return apply
+
+
+def test_the_patched_target_passes(session, model, batches):
+    case = ParityCase(session, TEST_ID, "fp32", patches=lambda device: patches.patched(device))
+    assert case.trajectory("trajectory", model, batches, loop=LOOP).status == "pass"
+
+
+@pytest.mark.parametrize("fault", ["weight", "eps", "clip"])
+def test_a_planted_fault_fails_naming_the_step(session, model, batches, fault):
+    case = ParityCase(session, TEST_ID, "fp32", patches=_target(model, fault))
+    with pytest.raises(ParityError) as failure:
+        case.trajectory("trajectory", model, batches, loop=LOOP)
+    result = failure.value.result
+    parted = [result.loss_parted_at, result.grad_norm_parted_at]
+    assert any(step is not None for step in parted), result.format()
+    assert "Trajectories part" in str(failure.value)
+    print(fault, result.format())
