@@ -167,6 +167,15 @@ COUNTERFACTUAL_S = "counterfactual_s"
 LOCALIZATION_BACKWARD = "localization_backward"
 REPRO = "repro"
 WORKER = "worker"
+TRAJ_MEAN_REL = "traj_mean_rel"
+TRAJ_LIMIT = "traj_limit"
+TRAJ_PARTED_AT = "traj_parted_at"
+TRAJ_MAX_STEP = "traj_max_step"
+TRAJ_MEAN_REL_LOSS = "traj_mean_rel_loss"
+TRAJ_LOSS_PARTED_AT = "traj_loss_parted_at"
+TRAJ_GRAD_NORM_PARTED_AT = "traj_grad_norm_parted_at"
+TRAJ_FIRST_LAYER = "traj_first_layer"
+TRAJECTORY_SERIES = "trajectory_series"
 
 
 #: The row contract: one row per compared output leaf, in table order.
@@ -306,6 +315,19 @@ EXTRA_TABLE: tuple[Column, ...] = (
            "first row only)"),
     Column(REPRO, TEXT, "--parity-repro: the folder holding the check's standalone repro (inputs, weights, expected and actual outputs, repro.py)"),
     Column(WORKER, TEXT, "pytest-xdist worker that ran the check (gw0, gw1, ...); absent without xdist"),
+    Column(TRAJ_MEAN_REL, FLOAT, "trajectory check: the curve's mean relative error over all steps (leaf = the curve: "
+           "loss, grad_norm, layer_grad_norm.<module>)"),
+    Column(TRAJ_LIMIT, FLOAT, "trajectory check: the curve's limit on that mean (empty: reported, not judged)"),
+    Column(TRAJ_PARTED_AT, INT, "trajectory check: first step whose 10-step trailing mean relative error exceeds the "
+           "limit (empty: none)"),
+    Column(TRAJ_MAX_STEP, INT, "trajectory check: the step of the curve's largest relative error (max_rel)"),
+    Column(TRAJ_MEAN_REL_LOSS, FLOAT, "trajectory check: mean relative loss error, the verdict's number (first row only)"),
+    Column(TRAJ_LOSS_PARTED_AT, INT, "trajectory check: step where the loss curves part (first row only)"),
+    Column(TRAJ_GRAD_NORM_PARTED_AT, INT, "trajectory check: step where the global grad-norm curves part (first row only)"),
+    Column(TRAJ_FIRST_LAYER, TEXT, "trajectory check: the module whose gradient-norm curve parts first, and the step "
+           "(first row only)"),
+    Column(TRAJECTORY_SERIES, JSON, "trajectory check: the loss and grad_norm curves of both sides, "
+           "{curve: [target, reference]} (first row only; the report plots them)"),
 )
 
 

@@ -6,7 +6,10 @@ pytest session). Plots:
 
 * error/tolerance per check — every leaf's ``err_ratio`` on a log axis, the tolerance at 1;
 * submodule × recipe heatmap — the worst ``err_ratio`` per cell (log colour scale centred on 1);
-* trend lines per check across runs — the worst ``err_ratio`` per check and run, from the history.
+* trend lines per check across runs — the worst ``err_ratio`` per check and run, from the history;
+* one figure per training-trajectory check (``ParityCase.trajectory``; ``trajectory_plots``, also
+  written as PNG files by ``write.write_report``): the loss and grad-norm curves of both sides, and
+  their relative difference per step against the check's limit.
 
 Without matplotlib the page keeps its tables and says how to get the plots (the ``report`` extra).
 """
@@ -22,7 +25,7 @@ from typing import Any, Mapping
 
 import pandas as pd
 
-from .columns import AUDIT_COLUMNS, FAILING
+from .columns import AUDIT_COLUMNS, FAILING, TRAJECTORY_SERIES
 from .history import runs
 from .summary import Summary, _date, _num, _reference_text, _short_test, run_line, summarize, tolerance_text
 from .table import _isna, _severity, _txt, to_frame
@@ -34,6 +37,8 @@ MAX_PLOT_CHECKS = 40
 MAX_TREND_LINES = 10
 #: Lower clip of the heatmap's colour scale, and where zeros sit when nothing else is known.
 RATIO_FLOOR = 1e-4
+#: Trajectory checks plotted (the first ones, failing first).
+MAX_TRAJECTORY_PLOTS = 12
 #: Rows of the "all compared leaves" table (the worst first); the rest are in results.parquet/csv.
 MAX_TABLE_ROWS = 2000
 
@@ -93,6 +98,18 @@ def render_summary_html(s: Summary, df: pd.DataFrame, history: pd.DataFrame | No
             parts.append(f'<p class="note">{_e(note)}</p>')
         parts.append("</figure>")
     parts.append("</div>")
+    trajectories = trajectory_plots(df)
+    if trajectories:
+        parts += ["<h2>Training trajectories</h2>",
+                  '<p class="note">Top: loss and global gradient norm per step, target and reference. Bottom: '
+                  "relative difference per step (log scale), its 10-step trailing mean (the curves part where "
+                  "it crosses the limit) and the check's limit on the mean.</p>",
+                  '<div class="row">']
+        for title, png in trajectories:
+            uri = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+            parts.append(f'<figure><figcaption>{_e(title)}</figcaption>'
+                         f'<img class="plot" alt="{_e(title)}" src="{uri}"></figure>')
+        parts.append("</div>")
     if len(s.overrides):
         parts += ["<h2>Tolerance overrides</h2>",
                   _table(["check", "recipe", "tolerance", "reason"],
@@ -257,6 +274,55 @@ def _plots(s: Summary, df: pd.DataFrame, history: pd.DataFrame | None) -> list[t
         png, note = make(s, df, history)
         out.append((title, None if png is None else "data:image/png;base64," + base64.b64encode(png).decode("ascii"), note))
     return out
+
+
+def trajectory_plots(df: pd.DataFrame) -> list[tuple[str, bytes]]:
+    """One PNG per training-trajectory check of ``df`` (rows with ``trajectory_series``; failing checks
+    first, at most ``MAX_TRAJECTORY_PLOTS``): ``[(title, png bytes)]``, the title ``"<check> [<recipe>]
+    <test> — <verdict>"``. Empty without such rows or without matplotlib."""
+    if TRAJECTORY_SERIES not in df.columns:
+        return []
+    rows = df[df[TRAJECTORY_SERIES].notna()]
+    if rows.empty:
+        return []
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return []
+    checks = df.groupby(["test_id", "check", "recipe"], dropna=False)["verdict"].agg(
+        lambda v: "fail" if v.isin(FAILING).any() else "pass")
+    out = []
+    order = sorted(rows.itertuples(index=False), key=lambda r: checks[(r.test_id, r.check, r.recipe)] != "fail")
+    for row in order[:MAX_TRAJECTORY_PLOTS]:
+        verdict = checks[(row.test_id, row.check, row.recipe)]
+        limits = df[(df["test_id"] == row.test_id) & (df["check"] == row.check) & (df["recipe"] == row.recipe)]
+        limits = dict(zip(limits["leaf"], limits["traj_limit"])) if "traj_limit" in limits else {}
+        title = f"{row.check} [{row.recipe}] {_short_test(row.test_id).split('::', 1)[-1]} — {verdict}"
+        out.append((title, _plot_trajectory(json.loads(getattr(row, TRAJECTORY_SERIES)), limits)))
+    return out
+
+
+def _plot_trajectory(series: Mapping[str, Any], limits: Mapping[str, Any]) -> bytes:
+    names = [n for n in ("loss", "grad_norm") if n in series]
+    fig = _figure(4.2 * len(names), 5.2)
+    for i, name in enumerate(names):
+        actual, expected = (pd.Series(v, dtype="float64") for v in series[name])
+        top = fig.add_subplot(2, len(names), i + 1)
+        top.plot(expected.index, expected, color="#555555", lw=1.6, label="reference")
+        top.plot(actual.index, actual, color=_COLORS["fail"], lw=0.9, ls="--", label="target")
+        top.set_title(name, fontsize=9)
+        top.legend(fontsize=7)
+        bottom = fig.add_subplot(2, len(names), len(names) + i + 1, sharex=top)
+        rel = ((actual - expected).abs() / expected.abs().clip(lower=1e-300)).clip(lower=1e-12)
+        bottom.semilogy(rel.index, rel, color="#90caf9", lw=0.8, label="|target − reference| / |reference|")
+        bottom.semilogy(rel.index, rel.rolling(10, min_periods=1).mean(), color="#0d47a1", lw=1.4,
+                        label="10-step trailing mean")
+        limit = limits.get(name)
+        if limit is not None and not _isna(limit):
+            bottom.axhline(float(limit), color=_COLORS["fail"], lw=0.8, ls=":", label=f"limit {float(limit):g}")
+        bottom.set_xlabel("step", fontsize=8)
+        bottom.legend(fontsize=7)
+    return _png(fig)
 
 
 def _figure(width: float, height: float):

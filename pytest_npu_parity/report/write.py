@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import pandas as pd
 
 from . import history as _history
-from .html import render_summary_html
+from .html import render_summary_html, trajectory_plots
 from .markdown import _summary_markdown
 from .summary import summarize
 from .table import to_frame
@@ -31,7 +31,9 @@ def write_report(rows: "list[Mapping[str, Any]] | pd.DataFrame", meta: Mapping[s
 
     Returns:
         ``{"parquet": ..., "csv": ..., "meta": ..., "summary": ..., "html": ...}`` — the paths
-        written (``parquet`` absent when pyarrow is not installed; a warning is logged).
+        written (``parquet`` absent when pyarrow is not installed; a warning is logged), and
+        ``trajectory0``, ``trajectory1`` … for the PNG of each training-trajectory check the page
+        plots (``trajectory-<i>.png``, ``html.trajectory_plots``).
 
     Raises:
         ValueError / TypeError: the rows break the row contract (see ``to_frame``).
@@ -54,6 +56,9 @@ def write_report(rows: "list[Mapping[str, Any]] | pd.DataFrame", meta: Mapping[s
     summary = summarize(df, meta, history)
     paths["summary"] = out / "summary.md"
     paths["summary"].write_text(_summary_markdown(summary), encoding="utf-8")
+    for i, (_, png) in enumerate(trajectory_plots(df)):  # the plots the page embeds, as files too
+        paths[f"trajectory{i}"] = out / f"trajectory-{i}.png"
+        paths[f"trajectory{i}"].write_bytes(png)
     paths["html"] = out / "report.html"
     paths["html"].write_text(render_summary_html(summary, df, history), encoding="utf-8")
     return paths
