@@ -32,6 +32,9 @@ _EXPORTS = {
     "ParityCase": "runner",
     "CheckRecord": "runner",
     "fp32_islands": "diagnose.counterfactual.modify",
+    "TrajectoryLoop": "runtime.trajectory",
+    "TrajectoryPolicy": "judge.trajectory",
+    "judge_trajectory": "judge.trajectory",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -1,4 +1,4 @@
-"""N training steps recorded as curves: what ``judge.trajectory`` judges (no check calls it yet).
+"""N training steps recorded as curves: what ``judge.trajectory`` judges (``ParityCase.trajectory``).
 
 ``TrajectoryLoop`` trains a module for ``steps`` optimizer steps the way upstream Aurora trains
 (``runner.py`` ``AuroraRunner.train_model``: AdamW lr 1e-4, betas (0.9, 0.95), eps 1e-8, weight decay
