@@ -4,7 +4,9 @@ on the target fail it, naming the step where the curves part.
 The same 60-step loop on the tiny seeded Aurora and the same real CO2 batches as the suite; the reference is
 a live CPU run of the unpatched model (memoized: run once), the target the model under the NPU patch set
 plus one fault, as a port's runtime patches would change it: one decoder FFN weight × (1 + 1e-4), AdamW's
-eps × 10 (a fused optimizer with another default), gradient clipping gone.
+eps × 10 (a fused optimizer with another default), gradient clipping gone, every dropout of probability 0.2
+at 0.1 (another config), and, under DeepSpeed's WarmupLR schedule, the learning rate one step ahead (a
+scheduler stepped before the optimizer instead of after it).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pytest_npu_parity.runner import ParityCase, ParitySession
 from pytest_npu_parity.runtime.trajectory import TrajectoryLoop
 
 LOOP = TrajectoryLoop(steps=60)  # the suite's short form
+WARMUP = TrajectoryLoop(steps=60, schedule="warmup_log")  # deepspeed.json's WarmupLR (its 1000-step log warmup)
 TEST_ID = "tests/aurora/test_trajectory_faults.py::t"
 
 
@@ -56,6 +59,29 @@ def _no_clipping():
         torch.nn.utils.clip_grad_norm_ = clip
 
 
+def _lr_one_step_ahead():
+    lr_at = TrajectoryLoop.lr_at
+    TrajectoryLoop.lr_at = lambda self, step: lr_at(self, step + 1)
+    try:
+        yield
+    finally:
+        TrajectoryLoop.lr_at = lr_at
+
+
+def _dropout_at(model, old, new):
+    def apply():
+        changed = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p == old]
+        assert changed
+        for m in changed:
+            m.p = new
+        try:
+            yield
+        finally:
+            for m in changed:
+                m.p = old
+    return apply
+
+
 def _target(model, fault):
     @contextlib.contextmanager
     def apply(device):
@@ -64,7 +90,9 @@ def _target(model, fault):
                 with checks.scaled_parameter(model, checks.TRAIN_STEP_FAULT, 1 + 1e-4):
                     yield
             else:
-                with contextlib.contextmanager({"eps": _eps_times_10, "clip": _no_clipping}[fault])():
+                faults = {"eps": _eps_times_10, "clip": _no_clipping, "schedule": _lr_one_step_ahead,
+                          "dropout": _dropout_at(model, 0.2, 0.1)}
+                with contextlib.contextmanager(faults[fault])():
                     yield
     return apply
 
@@ -74,11 +102,11 @@ def test_the_patched_target_passes(session, model, batches):
     assert case.trajectory("trajectory", model, batches, loop=LOOP).status == "pass"
 
 
-@pytest.mark.parametrize("fault", ["weight", "eps", "clip"])
+@pytest.mark.parametrize("fault", ["weight", "eps", "clip", "dropout", "schedule"])
 def test_a_planted_fault_fails_naming_the_step(session, model, batches, fault):
     case = ParityCase(session, TEST_ID, "fp32", patches=_target(model, fault))
     with pytest.raises(ParityError) as failure:
-        case.trajectory("trajectory", model, batches, loop=LOOP)
+        case.trajectory("trajectory", model, batches, loop=WARMUP if fault == "schedule" else LOOP)
     result = failure.value.result
     parted = [result.loss_parted_at, result.grad_norm_parted_at]
     assert any(step is not None for step in parted), result.format()
