@@ -530,7 +530,8 @@ class ParityCase:
                            vacuous_ok, fault_weight)
 
     def trajectory(self, name: str, module: torch.nn.Module, batches: Any, *, loop: TrajectoryLoop | None = None,
-                   policy: TrajectoryPolicy | None = None, seed: int | None = None, submodule: str | None = None,
+                   policy: TrajectoryPolicy | None = None, held_out: Any = None,
+                   window_labels: list[str] | None = None, seed: int | None = None, submodule: str | None = None,
                    group: str | None = None, vacuous_ok: str | None = None,
                    audit_budget: Any = None) -> CheckRecord:
         """N training steps on each side from the same weights, judged by their loss curves.
@@ -553,6 +554,12 @@ class ParityCase:
                 lr schedule, loss).
             policy: the limits (``judge.trajectory.TrajectoryPolicy``); default
                 ``judge.trajectory.default_policy`` of the test's recipe (measured).
+            held_out: with a loop that evaluates (``TrajectoryLoop(evaluate=…)``), the held-out inputs
+                it evaluates each side's trained model on (CPU tensors, moved like the batches); the
+                per-window metrics it returns (``forecast.<metric>``, e.g. MSE, MAE, CRPS of
+                forecasts) are judged by ``judge.forecast`` against ``policy.forecast_limit``.
+            window_labels: one label per held-out window, for the message's list of the windows
+                whose forecasts differ most.
             seed, submodule, group, vacuous_ok, audit_budget: as ``train_step`` takes them. The check
                 is judged by its curves only: no golden, layer records, self-check or localization.
 
@@ -566,10 +573,16 @@ class ParityCase:
         batches = list(batches)
         if not batches:
             raise ValueError(f"parity trajectory {name!r}: no batches to train on")
-        given = train_inputs(name, {"batches": batches}, None, None)
+        if (held_out is None) != (loop.evaluate is None):
+            raise ValueError(f"parity trajectory {name!r}: held_out and a loop with evaluate= go together "
+                             f"(held_out {'given' if held_out is not None else 'missing'}, "
+                             f"evaluate {'set' if loop.evaluate is not None else 'not set'})")
+        given = train_inputs(name, {"batches": batches, **({"held_out": held_out} if held_out is not None else {})},
+                             None, None)
         asked = Asked({}, "allclose", True, audit_budget, False, True, "full")
         plan = self._plan(name, asked, module, submodule=submodule, group=group)
-        judge = TrajectoryVerdict(policy if policy is not None else default_trajectory_policy(self.recipe.name))
+        judge = TrajectoryVerdict(policy if policy is not None else default_trajectory_policy(self.recipe.name),
+                                  tuple(window_labels) if window_labels is not None else None)
         return self._train(plan, module, given, (default_optimizer, None, loop.max_grad_norm, loop), seed, vacuous_ok,
                            None, judge)
 

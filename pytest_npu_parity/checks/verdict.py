@@ -488,15 +488,18 @@ class TrajectoryVerdict:
     """As training trajectories (``judge.trajectory.judge_trajectory`` under ``policy``): the mean
     relative loss error against its limit, and where the loss, grad-norm and per-module grad-norm
     curves part. Its problems: a curve that could not be compared, and a constant reference loss
-    curve (vacuous: nothing was trained). No hooks (they perturb or localize one step's elements)."""
+    curve (vacuous: nothing was trained). Forecast metrics of the trained models, when the loop
+    evaluated any, are judged too (``judge.forecast``; ``window_labels`` name the held-out windows).
+    No hooks (they perturb or localize one step's elements)."""
 
     policy: TrajectoryPolicy
+    window_labels: tuple[str, ...] | None = None
     hooked: ClassVar[bool] = False
 
     def measure(self, facts: CaseFacts, plan: CheckPlan, sides: Sides) -> CheckRecord:
         """The record of the curves judged; ``notes.policy_note`` gives the steps and the limits."""
         __tracebackhide__ = True
-        result = judge_trajectory(sides.actual, sides.expected.leaves, self.policy)
+        result = judge_trajectory(sides.actual, sides.expected.leaves, self.policy, self.window_labels)
         record = facts.record(plan, sides.expected.reference, status="pass" if result.passed else "fail",
                               result=result, reference_provenance=sides.expected.provenance, audit=sides.audit,
                               weights=sides.weights, trajectory_policy=self.policy)

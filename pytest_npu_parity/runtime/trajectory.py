@@ -48,6 +48,10 @@ class TrajectoryLoop:
         checkpoints: steps at which weight norms are recorded (evenly spaced, the last step included).
         loss_fn: ``loss_fn(output)`` for a dict batch, ``loss_fn(output, target)`` for a ``(inputs…,
             target)`` batch; None: ``output.loss`` (a dict batch only).
+        evaluate: ``evaluate(module, held_out) -> {metric: tensor [W]}``, called once after the last
+            step with the trained module in eval mode, without autograd, under the recipe's autocast,
+            on the ``held_out`` inputs of the batch (``judge.forecast.forecast_metrics`` gives such
+            per-window metrics); its tensors are returned as ``forecast.<metric>``. None: no evaluation.
     """
 
     steps: int = 300
@@ -60,6 +64,7 @@ class TrajectoryLoop:
     warmup_steps: int = 1000
     checkpoints: int = 5
     loss_fn: Callable[..., torch.Tensor] | None = None
+    evaluate: Callable[[torch.nn.Module, Any], Mapping[str, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or self.steps < 1:
@@ -93,16 +98,19 @@ class TrajectoryLoop:
         Args:
             module: the model, in training mode, on its device.
             batch: ``{"batches": [b0, b1, …]}``, each a dict (``module(**b)``) or a tuple/list
-                ``(inputs…, target)`` (``loss_fn(module(*inputs), target)``), already on the device.
+                ``(inputs…, target)`` (``loss_fn(module(*inputs), target)``), already on the device;
+                with ``evaluate``, also ``"held_out"``: what ``evaluate`` is given.
             recipe: the run's ``recipes.Recipe`` (its autocast context around forward and loss), or None.
 
         Returns:
             ``loss``, ``grad_norm`` (float32 ``[steps]``), ``lr`` (float64 ``[steps]``),
             ``layer_grad_norm.<module>`` (float32 ``[steps]``), ``weight_norm.<module>`` (float32
-            ``[checkpoints]``), ``checkpoint_steps`` (int64 ``[checkpoints]``), all on the CPU.
+            ``[checkpoints]``), ``checkpoint_steps`` (int64 ``[checkpoints]``), and with ``evaluate``
+            ``forecast.<metric>`` (float32), all on the CPU.
 
         Raises:
-            ValueError: no batches, a batch form the loss cannot be computed from, or a non-scalar loss.
+            ValueError: no batches, a batch form the loss cannot be computed from, a non-scalar loss,
+                or ``evaluate`` without ``held_out`` inputs.
         """
         batches: Sequence[Any] = batch.get("batches") or ()
         if not batches:
@@ -143,7 +151,17 @@ class TrajectoryLoop:
         for i, (name, _) in enumerate(owners):
             out[f"layer_grad_norm.{name}"] = rows[:, 2 + i].clone()
             out[f"weight_norm.{name}"] = weights[:, i].clone()
+        if self.evaluate is not None:
+            out.update(self._evaluate(module, batch.get("held_out"), recipe, device))
         return out
+
+    def _evaluate(self, module: torch.nn.Module, held_out: Any, recipe: Any, device: torch.device) -> dict:
+        if held_out is None:
+            raise ValueError("TrajectoryLoop: evaluate needs held-out inputs (parity.trajectory(..., held_out=…))")
+        module.eval()
+        with torch.no_grad(), recipe.context(device) if recipe is not None else contextlib.nullcontext():
+            metrics = self.evaluate(module, held_out)
+        return {f"forecast.{k}": v.detach().float().cpu().reshape(-1) for k, v in metrics.items()}
 
     def _loss(self, module: torch.nn.Module, batch: Any) -> torch.Tensor:
         if isinstance(batch, Mapping):

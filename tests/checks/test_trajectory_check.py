@@ -150,3 +150,46 @@ def test_a_policy_of_the_callers_own_is_applied():
 def test_no_batches_is_a_clear_error():
     with pytest.raises(ValueError, match="no batches"):
         live().trajectory("curve", MODEL, [], loop=LOOP)
+
+
+def _mse_per_window(module, held_out):
+    x, y = held_out
+    return {"mse": (module(x) - y).square().mean((1, 2)), "mae": (module(x) - y).abs().mean((1, 2))}
+
+
+def _held_out():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 16, 16, generator=g)  # 4 windows of 16 rows
+    return x, 4 * torch.sin(x @ torch.randn(16, 1, generator=g))
+
+
+def test_a_fault_only_in_inference_passes_the_curves_and_fails_the_forecast():
+    @contextlib.contextmanager
+    def eval_fault(device):  # a patched inference path: the last layer's output off by 0.01 outside training
+        forward = torch.nn.Linear.forward
+
+        def patched(self, x):
+            out = forward(self, x)
+            return out if self.training or self.out_features != 1 else out + 0.01  # the last layer
+        torch.nn.Linear.forward = patched
+        try:
+            yield
+        finally:
+            torch.nn.Linear.forward = forward
+
+    loop = TrajectoryLoop(steps=40, learning_rate=1e-3, loss_fn=torch.nn.functional.mse_loss, evaluate=_mse_per_window)
+    clean = live().trajectory("curve", MODEL, batches(), loop=loop, held_out=_held_out(), window_labels=list("abcd"))
+    assert clean.status == "pass" and [m.name for m in clean.result.forecast.metrics] == ["mse", "mae"]
+    assert {"forecast.mse", "forecast.mae"} <= {r["leaf"] for r in clean.rows()}
+    with pytest.raises(ParityError) as failure:
+        live(patches=eval_fault).trajectory("curve", MODEL, batches(), loop=loop, held_out=_held_out(),
+                                            window_labels=list("abcd"))
+    result = failure.value.result
+    assert all(c.passed for c in result.curves) and not result.forecast.passed
+    assert "windows whose CRPS differs most" not in str(failure.value)  # no CRPS: no window list
+    assert "mse" in str(failure.value) and "> 0.0001" in str(failure.value)
+
+
+def test_held_out_inputs_and_an_evaluating_loop_go_together():
+    with pytest.raises(ValueError, match="held_out and a loop with evaluate= go together"):
+        live().trajectory("curve", MODEL, batches(), loop=LOOP, held_out=_held_out())
