@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..diagnose.selfcheck import scaled_parameter, sensitive_parameter  # noqa: F401 - re-exported
+from ..judge.forecast import forecast_metrics
 from . import inputs as aurora_inputs
 
 #: Forecast horizon of the whole-model checks (two 48-step tokens) and a non-multiple of 48.
@@ -152,6 +153,37 @@ def trajectory_batches(windows: int = TRAJECTORY_WINDOWS, per_step: int = TRAJEC
     kwargs = aurora_inputs.make_batch(windows, horizons=(HORIZON,)).normalized().forward_kwargs(HORIZON, train=True)
     return [{k: v[i:i + per_step] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
             for i in range(0, windows, per_step)]
+
+
+#: Held-out windows and samples per window of the trajectory checks' forecast evaluation.
+FORECAST_WINDOWS, FORECAST_SAMPLES = 8, 16
+
+
+def forecast_held_out(windows: int = FORECAST_WINDOWS) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The held-out windows the trained models forecast: ``windows`` El Niño windows
+    (``inputs.make_elnino_batch``: context 528 months, horizon ``HORIZON``, their own text; a series
+    the CO2 training windows never show), standardized per window like the training windows.
+
+    Returns:
+        ``(held_out, labels)``: ``held_out`` holds ``inputs`` ``[W, 528]`` float32, the three text
+        tensors ``[W, 125]`` int64 and ``labels`` ``[W, HORIZON]`` float32 (the observed
+        continuation); ``labels`` name each window (``"elnino 1955-02"``, its first month).
+    """
+    batch = aurora_inputs.make_elnino_batch(windows, horizon=HORIZON).normalized()
+    held_out = {"inputs": batch.context, **batch.text_kwargs(), "labels": batch.labels[HORIZON]}
+    return held_out, [f"elnino {date[:7]}" for date in batch.start_dates]
+
+
+def evaluate_forecasts(model: torch.nn.Module, held_out: dict[str, torch.Tensor],
+                       num_samples: int = FORECAST_SAMPLES) -> dict[str, torch.Tensor]:
+    """Per-window MSE, MAE and CRPS (``judge.forecast.forecast_metrics``) of ``num_samples``
+    forecasts of ``model.generate`` (horizon: the labels' length, ``inference_token_len`` 48) on
+    ``held_out`` (``forecast_held_out``): ``{metric: float32 [W]}``. A ``TrajectoryLoop``'s
+    ``evaluate``."""
+    kwargs = {k: v for k, v in held_out.items() if k != "labels"}
+    samples = model.generate(**kwargs, max_output_length=held_out["labels"].shape[-1], inference_token_len=48,
+                             num_samples=num_samples)
+    return forecast_metrics(samples, held_out["labels"])
 
 
 def build_context(model: torch.nn.Module, batch: Any) -> AuroraContext:

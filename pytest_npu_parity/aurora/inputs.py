@@ -65,6 +65,7 @@ __all__ = [
     "capture_submodule_inputs",
     "decoder_layer_inputs",
     "flow_head_inputs",
+    "make_elnino_batch",
 ]
 
 CONTEXT = 528
@@ -104,6 +105,46 @@ def load_co2_series() -> tuple[np.ndarray, tuple[str, ...], int]:
         ImportError: statsmodels is not installed (``pip install 'pytest-npu-parity[aurora]'``).
     """
     return _co2()
+
+
+ELNINO = "statsmodels.datasets.elnino (monthly sea surface temperature, El Nino region, 1950-2010, deg C)"
+
+
+def make_elnino_batch(windows: int = 8, context: int = CONTEXT, horizon: int = 96) -> AuroraBatch:
+    """``windows`` windows of the monthly El Niño sea-surface-temperature record (statsmodels'
+    ``elnino``: 61 years × 12 months = 732 values, °C), evenly spaced, each ``context`` months with
+    the next ``horizon`` as its label and an English description of its own: a series the CO2
+    windows of ``make_batch`` never show a model (held out from training).
+
+    Returns:
+        An :class:`AuroraBatch` (``starts`` the index of each window's first month, dates
+        ``YYYY-MM-01``), float32 series in °C.
+
+    Raises:
+        ValueError: a size is not positive, or ``context + horizon`` exceeds the 732 months.
+    """
+    import statsmodels.datasets.elnino as elnino
+
+    frame = elnino.load_pandas().data
+    values = frame.drop(columns="YEAR").to_numpy(dtype="float64").reshape(-1)
+    dates = [f"{int(year)}-{month:02d}-01" for year in frame["YEAR"] for month in range(1, 13)]
+    window = context + horizon
+    if windows < 1 or context < 1 or horizon < 1 or window > len(values):
+        raise ValueError(f"make_elnino_batch: {windows} windows of context {context} + horizon {horizon} do not fit "
+                         f"the {len(values)}-month record")
+    starts = [int(s) for s in np.floor(np.linspace(0, len(values) - window, windows)).astype(int)]
+    texts = [f"Monthly mean sea surface temperature in degrees Celsius of the eastern equatorial Pacific "
+             f"(El Nino region), from {dates[s][:4]} to {dates[s + context - 1][:4]}. The level averages "
+             f"{values[s:s + context].mean():.1f} degrees and follows a yearly seasonal cycle with El Nino "
+             f"warm spells every few years." for s in starts]
+    tokens = tokenize(texts)
+    return AuroraBatch(
+        context=torch.from_numpy(np.stack([values[s:s + context] for s in starts])).to(torch.float32),
+        labels={horizon: torch.from_numpy(np.stack([values[s + context:s + window] for s in starts])).to(torch.float32)},
+        text_input_ids=tokens["input_ids"], text_attention_mask=tokens["attention_mask"],
+        text_token_type_ids=tokens["token_type_ids"], texts=texts, starts=starts,
+        start_dates=[dates[s] for s in starts], end_dates=[dates[s + context - 1] for s in starts],
+        n_gaps_interpolated=0, source=ELNINO)
 
 
 def revin_normalize(series: torch.Tensor) -> torch.Tensor:

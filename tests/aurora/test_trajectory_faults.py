@@ -21,8 +21,9 @@ from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.runner import ParityCase, ParitySession
 from pytest_npu_parity.runtime.trajectory import TrajectoryLoop
 
-LOOP = TrajectoryLoop(steps=60)  # the suite's short form
-WARMUP = TrajectoryLoop(steps=60, schedule="warmup_log")  # deepspeed.json's WarmupLR (its 1000-step log warmup)
+LOOP = TrajectoryLoop(steps=60, evaluate=checks.evaluate_forecasts)  # the suite's short form
+# deepspeed.json's WarmupLR (its 1000-step log warmup)
+WARMUP = TrajectoryLoop(steps=60, schedule="warmup_log", evaluate=checks.evaluate_forecasts)
 TEST_ID = "tests/aurora/test_trajectory_faults.py::t"
 
 
@@ -39,6 +40,11 @@ def session():
 @pytest.fixture(scope="module")
 def batches():
     return checks.trajectory_batches()
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    return checks.forecast_held_out()
 
 
 def _eps_times_10():
@@ -97,16 +103,18 @@ def _target(model, fault):
     return apply
 
 
-def test_the_patched_target_passes(session, model, batches):
+def test_the_patched_target_passes(session, model, batches, held_out):
     case = ParityCase(session, TEST_ID, "fp32", patches=lambda device: patches.patched(device))
-    assert case.trajectory("trajectory", model, batches, loop=LOOP).status == "pass"
+    record = case.trajectory("trajectory", model, batches, loop=LOOP, held_out=held_out[0], window_labels=held_out[1])
+    assert record.status == "pass" and record.result.forecast.passed
 
 
 @pytest.mark.parametrize("fault", ["weight", "eps", "clip", "dropout", "schedule"])
-def test_a_planted_fault_fails_naming_the_step(session, model, batches, fault):
+def test_a_planted_fault_fails_naming_the_step(session, model, batches, held_out, fault):
     case = ParityCase(session, TEST_ID, "fp32", patches=_target(model, fault))
     with pytest.raises(ParityError) as failure:
-        case.trajectory("trajectory", model, batches, loop=WARMUP if fault == "schedule" else LOOP)
+        case.trajectory("trajectory", model, batches, loop=WARMUP if fault == "schedule" else LOOP,
+                        held_out=held_out[0], window_labels=held_out[1])
     result = failure.value.result
     parted = [result.loss_parted_at, result.grad_norm_parted_at]
     assert any(step is not None for step in parted), result.format()
