@@ -127,18 +127,21 @@ def default_policy(recipe: str) -> TrajectoryPolicy:
 
 
 def relative_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """``|actual - expected| / max(|expected|, tiny)`` per step, float64 ``[N]``.
+    """``|actual - expected| / max(|expected|, tiny)`` per step, float64 ``[N]``. A step that is not
+    finite on both sides alike (both NaN, or the same infinity: a step a loss scaler skipped for
+    overflow on both) has error 0; a step finite on one side only has error inf.
 
     Raises:
-        ValueError: the curves are not 1-D of the same length, or hold NaN/Inf.
+        ValueError: the curves are not 1-D of the same length.
     """
     a = torch.as_tensor(actual).detach().to("cpu", torch.float64).reshape(-1)
     e = torch.as_tensor(expected).detach().to("cpu", torch.float64).reshape(-1)
     if a.shape != e.shape or a.numel() == 0:
         raise ValueError(f"curves of {a.numel()} and {e.numel()} steps cannot be compared step by step")
-    if not (torch.isfinite(a).all() and torch.isfinite(e).all()):
-        raise ValueError("a curve holds NaN or Inf")
-    return (a - e).abs() / e.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    errors = (a - e).abs() / e.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    finite = torch.isfinite(a) & torch.isfinite(e)
+    alike = (torch.isnan(a) & torch.isnan(e)) | (torch.isinf(a) & (a == e))
+    return torch.where(finite, errors, torch.where(alike, torch.zeros_like(errors), torch.full_like(errors, math.inf)))
 
 
 def parting_step(errors: torch.Tensor, limit: float, window: int = PARTING_WINDOW) -> int | None:

@@ -13,7 +13,13 @@ batches it is given.
 
 Per step it records, without a host sync (rows of one preallocated tensor on the run's device, copied
 to the CPU once at the end): the loss, the global gradient 2-norm before clipping, and the gradient
-2-norm of every module that owns trainable parameters. The learning rate of each step and the weight
+2-norm of every module that owns trainable parameters. Under a loss-scaling recipe (``fp16``) it
+trains as PyTorch's AMP recipe does ("Automatic Mixed Precision examples", "Gradient clipping"): one
+dynamic scaler for the run (``recipes.make_grad_scaler``, looked up when the run starts, so a patch
+set can replace it), ``scaler.scale(loss).backward()``, ``scaler.unscale_(optimizer)``, the norms and
+clipping on the unscaled gradients, ``scaler.step``, ``scaler.update()``; a step whose gradients
+overflow is skipped by the scaler (its gradient norms are then inf or NaN on that step), and the
+scale after each step is recorded as the ``amp_scale`` curve. The learning rate of each step and the weight
 2-norm of every such module at ``checkpoints`` evenly spaced steps (the last included) come with them.
 """
 from __future__ import annotations
@@ -33,6 +39,13 @@ def _norm(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor
     if not tensors:
         return torch.zeros((), device=device)
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.detach().float()) for t in tensors]))
+
+
+def _scale_of(scaler: Any) -> torch.Tensor | float:
+    """The scaler's current scale without a host sync where it keeps it as a tensor (``_scale`` of
+    ``torch.amp.GradScaler``, which torch_npu's scaler subclasses), else ``get_scale()`` (a float)."""
+    scale = getattr(scaler, "_scale", None)
+    return scale.detach().float().reshape(()) if isinstance(scale, torch.Tensor) else float(scaler.get_scale())
 
 
 @dataclass(frozen=True)
@@ -105,7 +118,8 @@ class TrajectoryLoop:
         Returns:
             ``loss``, ``grad_norm`` (float32 ``[steps]``), ``lr`` (float64 ``[steps]``),
             ``layer_grad_norm.<module>`` (float32 ``[steps]``), ``weight_norm.<module>`` (float32
-            ``[checkpoints]``), ``checkpoint_steps`` (int64 ``[checkpoints]``), and with ``evaluate``
+            ``[checkpoints]``), ``checkpoint_steps`` (int64 ``[checkpoints]``), under a loss-scaling
+            recipe ``amp_scale`` (float32 ``[steps]``: the scale after each step), and with ``evaluate``
             ``forecast.<metric>`` (float32), all on the CPU.
 
         Raises:
@@ -122,7 +136,12 @@ class TrajectoryLoop:
         device = params[0].device
         opt = torch.optim.AdamW(params, lr=self.lr_at(0), betas=self.adam_betas, eps=self.adam_epsilon,
                                 weight_decay=self.weight_decay)
-        rows = torch.zeros(self.steps, 2 + len(owners), dtype=torch.float32, device=device)
+        scaler = None
+        if recipe is not None and getattr(recipe, "loss_scaling", False):
+            from .recipes import make_grad_scaler
+
+            scaler = make_grad_scaler(device)
+        rows = torch.zeros(self.steps, 3 + len(owners), dtype=torch.float32, device=device)
         marks = self.checkpoint_steps()
         weights = torch.zeros(len(marks), len(owners), dtype=torch.float32, device=device)
         lrs = []
@@ -134,22 +153,33 @@ class TrajectoryLoop:
             opt.zero_grad(set_to_none=True)
             with recipe.context(device) if recipe is not None else contextlib.nullcontext():
                 loss = self._loss(module, batches[step % len(batches)])
-            loss.backward()
+            if scaler is None:
+                loss.backward()
+            else:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
             with torch.no_grad():
-                rows[step, 2:] = torch.stack([_norm([p.grad for p in ps if p.grad is not None], device)
+                rows[step, 3:] = torch.stack([_norm([p.grad for p in ps if p.grad is not None], device)
                                               for _, ps in owners])
                 rows[step, 0] = loss.detach().float()
             clip = self.max_grad_norm if self.max_grad_norm is not None else math.inf
             rows[step, 1] = torch.nn.utils.clip_grad_norm_(params, clip).detach().float()
-            opt.step()
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+                rows[step, 2] = _scale_of(scaler)
             if step in marks:
                 with torch.no_grad():
                     weights[marks.index(step)] = torch.stack([_norm(ps, device) for _, ps in owners])
         rows, weights = rows.cpu(), weights.cpu()
         out = {"loss": rows[:, 0].clone(), "grad_norm": rows[:, 1].clone(),
                "lr": torch.tensor(lrs, dtype=torch.float64), "checkpoint_steps": torch.tensor(marks)}
+        if scaler is not None:
+            out["amp_scale"] = rows[:, 2].clone()
         for i, (name, _) in enumerate(owners):
-            out[f"layer_grad_norm.{name}"] = rows[:, 2 + i].clone()
+            out[f"layer_grad_norm.{name}"] = rows[:, 3 + i].clone()
             out[f"weight_norm.{name}"] = weights[:, i].clone()
         if self.evaluate is not None:
             out.update(self._evaluate(module, batch.get("held_out"), recipe, device))

@@ -193,3 +193,45 @@ def test_a_fault_only_in_inference_passes_the_curves_and_fails_the_forecast():
 def test_held_out_inputs_and_an_evaluating_loop_go_together():
     with pytest.raises(ValueError, match="held_out and a loop with evaluate= go together"):
         live().trajectory("curve", MODEL, batches(), loop=LOOP, held_out=_held_out())
+
+
+def test_fp16_trains_through_a_loss_scaler_and_a_missing_unscale_fails():
+    from pytest_npu_parity.runtime import recipes
+
+    clean = live("fp16").trajectory("curve", MODEL, batches(), loop=LOOP)
+    assert clean.status == "pass" and clean.result.mean_rel_loss_error == 0.0
+
+    @contextlib.contextmanager
+    def clipped_before_unscale(device):  # the AMP bug: clip_grad_norm_ on the scaled gradients
+        make = recipes.make_grad_scaler
+
+        def buggy(dev):
+            scaler = make(dev)
+            real_unscale = scaler.unscale_
+            scaler.unscale_ = lambda optimizer: None  # the loop's call before clipping does nothing
+            real_step = scaler.step
+
+            def step(optimizer, *args, **kwargs):
+                real_unscale(optimizer)  # only here, after clipping
+                return real_step(optimizer, *args, **kwargs)
+            scaler.step = step
+            return scaler
+        recipes.make_grad_scaler = buggy
+        try:
+            yield
+        finally:
+            recipes.make_grad_scaler = make
+
+    with pytest.raises(ParityError) as failure:
+        live("fp16", clipped_before_unscale).trajectory("curve", MODEL, batches(), loop=LOOP)
+    result = failure.value.result  # the norms are taken where clipping sees them: scaled, from step 0 on
+    assert not result.passed and result.grad_norm_parted_at == 0 and result.mean_rel_loss_error > 1e-4
+
+
+def test_the_loop_records_the_loss_scale_under_fp16():
+    from pytest_npu_parity.runtime.recipes import RECIPES
+
+    model = net()
+    out = TrajectoryLoop(steps=5, learning_rate=1e-3, loss_fn=torch.nn.functional.mse_loss)(
+        model, {"batches": batches()}, RECIPES["fp16"])
+    assert out["amp_scale"].shape == (5,) and float(out["amp_scale"][0]) <= 2.0 ** 16

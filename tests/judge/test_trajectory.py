@@ -95,7 +95,17 @@ def test_bad_curves_are_named():
                               DEFAULT_LIMITS["fp32"])
     assert not result.passed and "grad_norm" in result.problems[0]
     result = judge_trajectory({"loss": torch.tensor([1.0, math.nan])}, {"loss": torch.ones(2)}, DEFAULT_LIMITS["fp32"])
-    assert not result.passed and "NaN" in result.format()
+    assert not result.passed and "largest inf at step 1" in result.format()  # NaN on one side only
+
+
+def test_a_step_skipped_on_both_sides_alike_is_no_difference():
+    # a loss scaler skips an overflowing step: its gradient norm is inf (or NaN) on both sides
+    inf, nan = math.inf, math.nan
+    expected = {"loss": torch.ones(4), "grad_norm": torch.tensor([inf, nan, 2.0, 2.0])}
+    assert judge_trajectory(dict(expected), expected, DEFAULT_LIMITS["fp32"]).passed
+    skipped_once = dict(expected, grad_norm=torch.tensor([inf, nan, inf, 2.0]))
+    result = judge_trajectory(skipped_once, expected, DEFAULT_LIMITS["fp32"])
+    assert not result.passed and result.grad_norm_parted_at == 2
     with pytest.raises(ValueError, match="limits must be > 0"):
         TrajectoryPolicy(0.0)
     assert default_policy("fp16") is DEFAULT_LIMITS["bf16"]
