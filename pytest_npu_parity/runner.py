@@ -531,7 +531,8 @@ class ParityCase:
 
     def trajectory(self, name: str, module: torch.nn.Module, batches: Any, *, loop: TrajectoryLoop | None = None,
                    policy: TrajectoryPolicy | None = None, held_out: Any = None,
-                   window_labels: list[str] | None = None, seed: int | None = None, submodule: str | None = None,
+                   window_labels: list[str] | None = None, drill_down: str | None = None,
+                   seed: int | None = None, submodule: str | None = None,
                    group: str | None = None, vacuous_ok: str | None = None,
                    audit_budget: Any = None) -> CheckRecord:
         """N training steps on each side from the same weights, judged by their loss curves.
@@ -560,6 +561,9 @@ class ParityCase:
                 forecasts) are judged by ``judge.forecast`` against ``policy.forecast_limit``.
             window_labels: one label per held-out window, for the message's list of the windows
                 whose forecasts differ most.
+            drill_down: a command with ``{window}`` (a label) that reruns the tensor-level checks on
+                one held-out window; a failing forecast's message gives it for the window whose
+                CRPS differs most.
             seed, submodule, group, vacuous_ok, audit_budget: as ``train_step`` takes them. The check
                 is judged by its curves only: no golden, layer records, self-check or localization.
 
@@ -582,7 +586,7 @@ class ParityCase:
         asked = Asked({}, "allclose", True, audit_budget, False, True, "full")
         plan = self._plan(name, asked, module, submodule=submodule, group=group)
         judge = TrajectoryVerdict(policy if policy is not None else default_trajectory_policy(self.recipe.name),
-                                  tuple(window_labels) if window_labels is not None else None)
+                                  tuple(window_labels) if window_labels is not None else None, drill_down)
         return self._train(plan, module, given, (default_optimizer, None, loop.max_grad_norm, loop), seed, vacuous_ok,
                            None, judge)
 

@@ -5,6 +5,9 @@ Environment variables (work with every invocation, including `pytest --update-ba
 * ``NPU_PARITY_AURORA_CHECKPOINT`` — a ``.safetensors`` checkpoint replacing the seeded weights
   (then record your own baselines: the stored ones are for the seeded model).
 * ``NPU_PARITY_AURORA_SEED`` — construction seed of the seeded model (default 0).
+* ``NPU_PARITY_AURORA_WINDOW`` — ``"elnino YYYY-MM"``: the checks run on that held-out El Niño window
+  (repeated to the batch size) instead of the CO2 batch, against a live CPU run: the drill-down a
+  failing trajectory check's forecast gives (``checks.suite_batch``).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ metrics; the verdict is the mean relative loss error with the step where the cur
 """
 import pytest
 
-from pytest_npu_parity.aurora.checks import evaluate_forecasts, forecast_held_out, trajectory_batches
+from pytest_npu_parity.aurora.checks import DRILL_DOWN, evaluate_forecasts, forecast_held_out, trajectory_batches
 from pytest_npu_parity.runtime.trajectory import TrajectoryLoop
 
 #: The main job's short form: the first 60 steps.
@@ -24,7 +24,7 @@ LONG = TrajectoryLoop(steps=300, evaluate=evaluate_forecasts)
 def _trajectory(parity, model, loop):
     held_out, labels = forecast_held_out()
     parity.trajectory("trajectory", model, trajectory_batches(), loop=loop, held_out=held_out, window_labels=labels,
-                      group="training trajectory")
+                      drill_down=DRILL_DOWN, group="training trajectory")
 
 
 def test_trajectory(parity, aurora_tiny):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -123,12 +124,36 @@ _CAPTURE = [
 ]
 
 
+#: Environment variable that replaces the suite's CO2 batch by one held-out El Niño window
+#: (``"elnino YYYY-MM"``, its first month): the drill-down of a forecast that differs there.
+WINDOW_ENV = "NPU_PARITY_AURORA_WINDOW"
+#: The drill-down command a trajectory check's message gives per held-out window (``{window}``).
+DRILL_DOWN = (f"{WINDOW_ENV}='{{window}}' pytest --npu-parity --parity-reference cpu "
+              "parity_suites/aurora/test_model.py parity_suites/aurora/test_submodules.py")
+
+
 def suite_batch() -> Any:
     """The suite's input: the real CO2 windows standardized per window (``AuroraBatch.normalized``).
 
     Forecasts in ppm (≈ 330) would make a relative tolerance hide real faults (a 1e-4 weight error
     moves the ppm forecast by 1.8e-4, inside rtol 1e-5 × 330); standardized, the same fault fails.
+
+    With ``NPU_PARITY_AURORA_WINDOW="elnino YYYY-MM"`` set (``DRILL_DOWN``), the batch is that
+    held-out El Niño window instead, repeated to the suite's batch size so every check keeps its
+    shapes; compare it against a live CPU run (the stored baselines hold the CO2 batch).
+
+    Raises:
+        ValueError: a window the variable names that is not ``elnino YYYY-MM`` within the record.
     """
+    window = os.environ.get(WINDOW_ENV, "").strip()
+    if window:
+        series, _, month = window.partition(" ")
+        if series != "elnino":
+            raise ValueError(f"{WINDOW_ENV}={window!r}: give 'elnino YYYY-MM' (a held-out window a trajectory "
+                             "check listed)")
+        start = aurora_inputs.elnino_start(month)
+        return aurora_inputs.make_elnino_batch(starts=[start] * aurora_inputs.BATCH,
+                                               horizons=aurora_inputs.HORIZONS).normalized()
     return aurora_inputs.make_batch().normalized()
 
 
@@ -169,7 +194,7 @@ def forecast_held_out(windows: int = FORECAST_WINDOWS) -> tuple[dict[str, torch.
         tensors ``[W, 125]`` int64 and ``labels`` ``[W, HORIZON]`` float32 (the observed
         continuation); ``labels`` name each window (``"elnino 1955-02"``, its first month).
     """
-    batch = aurora_inputs.make_elnino_batch(windows, horizon=HORIZON).normalized()
+    batch = aurora_inputs.make_elnino_batch(windows, horizons=(HORIZON,)).normalized()
     held_out = {"inputs": batch.context, **batch.text_kwargs(), "labels": batch.labels[HORIZON]}
     return held_out, [f"elnino {date[:7]}" for date in batch.start_dates]
 

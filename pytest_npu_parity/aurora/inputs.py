@@ -66,6 +66,7 @@ __all__ = [
     "decoder_layer_inputs",
     "flow_head_inputs",
     "make_elnino_batch",
+    "elnino_start",
 ]
 
 CONTEXT = 528
@@ -110,41 +111,69 @@ def load_co2_series() -> tuple[np.ndarray, tuple[str, ...], int]:
 ELNINO = "statsmodels.datasets.elnino (monthly sea surface temperature, El Nino region, 1950-2010, deg C)"
 
 
-def make_elnino_batch(windows: int = 8, context: int = CONTEXT, horizon: int = 96) -> AuroraBatch:
+def make_elnino_batch(windows: int = 8, context: int = CONTEXT, horizons: Sequence[int] = (96,),
+                      starts: Sequence[int] | None = None) -> AuroraBatch:
     """``windows`` windows of the monthly El Niño sea-surface-temperature record (statsmodels'
     ``elnino``: 61 years × 12 months = 732 values, °C), evenly spaced, each ``context`` months with
-    the next ``horizon`` as its label and an English description of its own: a series the CO2
-    windows of ``make_batch`` never show a model (held out from training).
+    the next months as its labels (one per horizon) and an English description of its own: a series
+    the CO2 windows of ``make_batch`` never show a model (held out from training).
+
+    Args:
+        windows: number of windows (ignored when ``starts`` is given).
+        context: context length in months.
+        horizons: label lengths in months (at least one).
+        starts: the first month (index into the record) of each window, instead of even spacing.
 
     Returns:
         An :class:`AuroraBatch` (``starts`` the index of each window's first month, dates
         ``YYYY-MM-01``), float32 series in °C.
 
     Raises:
-        ValueError: a size is not positive, or ``context + horizon`` exceeds the 732 months.
+        ValueError: a size is not positive, or a window does not fit the 732 months.
     """
     import statsmodels.datasets.elnino as elnino
 
     frame = elnino.load_pandas().data
     values = frame.drop(columns="YEAR").to_numpy(dtype="float64").reshape(-1)
     dates = [f"{int(year)}-{month:02d}-01" for year in frame["YEAR"] for month in range(1, 13)]
-    window = context + horizon
-    if windows < 1 or context < 1 or horizon < 1 or window > len(values):
-        raise ValueError(f"make_elnino_batch: {windows} windows of context {context} + horizon {horizon} do not fit "
-                         f"the {len(values)}-month record")
-    starts = [int(s) for s in np.floor(np.linspace(0, len(values) - window, windows)).astype(int)]
+    horizons = tuple(sorted({int(h) for h in horizons}))
+    window = context + (horizons[-1] if horizons else 0)
+    last = len(values) - window
+    if starts is None:
+        starts = [int(s) for s in np.floor(np.linspace(0, max(last, 0), max(windows, 1))).astype(int)]
+    starts = [int(s) for s in starts]
+    if windows < 1 or context < 1 or not horizons or horizons[0] < 1 or last < 0 or not starts or \
+            not all(0 <= s <= last for s in starts):
+        raise ValueError(f"make_elnino_batch: windows starting at {starts} with context {context} and horizons "
+                         f"{horizons} do not fit the {len(values)}-month record (starts 0..{last})")
     texts = [f"Monthly mean sea surface temperature in degrees Celsius of the eastern equatorial Pacific "
              f"(El Nino region), from {dates[s][:4]} to {dates[s + context - 1][:4]}. The level averages "
              f"{values[s:s + context].mean():.1f} degrees and follows a yearly seasonal cycle with El Nino "
              f"warm spells every few years." for s in starts]
     tokens = tokenize(texts)
+    labels = {h: torch.from_numpy(np.stack([values[s + context:s + context + h] for s in starts])).to(torch.float32)
+              for h in horizons}
     return AuroraBatch(
         context=torch.from_numpy(np.stack([values[s:s + context] for s in starts])).to(torch.float32),
-        labels={horizon: torch.from_numpy(np.stack([values[s + context:s + window] for s in starts])).to(torch.float32)},
-        text_input_ids=tokens["input_ids"], text_attention_mask=tokens["attention_mask"],
+        labels=labels, text_input_ids=tokens["input_ids"], text_attention_mask=tokens["attention_mask"],
         text_token_type_ids=tokens["token_type_ids"], texts=texts, starts=starts,
         start_dates=[dates[s] for s in starts], end_dates=[dates[s + context - 1] for s in starts],
         n_gaps_interpolated=0, source=ELNINO)
+
+
+def elnino_start(month: str) -> int:
+    """The index in the El Niño record of ``month`` (``"YYYY-MM"``, 1950-01 is 0).
+
+    Raises:
+        ValueError: not a ``YYYY-MM`` month of 1950..2010.
+    """
+    try:
+        year, mon = (int(x) for x in month.strip().split("-"))
+    except ValueError:
+        raise ValueError(f"El Nino month {month!r}: give YYYY-MM, e.g. 1956-06") from None
+    if not (1950 <= year <= 2010 and 1 <= mon <= 12):
+        raise ValueError(f"El Nino month {month!r}: the record covers 1950-01 to 2010-12")
+    return (year - 1950) * 12 + mon - 1
 
 
 def revin_normalize(series: torch.Tensor) -> torch.Tensor:

@@ -489,11 +489,13 @@ class TrajectoryVerdict:
     relative loss error against its limit, and where the loss, grad-norm and per-module grad-norm
     curves part. Its problems: a curve that could not be compared, and a constant reference loss
     curve (vacuous: nothing was trained). Forecast metrics of the trained models, when the loop
-    evaluated any, are judged too (``judge.forecast``; ``window_labels`` name the held-out windows).
+    evaluated any, are judged too (``judge.forecast``; ``window_labels`` name the held-out windows, and
+    ``drill_down``, a command with ``{window}``, is how to rerun the tensor-level checks on one).
     No hooks (they perturb or localize one step's elements)."""
 
     policy: TrajectoryPolicy
     window_labels: tuple[str, ...] | None = None
+    drill_down: str | None = None
     hooked: ClassVar[bool] = False
 
     def measure(self, facts: CaseFacts, plan: CheckPlan, sides: Sides) -> CheckRecord:
@@ -527,7 +529,12 @@ class TrajectoryVerdict:
         """``TrajectoryResult.format`` with the test's context, then the problems; the record marked ``fail``."""
         __tracebackhide__ = True
         record.status = "fail"
-        return "\n\n".join([record.result.format(facts.context(expected.reference, expected.provenance))] + problems)
+        parts = [record.result.format(facts.context(expected.reference, expected.provenance))]
+        forecast = record.result.forecast
+        if self.drill_down and forecast is not None and forecast.windows and not forecast.passed:
+            parts.append(f"Drill down into the window whose forecast differs most ({forecast.windows[0][0]}):\n  "
+                         + self.drill_down.format(window=forecast.windows[0][0]))
+        return "\n\n".join(parts + problems)
 
 
 #: The leaf-by-leaf verdict.

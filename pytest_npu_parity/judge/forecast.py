@@ -13,7 +13,7 @@ held-out window, three metrics of ``S`` sampled forecasts ``x`` against the obse
 
 ``judge_forecast`` compares each metric, averaged over the windows, between the target and the
 reference: relative difference ``|m_t − m_r| / |m_r|`` against a limit, and lists the windows whose
-CRPS differs most (where to drill down).
+CRPS (else the first metric both sides have) differs most (where to drill down).
 """
 from __future__ import annotations
 
@@ -91,14 +91,16 @@ class ForecastResult:
 
     Attributes:
         metrics: one ``MetricResult`` per metric both sides have, in ``METRICS`` order.
-        windows: the ``TOP_WINDOWS`` windows whose CRPS differs most, ``(label, target CRPS,
-            reference CRPS, relative difference)``, largest first.
+        windows: the ``TOP_WINDOWS`` windows whose ``ranked_by`` metric differs most, ``(label,
+            target value, reference value, relative difference)``, largest first.
+        ranked_by: the metric the windows are ranked by (``crps`` when both sides have it).
         problems: what could not be compared.
     """
 
     metrics: list[MetricResult]
     windows: list[tuple[str, float, float, float]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    ranked_by: str = "crps"
 
     @property
     def passed(self) -> bool:
@@ -110,7 +112,7 @@ class ForecastResult:
             f"{m.name} {m.target:.4g} vs {m.reference:.4g} (rel. diff {m.rel_diff:.3g}"
             + (f" > {m.limit:g})" if not m.passed else ")") for m in self.metrics)]
         if self.windows:
-            lines.append("  windows whose CRPS differs most: " + "; ".join(
+            lines.append(f"  windows whose {self.ranked_by.upper()} differs most: " + "; ".join(
                 f"{label} ({t:.4g} vs {r:.4g}, rel. diff {d:.3g})" for label, t, r, d in self.windows))
         lines += [f"  {p}" for p in self.problems]
         return "\n".join(lines)
@@ -131,7 +133,7 @@ def judge_forecast(actual: Mapping[str, Any], expected: Mapping[str, Any], limit
     Returns:
         A ``ForecastResult``: passes when every metric both sides have is within ``limit``.
     """
-    metrics, problems, windows = [], [], []
+    metrics, problems, windows, per_window = [], [], [], {}
     for name in METRICS:
         key = PREFIX + name
         if key not in expected:
@@ -146,10 +148,13 @@ def judge_forecast(actual: Mapping[str, Any], expected: Mapping[str, Any], limit
             continue
         t, r = float(a.mean()), float(e.mean())
         metrics.append(MetricResult(name, t, r, abs(t - r) / max(abs(r), torch.finfo(torch.float64).tiny), limit))
-        if name == "crps":
-            rel = (a - e).abs() / e.abs().clamp_min(torch.finfo(torch.float64).tiny)
-            names = list(labels) if labels is not None and len(labels) == a.numel() else \
-                [f"window {i}" for i in range(a.numel())]
-            for i in rel.argsort(descending=True)[:TOP_WINDOWS].tolist():
-                windows.append((names[i], float(a[i]), float(e[i]), float(rel[i])))
-    return ForecastResult(metrics, windows, problems)
+        per_window[name] = (a, e)
+    ranked_by = "crps" if "crps" in per_window else next(iter(per_window), "crps")
+    if ranked_by in per_window:
+        a, e = per_window[ranked_by]
+        rel = (a - e).abs() / e.abs().clamp_min(torch.finfo(torch.float64).tiny)
+        names = list(labels) if labels is not None and len(labels) == a.numel() else \
+            [f"window {i}" for i in range(a.numel())]
+        for i in rel.argsort(descending=True)[:TOP_WINDOWS].tolist():
+            windows.append((names[i], float(a[i]), float(e[i]), float(rel[i])))
+    return ForecastResult(metrics, windows, problems, ranked_by)

@@ -186,8 +186,14 @@ def test_a_fault_only_in_inference_passes_the_curves_and_fails_the_forecast():
                                             window_labels=list("abcd"))
     result = failure.value.result
     assert all(c.passed for c in result.curves) and not result.forecast.passed
-    assert "windows whose CRPS differs most" not in str(failure.value)  # no CRPS: no window list
+    assert "windows whose MSE differs most" in str(failure.value)  # no CRPS: ranked by the first metric
     assert "mse" in str(failure.value) and "> 0.0001" in str(failure.value)
+    top = result.forecast.windows[0][0]
+    assert top in "abcd" and "Drill down" not in str(failure.value)  # no drill_down command given
+    with pytest.raises(ParityError, match=rf"Drill down into the window whose forecast differs most \({top}\):\n"
+                                          rf"  rerun --window {top}"):
+        live(patches=eval_fault).trajectory("curve", MODEL, batches(), loop=loop, held_out=_held_out(),
+                                            window_labels=list("abcd"), drill_down="rerun --window {window}")
 
 
 def test_held_out_inputs_and_an_evaluating_loop_go_together():
