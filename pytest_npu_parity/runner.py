@@ -625,6 +625,28 @@ class ParityCase:
         plan = CheckPlan(name, tol, time.perf_counter(), submodule, group, vacuous_ok=vacuous_ok)
         return self._settle(plan, given_sides(name, actual, expected, golden, golden_policy), None, LEAVES)
 
+    def compare_trajectory(self, name: str, actual: Any, expected: Any, *, policy: TrajectoryPolicy | None = None,
+                           submodule: str | None = None, group: str | None = None,
+                           vacuous_ok: str | None = None) -> CheckRecord:
+        """Judge training curves computed by the caller as ``trajectory`` judges its own: ``actual`` (the
+        target's) and ``expected`` (the reference's) map curve names (``loss``, ``grad_norm``,
+        ``layer_grad_norm.<module>``) to 1-D tensors ``[steps]``; e.g. the curves of
+        ``runtime.distributed_trajectory.data_parallel_trajectory``.
+
+        Args:
+            policy: the limits; default ``judge.trajectory.default_policy`` of the test's recipe.
+
+        Raises:
+            ParityError: the curves part, or the reference's loss is constant (vacuous).
+            ValueError: no ``loss`` curve on one side.
+        """
+        __tracebackhide__ = True
+        check_name(name, self.records, self.test_id)
+        tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance, {})
+        plan = CheckPlan(name, tol, time.perf_counter(), submodule, group, vacuous_ok=vacuous_ok)
+        judge = TrajectoryVerdict(policy if policy is not None else default_trajectory_policy(self.recipe.name))
+        return self._settle(plan, given_sides(name, actual, expected, None, None), None, judge)
+
     def finish(self, *, failed: bool = False, outcome: str = "passed") -> str | None:
         """End of the test: in record mode write the baseline file, with every check the test
         recorded — or nothing at all.

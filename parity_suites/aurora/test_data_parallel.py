@@ -1,4 +1,5 @@
-"""One data-parallel (DDP) training step of the tiny Aurora on 2 ranks against a single-process reference.
+"""Data-parallel (DDP) training of the tiny Aurora on 2 ranks against a single-process reference: one step, and
+a trajectory of 5 steps (300 in the nightly job) judged by its curves.
 
 Parity of one process says nothing about the gradient all-reduce that DDP/DeepSpeed performs over HCCL.
 Two ranks are spawned on the target's device type (gloo on the CPU, hccl on NPUs, nccl on CUDA; rank r
@@ -16,6 +17,8 @@ import functools
 import pytest
 
 from pytest_npu_parity.runtime import distributed
+from pytest_npu_parity.runtime.distributed_trajectory import data_parallel_trajectory
+from pytest_npu_parity.runtime.trajectory import TrajectoryLoop
 from pytest_npu_parity.aurora import checks, factory, patches
 
 WORLD_SIZE = 2
@@ -37,3 +40,37 @@ def test_data_parallel_step(parity):
         world_size=WORLD_SIZE, device=parity.target, seed=parity.session.seed, recipe=parity.recipe.name,
         setup=patches.patched)
     parity.compare("data_parallel_step", result.actual, result.expected, group="data-parallel step")
+
+
+#: The guide's smoke run (``NPROC_PER_NODE=2 … --max_steps 5``); the nightly job trains 300 steps.
+SMOKE_STEPS, NIGHTLY_STEPS = 5, 300
+
+
+def _data_parallel_trajectory(parity, steps):
+    if parity.session.update_baselines:
+        pytest.skip("the data-parallel trajectory is judged against a live single-process reference; nothing to record")
+    if parity.recipe.loss_scaling:
+        pytest.skip(distributed.loss_scaling_unsupported(parity.recipe.name))
+    try:
+        distributed.rank_devices(parity.target, WORLD_SIZE)
+    except distributed.NotEnoughDevicesError as exc:
+        pytest.skip(str(exc))
+    result = data_parallel_trajectory(
+        functools.partial(factory.get_model, "tiny", seed=0), checks.trajectory_batches(), TrajectoryLoop(steps=steps),
+        world_size=WORLD_SIZE, device=parity.target, seed=parity.session.seed, recipe=parity.recipe.name,
+        setup=patches.patched)
+    parity.compare_trajectory("data_parallel_trajectory", result.actual, result.expected,
+                              group="data-parallel trajectory")
+
+
+@pytest.mark.parity(recipes=["fp32"])  # the main job's smoke run; bf16 DDP is the one-step check above and nightly
+def test_data_parallel_trajectory(parity):
+    """Two ranks train the tiny Aurora as upstream trains (AdamW, clip 1.0, constant lr) on halves of the real
+    CO2 batches, DDP all-reducing the gradients each step, against the single-process equivalent; judged by the
+    loss and grad-norm curves (``runtime.distributed_trajectory``)."""
+    _data_parallel_trajectory(parity, SMOKE_STEPS)
+
+
+@pytest.mark.parity_nightly
+def test_data_parallel_trajectory_long(parity):
+    _data_parallel_trajectory(parity, NIGHTLY_STEPS)

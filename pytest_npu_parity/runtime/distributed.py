@@ -433,10 +433,12 @@ def _save_state(module: torch.nn.Module, path: Path) -> None:
     save_file(state, str(path))
 
 
-def _launch(spec: dict[str, Any], timeout_s: float) -> None:
+def _launch(spec: dict[str, Any], timeout_s: float, main: Callable[[int, dict[str, Any]], None] | None = None) -> None:
+    """Spawn ``spec["world_size"]`` ranks running ``main(rank, spec)`` (default ``_rank_main``) and wait
+    for them, killing them after ``timeout_s``; ``DataParallelError`` on a failure."""
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(_rank_main, args=(spec,), nprocs=spec["world_size"], join=False,
+    context = mp.start_processes(main or _rank_main, args=(spec,), nprocs=spec["world_size"], join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
