@@ -65,11 +65,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SUITE_FILES = ["parity_suites/aurora/test_model.py", "parity_suites/aurora/test_submodules.py",
-               "parity_suites/aurora/test_train_step.py"]
+               "parity_suites/aurora/test_train_step.py", "parity_suites/aurora/test_trajectory.py"]
 #: The ``--quick`` subset: a function, a small and a large submodule, a training-mode module, the
 #: whole model, and the training step (covers every kind of check at a fraction of the cost).
 QUICK_CHECKS = ["resample_24", "ffn", "decoder_layer_0", "encoder_layer_0_train", "aurora_model"]
 TRAIN_STEP = "train_step"
+#: The main job's training trajectory (parity_suites/aurora/test_trajectory.py::test_trajectory: 60 steps and
+#: the held-out forecasts); its nightly 300-step form is skipped there and not timed.
+TRAJECTORY = "trajectory"
 #: The pytest runs of (b) and (f): name -> what is injected (``NPU_PARITY_BENCH_FAULT``).
 SCENARIOS = {"green": None, "fault": "ffn", "stale": "weights"}
 #: Relative size of the injected fault and of the stale-weights change.
@@ -245,6 +248,16 @@ def _train_step_leaves(module, inputs: dict, recipe, device) -> dict:
     return out
 
 
+def _trajectory_loop():
+    """The suite's short trajectory loop and its inputs (parity_suites/aurora/test_trajectory.py)."""
+    from pytest_npu_parity.aurora import checks
+    from pytest_npu_parity.runtime.trajectory import TrajectoryLoop
+
+    held_out, _ = checks.forecast_held_out()
+    return (TrajectoryLoop(steps=60, evaluate=checks.evaluate_forecasts),
+            {"batches": checks.trajectory_batches(), "held_out": held_out})
+
+
 def _timed_run(call: Callable[[], Any], recipe, device, *, seed: int, grad: bool, recipe_context: bool = True):
     """Time ``call()`` under the recipe, shared randomness and the grad mode; leaves moved to the CPU."""
     import torch
@@ -285,7 +298,19 @@ def bare(names: list[str], recipes: list[str], reference: str, repeat: int) -> d
                 entry = per_check.setdefault(key, {"check": name, "recipe": recipe_name, "build_wall": [],
                                                    "build_cpu": [], "run_wall": [], "run_cpu": [],
                                                    "reference_wall": [], "reference_cpu": []})
-                if name == TRAIN_STEP:
+                if name == TRAJECTORY:
+                    entry["group"] = "training trajectory"
+                    with Clock() as build:
+                        module = copy.deepcopy(tiny).train()
+                        ref_module = copy.deepcopy(tiny).train() if reference == "cpu" else None
+                        loop, batches = _trajectory_loop()
+                    with patches.patched(device):
+                        run = _timed_run(lambda: loop(module, batches, recipe), recipe, device, seed=0, grad=True,
+                                         recipe_context=False)
+                    if ref_module is not None:
+                        ref = _timed_run(lambda: loop(ref_module, batches, recipe), recipe, device, seed=0, grad=True,
+                                         recipe_context=False)
+                elif name == TRAIN_STEP:
                     entry["group"] = "training step"
                     inputs = batch.forward_kwargs(checks.HORIZON, train=True)
                     with Clock() as build:
@@ -339,6 +364,9 @@ def _node_ids(names: list[str], recipes: list[str], quick: bool) -> list[str]:
     for name in names:
         if name == TRAIN_STEP:
             ids.append("parity_suites/aurora/test_train_step.py")
+            continue
+        if name == TRAJECTORY:
+            ids.append("parity_suites/aurora/test_trajectory.py::test_trajectory")
             continue
         test = ("parity_suites/aurora/test_model.py::test_model" if checks.BY_NAME[name] in checks.MODEL_CHECKS
                 else "parity_suites/aurora/test_submodules.py::test_submodule")
@@ -409,6 +437,8 @@ def _test_key(node_id: str) -> str | None:
     if not m:
         return None
     inner = m.group(1)
+    if "test_trajectory.py::test_trajectory[" in node_id:
+        return f"{inner}-{TRAJECTORY}"
     return f"{inner}-{TRAIN_STEP}" if "test_train_step" in node_id else inner
 
 
@@ -645,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from pytest_npu_parity.aurora import checks
 
-    names = (QUICK_CHECKS if args.quick else [c.name for c in checks.CHECKS]) + [TRAIN_STEP]
+    names = (QUICK_CHECKS if args.quick else [c.name for c in checks.CHECKS]) + [TRAIN_STEP, TRAJECTORY]
     result: dict[str, Any] = {"machine": machine(), "load_before": list(os.getloadavg()), "quick": args.quick,
                               "recipes": args.recipes, "reference": args.reference, "repeat": args.repeat,
                               "n_checks": len(names) * len(args.recipes)}
