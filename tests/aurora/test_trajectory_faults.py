@@ -120,3 +120,39 @@ def test_a_planted_fault_fails_naming_the_step(session, model, batches, held_out
     assert any(step is not None for step in parted), result.format()
     assert "Trajectories part" in str(failure.value)
     print(fault, result.format())
+
+
+def test_clipping_before_unscale_under_fp16_fails(session, model, batches):
+    # the AMP bug of a port's training loop: clip_grad_norm_ on the scaled gradients (unscale_ only inside
+    # scaler.step); measured: mean relative loss error 1.3e-2 over 60 steps, grad-norm curves part at step 1
+    # (step 0 overflows at the initial scale 2^16 and is skipped on both sides alike)
+    from pytest_npu_parity.runtime import recipes
+
+    @contextlib.contextmanager
+    def clipped_before_unscale(device):
+        make = recipes.make_grad_scaler
+
+        def buggy(dev):
+            scaler = make(dev)
+            unscale, step = scaler.unscale_, scaler.step
+            scaler.unscale_ = lambda optimizer: None
+
+            def late_step(optimizer, *args, **kwargs):
+                unscale(optimizer)
+                return step(optimizer, *args, **kwargs)
+            scaler.step = late_step
+            return scaler
+        recipes.make_grad_scaler = buggy
+        try:
+            with patches.patched(device):
+                yield
+        finally:
+            recipes.make_grad_scaler = make
+
+    loop = TrajectoryLoop(steps=60)  # one object: the session memoizes the reference run by it
+    clean = ParityCase(session, TEST_ID, "fp16", patches=lambda device: patches.patched(device))
+    assert clean.trajectory("fp16", model, batches, loop=loop).status == "pass"
+    with pytest.raises(ParityError) as failure:
+        ParityCase(session, TEST_ID, "fp16", patches=clipped_before_unscale).trajectory(
+            "fp16", model, batches, loop=loop)
+    assert failure.value.result.grad_norm_parted_at is not None
