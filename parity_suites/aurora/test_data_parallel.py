@@ -24,15 +24,20 @@ from pytest_npu_parity.aurora import checks, factory, patches
 WORLD_SIZE = 2
 
 
-def test_data_parallel_step(parity):
+def _skip_unless_runnable(parity, what):
+    """Skip, saying why, a record run (the reference is live), a loss-scaling recipe and too few devices."""
     if parity.session.update_baselines:
-        pytest.skip("the data-parallel step is judged against a live single-process reference; nothing to record")
+        pytest.skip(f"the data-parallel {what} is judged against a live single-process reference; nothing to record")
     if parity.recipe.loss_scaling:
         pytest.skip(distributed.loss_scaling_unsupported(parity.recipe.name))
     try:
         distributed.rank_devices(parity.target, WORLD_SIZE)
     except distributed.NotEnoughDevicesError as exc:
         pytest.skip(str(exc))
+
+
+def test_data_parallel_step(parity):
+    _skip_unless_runnable(parity, "step")
     batch = checks.suite_batch()
     result = distributed.data_parallel_step(
         functools.partial(factory.get_model, "tiny", seed=0),  # cached per process (per xdist worker)
@@ -47,14 +52,7 @@ SMOKE_STEPS, NIGHTLY_STEPS = 5, 300
 
 
 def _data_parallel_trajectory(parity, steps):
-    if parity.session.update_baselines:
-        pytest.skip("the data-parallel trajectory is judged against a live single-process reference; nothing to record")
-    if parity.recipe.loss_scaling:
-        pytest.skip(distributed.loss_scaling_unsupported(parity.recipe.name))
-    try:
-        distributed.rank_devices(parity.target, WORLD_SIZE)
-    except distributed.NotEnoughDevicesError as exc:
-        pytest.skip(str(exc))
+    _skip_unless_runnable(parity, "trajectory")
     result = data_parallel_trajectory(
         functools.partial(factory.get_model, "tiny", seed=0), checks.trajectory_batches(), TrajectoryLoop(steps=steps),
         world_size=WORLD_SIZE, device=parity.target, seed=parity.session.seed, recipe=parity.recipe.name,

@@ -383,12 +383,12 @@ def loss_scaling_unsupported(recipe: str) -> str:
             "check agrees across ranks, which it does not implement; run it under fp32 or bf16")
 
 
-def _rank_main(rank: int, spec: dict[str, Any]) -> None:
-    """Entry point of rank ``rank`` (spawned): init the group, DDP, one step, write results, tear down."""
+def join_group(rank: int, spec: dict[str, Any]) -> torch.device:
+    """A spawned rank's start, as torchrun sets it up: ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/
+    ``WORLD_SIZE``/``LOCAL_RANK``, its intra-op threads, its device bound (``_bind``), the process group
+    joined (``spec``'s backend and timeout); its device."""
     import torch.distributed as dist
-    from safetensors.torch import load_file, save_file
 
-    workdir = Path(spec["workdir"])
     os.environ.update({"MASTER_ADDR": spec["master_addr"], "MASTER_PORT": str(spec["master_port"]),
                        "RANK": str(rank), "WORLD_SIZE": str(spec["world_size"]), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(spec["threads"])
@@ -396,6 +396,15 @@ def _rank_main(rank: int, spec: dict[str, Any]) -> None:
     _bind(device)
     dist.init_process_group(spec["backend"], rank=rank, world_size=spec["world_size"],
                             timeout=datetime.timedelta(seconds=spec["timeout_s"]))
+    return device
+
+
+def _rank_main(rank: int, spec: dict[str, Any]) -> None:
+    """Entry point of rank ``rank`` (spawned): init the group, DDP, one step, write results, tear down."""
+    from safetensors.torch import load_file, save_file
+
+    workdir = Path(spec["workdir"])
+    device = join_group(rank, spec)
     try:
         model = spec["model_fn"]()
         model = copy.deepcopy(model)  # a factory may hand out a cached object: never mutate it

@@ -16,7 +16,6 @@ global norm before clipping, after the all-reduce: the same on every rank), ``lr
 from __future__ import annotations
 
 import copy
-import datetime
 import functools
 import os
 import tempfile
@@ -26,8 +25,8 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from .distributed import (DataParallelError, DataParallelResult, _bind, _forward_backward, _launch, _maybe,
-                          _save_state, _scaled_allreduce_hook, _trainable, _with_threads, free_port, rank_devices,
+from .distributed import (DataParallelError, DataParallelResult, _forward_backward, _launch, _maybe, _save_state,
+                          _scaled_allreduce_hook, _trainable, _with_threads, free_port, join_group, rank_devices,
                           shard_inputs)
 from .process_group import destroy_process_groups
 from .recipes import RECIPES
@@ -106,18 +105,11 @@ def reference_trajectory(module: torch.nn.Module, batches: list[dict[str, torch.
 
 def _rank_main(rank: int, spec: dict[str, Any]) -> None:
     """Entry point of rank ``rank`` (spawned): init the group, DDP, every step, write the curves, tear down."""
-    import torch.distributed as dist
     from safetensors.torch import load_file, save_file
 
     workdir = Path(spec["workdir"])
-    os.environ.update({"MASTER_ADDR": spec["master_addr"], "MASTER_PORT": str(spec["master_port"]),
-                       "RANK": str(rank), "WORLD_SIZE": str(spec["world_size"]), "LOCAL_RANK": str(rank)})
-    torch.set_num_threads(spec["threads"])
-    device = torch.device(spec["devices"][rank])
     world_size, loop = spec["world_size"], spec["loop"]
-    _bind(device)
-    dist.init_process_group(spec["backend"], rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=spec["timeout_s"]))
+    device = join_group(rank, spec)
     try:
         model = copy.deepcopy(spec["model_fn"]())  # a factory may hand out a cached object: never mutate it
         model.load_state_dict(load_file(str(workdir / "state.safetensors")), strict=True)
