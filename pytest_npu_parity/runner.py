@@ -552,7 +552,8 @@ class ParityCase:
                 target)`` with ``loss_fn``), CPU tensors; a list, or any iterable (a ``DataLoader`` is
                 drawn once, here, so both sides train on the same batches).
             loop: the training loop (``runtime.trajectory.TrajectoryLoop``: steps, optimizer settings,
-                lr schedule, loss).
+                lr schedule, loss), or Hugging Face Trainer itself (``hf_trainer.TrainerLoop(curves=True)``,
+                which joins the batches row-wise and steps through them ``batch_size`` rows at a time).
             policy: the limits (``judge.trajectory.TrajectoryPolicy``); default
                 ``judge.trajectory.default_policy`` of the test's recipe (measured).
             held_out: with a loop that evaluates (``TrajectoryLoop(evaluate=…)``), the held-out inputs
@@ -577,10 +578,11 @@ class ParityCase:
         batches = list(batches)
         if not batches:
             raise ValueError(f"parity trajectory {name!r}: no batches to train on")
-        if (held_out is None) != (loop.evaluate is None):
+        evaluate = getattr(loop, "evaluate", None)  # hf_trainer.TrainerLoop(curves=True) evaluates nothing
+        if (held_out is None) != (evaluate is None):
             raise ValueError(f"parity trajectory {name!r}: held_out and a loop with evaluate= go together "
                              f"(held_out {'given' if held_out is not None else 'missing'}, "
-                             f"evaluate {'set' if loop.evaluate is not None else 'not set'})")
+                             f"evaluate {'set' if evaluate is not None else 'not set'})")
         given = train_inputs(name, {"batches": batches, **({"held_out": held_out} if held_out is not None else {})},
                              None, None)
         asked = Asked({}, "allclose", True, audit_budget, False, True, "full")

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from .process_group import destroy_process_groups
+from .trajectory import owner_grad_norms, trainable_owners
 
 __all__ = ["TrainerLoop", "deepspeed_unavailable", "DEFAULT_STEPS"]
 
@@ -189,6 +190,11 @@ class TrainerLoop:
         learning_rate, adam_betas, adam_epsilon, weight_decay, max_grad_norm: upstream Aurora's AdamW setup
             (``runner.default_optimizer``); Trainer's linear decay schedule without warmup applies on top.
         seed: ``TrainingArguments.seed`` (its reseeding is undone, see the module docstring).
+        curves: return the run's curves instead of the last step's leaves, for ``ParityCase.trajectory``:
+            ``loss``, ``grad_norm`` (the global gradient 2-norm before Trainer clips it, read right after
+            ``Trainer.training_step``'s backward), ``lr`` (the scheduler's rate the step's optimizer step
+            uses) and ``layer_grad_norm.<module>`` per step. Plain Trainer only (under DeepSpeed the
+            gradients live in the engine's partitions).
     """
 
     steps: int = DEFAULT_STEPS
@@ -201,6 +207,7 @@ class TrainerLoop:
     max_grad_norm: float = 1.0
     seed: int = 0
     extra_args: dict[str, Any] = field(default_factory=dict)
+    curves: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or self.steps < 1:
@@ -242,7 +249,8 @@ class TrainerLoop:
 
         Args:
             module: the model; its forward takes the keys of ``batch`` and returns an output with ``loss``.
-            batch: tensors with ``rows`` (or more) rows each, already on the module's device.
+            batch: tensors with ``rows`` (or more) rows each, already on the module's device; or
+                ``{"batches": [b0, b1, …]}`` (``ParityCase.trajectory``), whose dicts are joined row-wise.
             recipe: the ``recipes.Recipe`` of the run (``bf16`` → ``TrainingArguments(bf16=True)``), or None
                 (the golden run: no autocast).
         Raises:
@@ -255,6 +263,11 @@ class TrainerLoop:
             raise ValueError(f"TrainerLoop: recipe {recipe.name!r} casts the weights; Trainer trains fp32 weights "
                              "(use fp32 or bf16)")
         bf16 = recipe is not None and getattr(recipe, "autocast_dtype", None) == torch.bfloat16
+        if "batches" in batch:  # ParityCase.trajectory's form: the batches joined row by row
+            batch = {k: torch.cat([b[k] for b in batch["batches"]]) for k in batch["batches"][0]}
+        if self.curves and self.deepspeed_config is not None:
+            raise ValueError("TrainerLoop: curves=True needs plain Trainer (under DeepSpeed the gradients are "
+                             "partitioned inside the engine); drop deepspeed_config")
         sizes = {k: len(v) for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
         if not sizes or min(sizes.values()) < self.rows:
             raise ValueError(f"TrainerLoop: {self.steps} steps of {self.batch_size} rows need {self.rows} rows, the "
@@ -265,6 +278,10 @@ class TrainerLoop:
         losses: list[torch.Tensor] = []
         grads: dict[str, torch.Tensor] = {}
         trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        owners = trainable_owners(module) if self.curves else []
+        norms: list[torch.Tensor] = []  # per step: [global, per owner…], before Trainer clips
+        lrs: list[float] = []
+        curves = self.curves
 
         class Capture(TrainerCallback):
             def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -280,6 +297,11 @@ class TrainerLoop:
                     _capture_before_step(self.model_wrapped, trainable, grads)
                 loss = super().training_step(*args, **kwargs)
                 losses.append(loss.detach().clone())
+                if curves:  # after the backward, before Trainer's clipping and optimizer step
+                    with torch.no_grad():
+                        per_owner = owner_grad_norms(owners, device)
+                        norms.append(torch.cat([torch.linalg.vector_norm(per_owner).reshape(1), per_owner]))
+                    lrs.append(float(self.lr_scheduler.get_last_lr()[0]))
                 return loss
 
         with contextlib.ExitStack() as stack:
@@ -310,6 +332,13 @@ class TrainerLoop:
             trainer.train()
             if len(losses) != self.steps:
                 raise RuntimeError(f"TrainerLoop: Trainer ran {len(losses)} training steps, {self.steps} expected")
+            if curves:
+                rows = torch.stack(norms).float().cpu()
+                out = {"loss": torch.stack(losses).float().cpu().reshape(-1), "grad_norm": rows[:, 0].clone(),
+                       "lr": torch.tensor(lrs, dtype=torch.float64)}
+                out.update({f"layer_grad_norm.{name}": rows[:, 1 + i].clone() for i, (name, _) in enumerate(owners)})
+                del trainer
+                return out
             out: dict[str, torch.Tensor] = {f"loss.step{i + 1}": loss for i, loss in enumerate(losses)}
             out.update({f"grad.{n}": grads[n] for n, _ in trainable if n in grads})
             out.update({f"param.{n}": p.detach().clone() for n, p in trainable})

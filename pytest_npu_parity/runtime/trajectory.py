@@ -41,6 +41,19 @@ def _norm(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.detach().float()) for t in tensors]))
 
 
+def trainable_owners(module: torch.nn.Module) -> list[tuple[str, list[torch.nn.Parameter]]]:
+    """``(module name, its own trainable parameters)`` of every module that owns any (the root is
+    ``<root>``): whose gradient norms the curves ``layer_grad_norm.<name>`` follow."""
+    owners = [(name or "<root>", [p for p in m.parameters(recurse=False) if p.requires_grad])
+              for name, m in module.named_modules()]
+    return [(name, ps) for name, ps in owners if ps]
+
+
+def owner_grad_norms(owners: Sequence[tuple[str, Sequence[torch.nn.Parameter]]], device: torch.device) -> torch.Tensor:
+    """The gradient 2-norm of each owner's parameters (float32 ``[len(owners)]`` on ``device``; 0 for none)."""
+    return torch.stack([_norm([p.grad for p in ps if p.grad is not None], device) for _, ps in owners])
+
+
 def _scale_of(scaler: Any) -> torch.Tensor | float:
     """The scaler's current scale without a host sync where it keeps it as a tensor (``_scale`` of
     ``torch.amp.GradScaler``, which torch_npu's scaler subclasses), else ``get_scale()`` (a float)."""
@@ -129,9 +142,7 @@ class TrajectoryLoop:
         batches: Sequence[Any] = batch.get("batches") or ()
         if not batches:
             raise ValueError("TrajectoryLoop: give the batches as {'batches': [batch, …]} (at least one)")
-        owners = [(name, [p for p in m.parameters(recurse=False) if p.requires_grad])
-                  for name, m in module.named_modules()]
-        owners = [(name or "<root>", ps) for name, ps in owners if ps]
+        owners = trainable_owners(module)
         params = [p for _, ps in owners for p in ps]
         device = params[0].device
         opt = torch.optim.AdamW(params, lr=self.lr_at(0), betas=self.adam_betas, eps=self.adam_epsilon,
@@ -159,8 +170,7 @@ class TrajectoryLoop:
                 scaler.scale(loss).backward()
                 scaler.unscale_(opt)
             with torch.no_grad():
-                rows[step, 3:] = torch.stack([_norm([p.grad for p in ps if p.grad is not None], device)
-                                              for _, ps in owners])
+                rows[step, 3:] = owner_grad_norms(owners, device)
                 rows[step, 0] = loss.detach().float()
             clip = self.max_grad_norm if self.max_grad_norm is not None else math.inf
             rows[step, 1] = torch.nn.utils.clip_grad_norm_(params, clip).detach().float()
