@@ -38,7 +38,7 @@ import dataclasses
 import time
 import weakref
 from functools import partial
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 
@@ -583,6 +583,8 @@ class ParityCase:
             raise ValueError(f"parity trajectory {name!r}: held_out and a loop with evaluate= go together "
                              f"(held_out {'given' if held_out is not None else 'missing'}, "
                              f"evaluate {'set' if evaluate is not None else 'not set'})")
+        if window_labels is not None and held_out is None:
+            raise ValueError(f"parity trajectory {name!r}: window_labels name held-out windows; pass held_out= too")
         given = train_inputs(name, {"batches": batches, **({"held_out": held_out} if held_out is not None else {})},
                              None, None)
         asked = Asked({}, "allclose", True, audit_budget, False, True, "full")
@@ -632,7 +634,7 @@ class ParityCase:
                            vacuous_ok: str | None = None) -> CheckRecord:
         """Judge training curves computed by the caller as ``trajectory`` judges its own: ``actual`` (the
         target's) and ``expected`` (the reference's) map curve names (``loss``, ``grad_norm``,
-        ``layer_grad_norm.<module>``) to 1-D tensors ``[steps]``; e.g. the curves of
+        ``layer_grad_norm.<module>``) to 1-D tensors ``[steps]`` (lists of numbers are taken as such); e.g. the curves of
         ``runtime.distributed_trajectory.data_parallel_trajectory``.
 
         Args:
@@ -641,8 +643,16 @@ class ParityCase:
         Raises:
             ParityError: the curves part, or the reference's loss is constant (vacuous).
             ValueError: no ``loss`` curve on one side.
+            TypeError: ``actual`` or ``expected`` is not a mapping of curves.
         """
         __tracebackhide__ = True
+        curves = []
+        for side, given in (("actual", actual), ("expected", expected)):
+            if not isinstance(given, Mapping):
+                raise TypeError(f"parity compare_trajectory {name!r}: {side} must map curve names to 1-D tensors, "
+                                f"got {type(given).__name__}")
+            curves.append({k: torch.as_tensor(v) if isinstance(v, (list, tuple)) else v for k, v in given.items()})
+        actual, expected = curves
         check_name(name, self.records, self.test_id)
         tol = self.session.tolerance(self.recipe.name, name, self.marker_tolerance, {})
         plan = CheckPlan(name, tol, time.perf_counter(), submodule, group, vacuous_ok=vacuous_ok)

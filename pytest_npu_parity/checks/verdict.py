@@ -488,7 +488,7 @@ class TrajectoryVerdict:
     """As training trajectories (``judge.trajectory.judge_trajectory`` under ``policy``): the mean
     relative loss error against its limit, and where the loss, grad-norm and per-module grad-norm
     curves part. Its problems: a curve that could not be compared, and a constant reference loss
-    curve (vacuous: nothing was trained). Forecast metrics of the trained models, when the loop
+    curve or a learning rate of 0 at every step (vacuous: nothing was trained). Forecast metrics of the trained models, when the loop
     evaluated any, are judged too (``judge.forecast``; ``window_labels`` name the held-out windows, and
     ``drill_down``, a command with ``{window}``, is how to rerun the tensor-level checks on one).
     No hooks (they perturb or localize one step's elements)."""
@@ -516,12 +516,18 @@ class TrajectoryVerdict:
                  vacuous_ok: str | None) -> list[str]:
         """A constant reference loss curve, unless ``vacuous_ok`` says why it may be."""
         __tracebackhide__ = True
-        loss = sides.expected.leaves.get("loss")
-        if vacuous_ok or loss is None or loss.numel() < 2 or bool((loss != loss[0]).any()):
+        loss, lr = sides.expected.leaves.get("loss"), sides.expected.leaves.get("lr")
+        if vacuous_ok or loss is None:
             return []
-        problem = (f"{plan.name}: the reference's loss is the same at every step ({float(loss[0]):g}): nothing "
-                   "was trained (learning rate 0, frozen parameters?), so the curves cannot tell a fault; "
-                   "pass vacuous_ok='why' if this is meant")
+        if lr is not None and lr.numel() and not bool(lr.ne(0).any()):
+            problem = (f"{plan.name}: the reference's learning rate is 0 at every step: nothing was trained, so "
+                       "the curves cannot tell a fault; pass vacuous_ok='why' if this is meant")
+        elif loss.numel() >= 2 and not bool((loss != loss[0]).any()):
+            problem = (f"{plan.name}: the reference's loss is the same at every step ({float(loss[0]):g}): nothing "
+                       "was trained (learning rate 0, frozen parameters?), so the curves cannot tell a fault; "
+                       "pass vacuous_ok='why' if this is meant")
+        else:
+            return []
         record.notes.check_problem = problem
         return [problem]
 
@@ -529,7 +535,11 @@ class TrajectoryVerdict:
         """``TrajectoryResult.format`` with the test's context, then the problems; the record marked ``fail``."""
         __tracebackhide__ = True
         record.status = "fail"
-        parts = [record.result.format(facts.context(expected.reference, expected.provenance))]
+        context = facts.context(expected.reference, expected.provenance)
+        parts = [record.result.format(context)]
+        if record.result.passed:  # failed by a problem alone: say so first, not "Trajectories agree"
+            parts.insert(0, f"Trajectory check failed ({context}): " + " ".join(problems))
+            problems = []
         forecast = record.result.forecast
         if self.drill_down and forecast is not None and forecast.windows and not forecast.passed:
             parts.append(f"Drill down into the window whose forecast differs most ({forecast.windows[0][0]}):\n  "

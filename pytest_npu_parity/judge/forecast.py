@@ -124,20 +124,21 @@ def judge_forecast(actual: Mapping[str, Any], expected: Mapping[str, Any], limit
 
     Args:
         actual, expected: ``forecast.<metric>`` -> 1-D tensor ``[W]`` (per window), as
-            ``forecast_metrics`` gives them; other names are ignored.
+            ``forecast_metrics`` gives them (``mse``, ``mae``, ``crps`` first, then any other metric the
+            reference has, each judged the same way); names without the prefix are ignored.
         limit: largest relative difference of each metric's mean over the windows that passes
             (None: reported only).
         labels: one label per window (e.g. ``"elnino 1955-01"``), for the windows list; default
             ``"window <i>"``.
 
     Returns:
-        A ``ForecastResult``: passes when every metric both sides have is within ``limit``.
+        A ``ForecastResult``: passes when every metric both sides have is within ``limit`` (a
+        ``labels`` list of the wrong length is a problem).
     """
     metrics, problems, windows, per_window = [], [], [], {}
-    for name in METRICS:
+    others = sorted(k[len(PREFIX):] for k in expected if k.startswith(PREFIX) and k[len(PREFIX):] not in METRICS)
+    for name in [m for m in METRICS if PREFIX + m in expected] + others:
         key = PREFIX + name
-        if key not in expected:
-            continue
         if key not in actual:
             problems.append(f"{key}: recorded by the reference, missing on the target")
             continue
@@ -152,6 +153,8 @@ def judge_forecast(actual: Mapping[str, Any], expected: Mapping[str, Any], limit
     ranked_by = "crps" if "crps" in per_window else next(iter(per_window), "crps")
     if ranked_by in per_window:
         a, e = per_window[ranked_by]
+        if labels is not None and len(labels) != a.numel():
+            problems.append(f"window_labels: {len(labels)} labels for {a.numel()} held-out windows; give one per window")
         rel = (a - e).abs() / e.abs().clamp_min(torch.finfo(torch.float64).tiny)
         names = list(labels) if labels is not None and len(labels) == a.numel() else \
             [f"window {i}" for i in range(a.numel())]

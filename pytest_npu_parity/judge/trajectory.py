@@ -16,6 +16,11 @@ Ascend/pytorch#107 pattern: loss within 1 %, the first layer's gradients 50 % of
 relative error averaged over a trailing window of ``PARTING_WINDOW`` steps exceeds the limit: a single
 noisy step does not part two curves, a fault that starts at step 0 parts them at step 0.
 
+The learning-rate curve ``lr`` is judged at the loss limit, and the curves recorded at checkpoints
+(``weight_norm.<module>``, ``buffer_norm.<module>``: e.g. BatchNorm running statistics, which the
+training loss does not depend on) at the per-module limit. A reference loss that is not finite (a
+diverged run) is a problem: two diverged runs agree on nothing.
+
 The global gradient-norm curve fails the verdict too when its mean relative error exceeds
 ``grad_norm_limit`` (a gradient fault the loss does not yet show), and each module's gradient-norm
 curve when its mean relative error exceeds ``layer_limit``. A module's curve varies legitimately far
@@ -68,7 +73,9 @@ from .forecast import ForecastResult, judge_forecast
 PARTING_WINDOW = 10
 
 #: Curve names (see the module docstring).
-LOSS, GRAD_NORM, LAYER_PREFIX = "loss", "grad_norm", "layer_grad_norm."
+LOSS, GRAD_NORM, LR, LAYER_PREFIX = "loss", "grad_norm", "lr", "layer_grad_norm."
+#: Curves recorded at checkpoints (``checkpoint_steps``), not every step.
+CHECKPOINT_PREFIXES = ("weight_norm.", "buffer_norm.")
 
 
 @dataclass(frozen=True)
@@ -295,13 +302,22 @@ def judge_trajectory(actual: Mapping[str, Any], expected: Mapping[str, Any],
     for side, curves in (("target", actual), ("reference", expected)):
         if LOSS not in curves:
             raise ValueError(f"judge_trajectory: the {side} has no {LOSS!r} curve (names: {sorted(curves)})")
-    names = [LOSS] + sorted(n for n in expected if n != LOSS and (n == GRAD_NORM or n.startswith(LAYER_PREFIX)))
+    names = [LOSS] + sorted(n for n in expected if n != LOSS and (
+        n in (GRAD_NORM, LR) or n.startswith(LAYER_PREFIX) or n.startswith(CHECKPOINT_PREFIXES)))
     curves, problems, series = [], [], {}
+    reference_loss = torch.as_tensor(expected[LOSS]).detach().to("cpu", torch.float64).reshape(-1)
+    if not torch.isfinite(reference_loss).all():
+        step = int(torch.nonzero(~torch.isfinite(reference_loss))[0])
+        problems.append(f"loss: the reference's loss is not finite from step {step} on (the run diverged): two "
+                        "diverged runs agree on nothing, so the curves cannot tell a fault")
+    marks = expected.get("checkpoint_steps")
+    marks = torch.as_tensor(marks).reshape(-1).tolist() if marks is not None else None
     for name in names:
         if name not in actual:
             problems.append(f"{name}: recorded by the reference, missing on the target")
             continue
-        limit = {LOSS: policy.loss_limit, GRAD_NORM: policy.grad_norm_limit}.get(name, policy.layer_limit)
+        limit = {LOSS: policy.loss_limit, LR: policy.loss_limit, GRAD_NORM: policy.grad_norm_limit}.get(
+            name, policy.layer_limit)
         parting_limit = next(x for x in (limit, policy.grad_norm_limit, policy.loss_limit) if x is not None)
         try:
             errors = relative_errors(actual[name], expected[name])
@@ -310,9 +326,11 @@ def judge_trajectory(actual: Mapping[str, Any], expected: Mapping[str, Any],
             continue
         if name in (LOSS, GRAD_NORM):
             series[name] = (_values(actual[name]), _values(expected[name]))
-        worst = int(errors.argmax())
-        curves.append(CurveResult(name, errors.numel(), float(errors.mean()), float(errors[worst]), worst,
-                                  parting_step(errors, parting_limit, policy.window), limit))
+        top, parted = int(errors.argmax()), parting_step(errors, parting_limit, policy.window)
+        largest = float(errors[top])
+        if name.startswith(CHECKPOINT_PREFIXES) and marks is not None and len(marks) == errors.numel():
+            top, parted = marks[top], None if parted is None else marks[parted]  # steps, not checkpoint indices
+        curves.append(CurveResult(name, errors.numel(), float(errors.mean()), largest, top, parted, limit))
     forecast = (judge_forecast(actual, expected, policy.forecast_limit, window_labels)
                 if any(name.startswith(FORECAST_PREFIX) for name in expected) else None)
     return TrajectoryResult(curves, policy, problems, series, forecast)

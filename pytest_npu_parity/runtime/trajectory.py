@@ -19,8 +19,9 @@ dynamic scaler for the run (``recipes.make_grad_scaler``, looked up when the run
 set can replace it), ``scaler.scale(loss).backward()``, ``scaler.unscale_(optimizer)``, the norms and
 clipping on the unscaled gradients, ``scaler.step``, ``scaler.update()``; a step whose gradients
 overflow is skipped by the scaler (its gradient norms are then inf or NaN on that step), and the
-scale after each step is recorded as the ``amp_scale`` curve. The learning rate of each step and the weight
-2-norm of every such module at ``checkpoints`` evenly spaced steps (the last included) come with them.
+scale after each step is recorded as the ``amp_scale`` curve. The learning rate of each step, the
+weight 2-norm of every such module and the 2-norm of every module's floating buffers (BatchNorm running
+statistics) at ``checkpoints`` evenly spaced steps (the last included) come with them.
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ class TrajectoryLoop:
     evaluate: Callable[[torch.nn.Module, Any], Mapping[str, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.steps, int) or self.steps < 1:
+        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
             raise ValueError(f"TrajectoryLoop: steps must be a positive int, got {self.steps!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"TrajectoryLoop: schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
@@ -131,20 +132,29 @@ class TrajectoryLoop:
         Returns:
             ``loss``, ``grad_norm`` (float32 ``[steps]``), ``lr`` (float64 ``[steps]``),
             ``layer_grad_norm.<module>`` (float32 ``[steps]``), ``weight_norm.<module>`` (float32
-            ``[checkpoints]``), ``checkpoint_steps`` (int64 ``[checkpoints]``), under a loss-scaling
+            ``[checkpoints]``), ``buffer_norm.<module>`` (float32 ``[checkpoints]``: the 2-norm of the
+            module's own floating buffers, e.g. BatchNorm running statistics, for every module that has
+            any), ``checkpoint_steps`` (int64 ``[checkpoints]``), under a loss-scaling
             recipe ``amp_scale`` (float32 ``[steps]``: the scale after each step), and with ``evaluate``
             ``forecast.<metric>`` (float32), all on the CPU.
 
         Raises:
-            ValueError: no batches, a batch form the loss cannot be computed from, a non-scalar loss,
-                or ``evaluate`` without ``held_out`` inputs.
+            ValueError: no batches, no trainable parameter, a batch form the loss cannot be computed
+                from, an output without a loss, a non-scalar loss, ``evaluate`` without ``held_out``
+                inputs or returning something else than per-window values.
         """
         batches: Sequence[Any] = batch.get("batches") or ()
         if not batches:
             raise ValueError("TrajectoryLoop: give the batches as {'batches': [batch, …]} (at least one)")
         owners = trainable_owners(module)
         params = [p for _, ps in owners for p in ps]
+        if not params:
+            raise ValueError("TrajectoryLoop: the module has no trainable parameter (every requires_grad is False): "
+                             "nothing to train")
         device = params[0].device
+        buffered = [(name or "<root>", [b for b in m.buffers(recurse=False) if b.is_floating_point()])
+                    for name, m in module.named_modules()]
+        buffered = [(name, bs) for name, bs in buffered if bs]
         opt = torch.optim.AdamW(params, lr=self.lr_at(0), betas=self.adam_betas, eps=self.adam_epsilon,
                                 weight_decay=self.weight_decay)
         scaler = None
@@ -154,7 +164,7 @@ class TrajectoryLoop:
             scaler = make_grad_scaler(device)
         rows = torch.zeros(self.steps, 3 + len(owners), dtype=torch.float32, device=device)
         marks = self.checkpoint_steps()
-        weights = torch.zeros(len(marks), len(owners), dtype=torch.float32, device=device)
+        weights = torch.zeros(len(marks), len(owners) + len(buffered), dtype=torch.float32, device=device)
         lrs = []
         for step in range(self.steps):
             lr = self.lr_at(step)
@@ -182,7 +192,7 @@ class TrajectoryLoop:
                 rows[step, 2] = _scale_of(scaler)
             if step in marks:
                 with torch.no_grad():
-                    weights[marks.index(step)] = torch.stack([_norm(ps, device) for _, ps in owners])
+                    weights[marks.index(step)] = torch.stack([_norm(ps, device) for _, ps in owners + buffered])
         rows, weights = rows.cpu(), weights.cpu()
         out = {"loss": rows[:, 0].clone(), "grad_norm": rows[:, 1].clone(),
                "lr": torch.tensor(lrs, dtype=torch.float64), "checkpoint_steps": torch.tensor(marks)}
@@ -191,6 +201,8 @@ class TrajectoryLoop:
         for i, (name, _) in enumerate(owners):
             out[f"layer_grad_norm.{name}"] = rows[:, 3 + i].clone()
             out[f"weight_norm.{name}"] = weights[:, i].clone()
+        for i, (name, _) in enumerate(buffered):
+            out[f"buffer_norm.{name}"] = weights[:, len(owners) + i].clone()
         if self.evaluate is not None:
             out.update(self._evaluate(module, batch.get("held_out"), recipe, device))
         return out
@@ -201,12 +213,21 @@ class TrajectoryLoop:
         module.eval()
         with torch.no_grad(), recipe.context(device) if recipe is not None else contextlib.nullcontext():
             metrics = self.evaluate(module, held_out)
-        return {f"forecast.{k}": v.detach().float().cpu().reshape(-1) for k, v in metrics.items()}
+        try:
+            return {f"forecast.{k}": torch.as_tensor(v).detach().float().cpu().reshape(-1) for k, v in metrics.items()}
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"TrajectoryLoop: evaluate must return {{metric: per-window values}} (tensors or lists "
+                             f"of numbers); got {type(metrics).__name__} ({exc})") from None
 
     def _loss(self, module: torch.nn.Module, batch: Any) -> torch.Tensor:
         if isinstance(batch, Mapping):
             output = module(**batch)
             loss = self.loss_fn(output) if self.loss_fn is not None else getattr(output, "loss", None)
+            if loss is None and self.loss_fn is None and isinstance(output, Mapping):
+                loss = output.get("loss")
+            if loss is None and self.loss_fn is None:
+                raise ValueError(f"TrajectoryLoop: the output ({type(output).__name__}) has no loss (no .loss "
+                                 "attribute or 'loss' key); pass loss_fn=")
         elif isinstance(batch, (tuple, list)) and len(batch) >= 2 and self.loss_fn is not None:
             loss = self.loss_fn(module(*batch[:-1]), batch[-1])
         else:

@@ -241,3 +241,102 @@ def test_the_loop_records_the_loss_scale_under_fp16():
     out = TrajectoryLoop(steps=5, learning_rate=1e-3, loss_fn=torch.nn.functional.mse_loss)(
         model, {"batches": batches()}, RECIPES["fp16"])
     assert out["amp_scale"].shape == (5,) and float(out["amp_scale"][0]) <= 2.0 ** 16
+
+
+# -- what a newcomer's model or mistake meets ----------------------------------------------------------------
+
+class BatchNormNet(torch.nn.Module):
+    momentum = 0.1  # a target patch may change it (another config)
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.bn, self.out = torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 1)
+
+    def forward(self, x):
+        self.bn.momentum = type(self).momentum
+        return self.out(torch.relu(self.bn(self.lin(x))))
+
+
+def test_a_batchnorm_statistics_fault_fails_through_the_buffer_norms():
+    # in training mode the loss does not read the running statistics: only their norms show the fault
+    @contextlib.contextmanager
+    def momentum_09(device):
+        BatchNormNet.momentum = 0.9
+        try:
+            yield
+        finally:
+            BatchNormNet.momentum = 0.1
+
+    model = BatchNormNet()
+    assert live().trajectory("bn", model, batches(), loop=LOOP).status == "pass"
+    with pytest.raises(ParityError) as failure:
+        live(patches=momentum_09).trajectory("bn", model, batches(), loop=LOOP)
+    failing = [c.name for c in failure.value.result.curves if not c.passed]
+    assert failing == ["buffer_norm.bn"] and "at step" in str(failure.value)
+
+
+def test_a_run_that_diverges_on_both_sides_fails():
+    nan_loss = TrajectoryLoop(steps=10, loss_fn=lambda out, y: (out * float("nan")).mean())
+    with pytest.raises(ParityError, match="the reference's loss is not finite from step 0 on"):
+        live().trajectory("nan", MODEL, batches(), loop=nan_loss)
+
+
+def test_learning_rate_zero_over_several_batches_is_vacuous_and_says_so_first():
+    frozen = TrajectoryLoop(steps=20, learning_rate=0.0, loss_fn=torch.nn.functional.mse_loss)
+    with pytest.raises(ParityError) as failure:
+        live().trajectory("lr0", MODEL, batches(), loop=frozen)
+    assert str(failure.value).startswith("Trajectory check failed (") and "learning rate is 0" in str(failure.value)
+
+
+def test_any_forecast_metric_the_loop_returns_is_judged():
+    @contextlib.contextmanager
+    def doubled(device):  # the target's evaluation path off by 2x
+        doubled.on = True
+        try:
+            yield
+        finally:
+            doubled.on = False
+    doubled.on = False
+
+    def accuracy(module, held_out):
+        x, y = held_out
+        return {"accuracy": ((module(x) - y).square().mean((1, 2)) * (2.0 if doubled.on else 1.0)).tolist()}
+
+    loop = TrajectoryLoop(steps=5, learning_rate=1e-3, loss_fn=torch.nn.functional.mse_loss, evaluate=accuracy)
+    assert live().trajectory("acc", MODEL, batches(), loop=loop, held_out=_held_out()).status == "pass"
+    with pytest.raises(ParityError, match="accuracy"):
+        live(patches=doubled).trajectory("acc", MODEL, batches(), loop=loop, held_out=_held_out())
+    with pytest.raises(ParityError, match="window_labels: 2 labels for 4 held-out windows"):
+        live(patches=doubled).trajectory("acc2", MODEL, batches(), loop=loop, held_out=_held_out(),
+                                         window_labels=["a", "b"])
+    with pytest.raises(ValueError, match="pass held_out= too"):
+        live().trajectory("acc3", MODEL, batches(), loop=LOOP, window_labels=["a"])
+
+
+def test_bad_models_and_loops_get_clear_errors():
+    frozen = net().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        live().trajectory("frozen", frozen, batches(), loop=LOOP)
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        TrajectoryLoop(steps=True)
+
+    class DictLoss(torch.nn.Module):  # a model whose output is {"loss": …}
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 1)
+
+        def forward(self, x, y):
+            return {"loss": torch.nn.functional.mse_loss(self.lin(x), y)}
+    dict_batches = [{"x": x, "y": y} for x, y in batches()]
+    assert live().trajectory("dict", DictLoss(), dict_batches, loop=TrajectoryLoop(steps=5)).status == "pass"
+
+
+def test_compare_trajectory_takes_lists_and_refuses_other_things():
+    case = live()
+    curve = [1.0, 0.9, 0.8, 0.7]
+    assert case.compare_trajectory("lists", {"loss": curve}, {"loss": curve}).status == "pass"
+    with pytest.raises(ParityError):
+        case.compare_trajectory("lists2", {"loss": [1.0, 0.9, 0.8, 0.6]}, {"loss": curve})
+    with pytest.raises(TypeError, match="must map curve names"):
+        case.compare_trajectory("bad", [1.0], {"loss": curve})
