@@ -264,9 +264,10 @@ class TrajectoryResult:
 
         layer = self.first_parting_layer
         head = "Trajectories agree" if self.passed else "Trajectories part"
+        loss = self._curve(LOSS)
         lines = [f"{head}{f' ({context})' if context else ''}",
                  f"mean relative loss error {self.mean_rel_loss_error:.3g} (limit {self.policy.loss_limit:g}) "
-                 f"over {self.curves[0].steps if self.curves else 0} steps",
+                 f"over {loss.steps} steps" if loss is not None else "the loss curves could not be compared (below)",
                  f"loss curves part at: {step(self.loss_parted_at)}; grad-norm curves part at: "
                  f"{step(self.grad_norm_parted_at)}; first module whose gradient norm parts: "
                  f"{'none' if layer is None else f'{layer[0]} at step {layer[1]}'}"]

@@ -133,3 +133,10 @@ def test_a_policy_without_a_layer_limit_reports_modules_without_failing():
     assert result.passed and result.first_parting_layer == ("a", 0)
     with pytest.raises(ValueError, match="layer_limit"):
         TrajectoryPolicy(1e-6, layer_limit=0.0)
+
+
+def test_loss_curves_that_cannot_be_compared_say_so_instead_of_a_nan_error():
+    result = judge_trajectory({"loss": torch.ones(15)}, {"loss": torch.ones(20)}, DEFAULT_LIMITS["fp32"])
+    text = result.format()
+    assert not result.passed and "the loss curves could not be compared" in text and "nan" not in text
+    assert "loss: curves of 15 and 20 steps cannot be compared step by step" in text
