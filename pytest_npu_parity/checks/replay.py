@@ -207,7 +207,7 @@ def _closest(recorded: dict[str, torch.Tensor], now: dict[str, Any], what: str) 
         if d > DRAW_RTOL:
             how = (f"differs (by up to {_largest_change(rec, cur):.3g} where every recorded value is 0)"
                    if d == float("inf") and _all_zero(rec) else
-                   "differs" if d == float("inf") else f"differs by {d:.2g} of its values")
+                   "differs" if d == float("inf") else f"differs by up to {d:.2g} of its own size (relative)")
             return d, key, (f"{what} {key} {how}, beyond the {DRAW_RTOL:g} that another machine's random "
                             "draws explain: a real change")
         if d > worst:
