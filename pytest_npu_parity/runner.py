@@ -207,6 +207,7 @@ class ParitySession:
         self._copies: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         self._reference_memo: dict[tuple, dict] = {}
         self.patches_applied: set[str] = set()
+        self.reference_patches_applied: set[str] = set()
         from .runtime.devices import device_name
 
         self.target_name = device_name(target)
@@ -271,6 +272,7 @@ class ParitySession:
             "recipes": list(recipes),
             "precision_flags": flags,
             "patch_set": sorted(self.patches_applied),
+            "reference_patch_set": sorted(self.reference_patches_applied),
             "pytest_args": list(pytest_args),
         }
 
@@ -335,6 +337,10 @@ class ParityCase:
         marker_layers: the layer check of every check of the test (``@pytest.mark.parity(layers=...)``:
             ``False``/``"off"``, a relative L2 limit, ``True`` for the fp32 default; see
             ``layers.parse_layer_spec``), or None for the session's per recipe.
+        reference_patches: ``(device) -> context manager`` for the reference side's runs (live and
+            recorded), or None: only what the model needs to run there at all under this recipe
+            (``runtime.side.Side.reference_patches``; the suite's ``parity_reference_patches`` fixture).
+            Their names are the session metadata's ``reference_patch_set``.
     """
 
     #: Inputs each side's run changed in place (``"reference"``/``"target"`` -> paths such as
@@ -344,7 +350,8 @@ class ParityCase:
     def __init__(self, session: ParitySession, test_id: str, recipe: str = "fp32", *,
                  marker_tolerance: Tolerance | None = None, patches: PatchFactory | None = None,
                  vacuous_ok: str | None = None, marker_policy: str | None = None, audit_budget: Any = None,
-                 audit_mode: str | None = None, marker_train_store: str | None = None, marker_layers: Any = None):
+                 audit_mode: str | None = None, marker_train_store: str | None = None, marker_layers: Any = None,
+                 reference_patches: PatchFactory | None = None):
         if recipe not in RECIPES:
             raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
         self.session = session
@@ -352,6 +359,7 @@ class ParityCase:
         self.recipe: Recipe = RECIPES[recipe]
         self.marker_tolerance = marker_tolerance
         self.patches = patches
+        self.reference_patches = reference_patches
         self.vacuous_ok = vacuous_ok
         self.marker_policy = marker_policy
         # The marker's settings, parsed once for this test (a bad spec fails before any run).
@@ -806,7 +814,7 @@ class ParityCase:
     def _side(self) -> Side:
         """What each run of this case's checks is lent: recipe, placement, patch set, audit."""
         return Side(self.recipe, self.session.place, self.patches, self.session.audit_factory,
-                    self.session.patches_applied)
+                    self.session.patches_applied, self.reference_patches, self.session.reference_patches_applied)
 
     def _facts(self) -> CaseFacts:
         """This test's facts for records and verdicts."""

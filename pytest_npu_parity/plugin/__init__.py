@@ -20,7 +20,8 @@ try:
 except Exception as _exc:  # noqa: BLE001 - never fail pytest's start-up over the NPU probe
     NPU_UNUSED_REASON = f"NPU detection failed: {type(_exc).__name__}: {_exc}"
 
-from .fixtures import parity, parity_audit_budget, parity_patches, parity_recipe, parity_session  # noqa: E402
+from .fixtures import (parity, parity_audit_budget, parity_patches, parity_recipe,  # noqa: E402
+                       parity_reference_patches, parity_session)
 from .hooks import (parity_enabled, pytest_addoption, pytest_collection_modifyitems,  # noqa: E402
                     pytest_configure, pytest_generate_tests, pytest_report_header, pytest_runtest_makereport,
                     pytest_sessionfinish, pytest_sessionstart, pytest_terminal_summary, pytest_testnodedown,
@@ -31,7 +32,8 @@ from .state import (CASES_KEY, COLLECTED_KEY, CONFIG_KEY, DEEPSPEED_LINT_KEY, LO
                     OUTCOME_KEY, PROFILE_KEY, ROWS_KEY, SESSION_KEY, STALE_KEY, TEMP_KEY)
 
 __all__ = [
-    "NPU_UNUSED_REASON", "parity", "parity_audit_budget", "parity_patches", "parity_recipe", "parity_session",
+    "NPU_UNUSED_REASON", "parity", "parity_audit_budget", "parity_patches", "parity_recipe",
+    "parity_reference_patches", "parity_session",
     "parity_enabled", "pytest_addoption", "pytest_collection_modifyitems", "pytest_configure",
     "pytest_generate_tests", "pytest_report_header", "pytest_runtest_makereport", "pytest_sessionfinish",
     "pytest_sessionstart", "pytest_terminal_summary", "pytest_testnodedown", "pytest_unconfigure",

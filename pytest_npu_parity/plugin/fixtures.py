@@ -1,5 +1,6 @@
 """The plugin's fixtures: ``parity`` (one test's ``runner.ParityCase``), ``parity_session``,
-``parity_recipe``, and the suite seams ``parity_patches`` and ``parity_audit_budget``."""
+``parity_recipe``, and the suite seams ``parity_patches``, ``parity_reference_patches`` and
+``parity_audit_budget``."""
 from __future__ import annotations
 
 from typing import Any, Iterator
@@ -23,6 +24,17 @@ def parity_patches():
 
 
 @pytest.fixture
+def parity_reference_patches():
+    """``(device) -> context manager`` applying what the *reference* side needs to run this test's
+    recipe at all, or None (the default: the reference runs the model as it is). For gaps the model has
+    on every device, e.g. upstream Aurora's ``torch.fft.rfft`` of bf16 weights (``bf16-weights``
+    recipe), never for the port's device fixes: what both sides share is not judged. Override it in a
+    suite's conftest (it may depend on ``parity_recipe``); the names applied are the report's
+    ``reference_patch_set``."""
+    return None
+
+
+@pytest.fixture
 def parity_audit_budget():
     """What the target runs of this suite's checks may do under ``--parity-audit``: a dict
     (``{"h2d": 2, "host_sync": None}``), a spec string (``"h2d=2 # reason"``) or an
@@ -42,7 +54,7 @@ def parity_session(pytestconfig: pytest.Config):
 
 @pytest.fixture
 def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, parity_patches,
-           parity_audit_budget) -> Iterator[Any]:
+           parity_audit_budget, parity_reference_patches) -> Iterator[Any]:
     """Run and compare computations on the reference and the target device.
 
     ``parity.check(name, module_or_fn, *args, **kwargs)`` runs on both sides and compares every
@@ -69,7 +81,8 @@ def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, p
                           marker_policy=marker.kwargs.get("policy") if marker else None,
                           audit_budget=budget, audit_mode=marker.kwargs.get("audit") if marker else None,
                           marker_train_store=marker.kwargs.get("train_store") if marker else None,
-                          marker_layers=marker.kwargs.get("layers") if marker else None)
+                          marker_layers=marker.kwargs.get("layers") if marker else None,
+                          reference_patches=parity_reference_patches)
     except (ValueError, TypeError) as exc:  # a bad policy= or train_store= in the marker
         raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.parity: {exc}") from None
     request.config.stash[CASES_KEY].append(case)

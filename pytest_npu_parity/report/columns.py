@@ -140,6 +140,7 @@ RNG = "rng"
 RECIPES = "recipes"
 PRECISION_FLAGS = "precision_flags"
 PATCH_SET = "patch_set"
+REFERENCE_PATCH_SET = "reference_patch_set"
 PYTEST_ARGS = "pytest_args"
 GROUP = "group"
 WEIGHTS = "weights"
@@ -277,6 +278,8 @@ META_TABLE: tuple[Column, ...] = (
     Column(RECIPES, JSON, "recipes of the run (JSON list)"),
     Column(PRECISION_FLAGS, JSON, "precision flags in force (JSON object: TF32/HF32 switches, matmul precision)"),
     Column(PATCH_SET, JSON, "names of the adaptation patches applied (JSON list)"),
+    Column(REFERENCE_PATCH_SET, JSON, "names of the patches the reference side ran under (JSON list; the suite's "
+                                      "parity_reference_patches, e.g. bf16 weights upstream cannot run)"),
     Column(PYTEST_ARGS, JSON, "the pytest command line arguments (JSON list, or one string)"),
 )
 

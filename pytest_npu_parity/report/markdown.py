@@ -68,6 +68,9 @@ def _headline(s: Summary) -> list[str]:
     patches = s.meta.get("patch_set")
     if patches is not None:
         lines.append("Patch set: " + (", ".join(f"`{p}`" for p in patches) if patches else "none") + ".")
+    reference_patches = s.meta.get("reference_patch_set")
+    if reference_patches:
+        lines.append("Reference side also under: " + ", ".join(f"`{p}`" for p in reference_patches) + ".")
     lines.append("")
     return lines
 

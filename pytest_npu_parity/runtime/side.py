@@ -327,6 +327,11 @@ class Side:
         patches: ``(device) -> context manager`` applying the suite's patch set (patched runs), or None.
         audit_factory: ``(device) -> audit context manager`` of audited runs, or None.
         patches_applied: receives the names of the patches a patched run applied.
+        reference_patches: ``(device) -> context manager`` applying what the reference side needs to run
+            the computation at all (unpatched runs: the live reference and a recording), or None. For
+            dtype gaps the upstream code has on every device (Aurora's bf16 ``rfft`` under the
+            ``bf16-weights`` recipe); never the port's device fixes, which the reference must not share.
+        reference_patches_applied: receives the names of the patches a reference run applied.
         input_changes: receives, per side that ran (``"reference"``, ``"target"``: unpatched and
             patched runs), the paths of the inputs its runs changed in place (``_changed_inputs``).
     """
@@ -336,6 +341,8 @@ class Side:
     patches: PatchFactory | None = None
     audit_factory: Callable[[torch.device], ContextManager[Any]] | None = None
     patches_applied: set = field(default_factory=set)
+    reference_patches: PatchFactory | None = None
+    reference_patches_applied: set = field(default_factory=set)
     input_changes: dict = field(default_factory=dict)
 
 
@@ -493,6 +500,11 @@ def _call(side: Side, spec: RunSpec, device: torch.device, patched: bool, audit:
             # A patch context that names no patches (a user's parity_patches override) is named
             # after its factory, so that the report never says "none" while patches ran.
             side.patches_applied.update(names if names is not None else (patch_factory_name(side.patches),))
+        elif not patched and side.reference_patches is not None:
+            applied = stack.enter_context(side.reference_patches(device))
+            names = getattr(applied, "applied", None)
+            side.reference_patches_applied.update(
+                names if names is not None else (patch_factory_name(side.reference_patches),))
         args = tuple(a.copy(device, weights_dtype) if isinstance(a, _CopyOnEntry) else side.recipe if a is RUN_RECIPE
                      else a for a in spec.args)
         call = _placed_call(side, spec.fn, device)
