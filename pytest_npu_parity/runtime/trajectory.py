@@ -22,6 +22,17 @@ overflow is skipped by the scaler (its gradient norms are then inf or NaN on tha
 scale after each step is recorded as the ``amp_scale`` curve. The learning rate of each step, the
 weight 2-norm of every such module and the 2-norm of every module's floating buffers (BatchNorm running
 statistics) at ``checkpoints`` evenly spaced steps (the last included) come with them.
+
+Low-precision weights (the ``bf16-weights`` recipe, upstream's ``torch_dtype=bfloat16`` under
+``deepspeed.json``'s ``"bf16": {"enabled": true}``) train as DeepSpeed trains them: the optimizer holds a
+float32 master copy of every bf16/fp16 parameter, the bf16 gradients are added into float32 gradients,
+clipping and the AdamW step run on the float32 copies and the result is copied back into the bf16 weights
+(DeepSpeed 0.19.8 ``deepspeed/runtime/bf16_optimizer.py`` ``BF16_Optimizer``: ``_update_hp_grad`` adds
+``lp.grad.to(hp_grad.dtype)``, ``step`` clips and steps the fp32 partition, ``update_lp_params`` copies it
+into the bf16 partition; ZeRO stages 1-2 keep fp32 master weights likewise unless
+``bf16_master_weights_and_gradients`` is set). ``master_weights=False`` steps AdamW on the bf16 weights
+themselves, as a loop without master weights does: at lr 1e-4 most updates are smaller than half a bf16
+ULP of the weight and are lost.
 """
 from __future__ import annotations
 
@@ -55,6 +66,13 @@ def owner_grad_norms(owners: Sequence[tuple[str, Sequence[torch.nn.Parameter]]],
     return torch.stack([_norm([p.grad for p in ps if p.grad is not None], device) for _, ps in owners])
 
 
+def _master_copies(params: Sequence[torch.nn.Parameter]) -> dict[int, torch.Tensor]:
+    """``{index in params: float32 master copy}`` of every bf16/fp16 parameter (a leaf that requires grad,
+    on the parameter's device); float32 and float64 parameters get none."""
+    return {i: p.detach().float().clone().requires_grad_(True) for i, p in enumerate(params)
+            if p.dtype in (torch.bfloat16, torch.float16)}
+
+
 def _scale_of(scaler: Any) -> torch.Tensor | float:
     """The scaler's current scale without a host sync where it keeps it as a tensor (``_scale`` of
     ``torch.amp.GradScaler``, which torch_npu's scaler subclasses), else ``get_scale()`` (a float)."""
@@ -79,6 +97,9 @@ class TrajectoryLoop:
             step with the trained module in eval mode, without autograd, under the recipe's autocast,
             on the ``held_out`` inputs of the batch (``judge.forecast.forecast_metrics`` gives such
             per-window metrics); its tensors are returned as ``forecast.<metric>``. None: no evaluation.
+        master_weights: for bf16/fp16 trainable parameters, keep float32 master weights and step the
+            optimizer on them (DeepSpeed's bf16 scheme, module docstring); True by default. False: step
+            on the low-precision weights. float32 parameters are stepped directly either way.
     """
 
     steps: int = 300
@@ -92,6 +113,7 @@ class TrajectoryLoop:
     checkpoints: int = 5
     loss_fn: Callable[..., torch.Tensor] | None = None
     evaluate: Callable[[torch.nn.Module, Any], Mapping[str, torch.Tensor]] | None = None
+    master_weights: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
@@ -155,13 +177,19 @@ class TrajectoryLoop:
         buffered = [(name or "<root>", [b for b in m.buffers(recurse=False) if b.is_floating_point()])
                     for name, m in module.named_modules()]
         buffered = [(name, bs) for name, bs in buffered if bs]
-        opt = torch.optim.AdamW(params, lr=self.lr_at(0), betas=self.adam_betas, eps=self.adam_epsilon,
+        masters = _master_copies(params) if self.master_weights else {}
+        stepped = [masters.get(i, p) for i, p in enumerate(params)]
+        opt = torch.optim.AdamW(stepped, lr=self.lr_at(0), betas=self.adam_betas, eps=self.adam_epsilon,
                                 weight_decay=self.weight_decay)
         scaler = None
         if recipe is not None and getattr(recipe, "loss_scaling", False):
             from .recipes import make_grad_scaler
 
             scaler = make_grad_scaler(device)
+            if masters:
+                raise ValueError("TrajectoryLoop: a loss-scaling recipe (fp16 autocast) trains float32 weights; "
+                                 "this module has bf16/fp16 parameters: use the bf16-weights recipe without loss "
+                                 "scaling, or float32 weights")
         rows = torch.zeros(self.steps, 3 + len(owners), dtype=torch.float32, device=device)
         marks = self.checkpoint_steps()
         weights = torch.zeros(len(marks), len(owners) + len(buffered), dtype=torch.float32, device=device)
@@ -172,6 +200,8 @@ class TrajectoryLoop:
                 group["lr"] = lr
             lrs.append(lr)
             opt.zero_grad(set_to_none=True)
+            for i in masters:
+                params[i].grad = None
             with recipe.context(device) if recipe is not None else contextlib.nullcontext():
                 loss = self._loss(module, batches[step % len(batches)])
             if scaler is None:
@@ -182,14 +212,20 @@ class TrajectoryLoop:
             with torch.no_grad():
                 rows[step, 3:] = owner_grad_norms(owners, device)
                 rows[step, 0] = loss.detach().float()
+            for i, master in masters.items():  # bf16 gradients into the float32 master gradients
+                grad = params[i].grad
+                master.grad = None if grad is None else grad.detach().to(master.dtype)
             clip = self.max_grad_norm if self.max_grad_norm is not None else math.inf
-            rows[step, 1] = torch.nn.utils.clip_grad_norm_(params, clip).detach().float()
+            rows[step, 1] = torch.nn.utils.clip_grad_norm_(stepped, clip).detach().float()
             if scaler is None:
                 opt.step()
             else:
                 scaler.step(opt)
                 scaler.update()
                 rows[step, 2] = _scale_of(scaler)
+            with torch.no_grad():
+                for i, master in masters.items():  # the stepped master weights back into the model's dtype
+                    params[i].copy_(master)
             if step in marks:
                 with torch.no_grad():
                     weights[marks.index(step)] = torch.stack([_norm(ps, device) for _, ps in owners + buffered])

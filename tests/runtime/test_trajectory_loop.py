@@ -47,3 +47,49 @@ def test_bad_loops_are_named():
         TrajectoryLoop(steps=1)(torch.nn.Linear(2, 1), {})
     with pytest.raises(ValueError, match="loss_fn"):
         TrajectoryLoop(steps=1)(torch.nn.Linear(2, 1), {"batches": [(torch.ones(1, 2), torch.ones(1, 1))]})
+
+
+def _bf16_run(model, master_weights=True, steps=60):
+    torch.manual_seed(1)
+    x = torch.randn(64, 8)
+    y = 3 * torch.sin(x.sum(1, keepdim=True))
+    batches = [(x[i:i + 16].to(model[0].weight.dtype), y[i:i + 16].to(model[0].weight.dtype)) for i in range(0, 64, 16)]
+    loop = TrajectoryLoop(steps=steps, learning_rate=1e-4, master_weights=master_weights,
+                          loss_fn=lambda out, target: torch.nn.functional.mse_loss(out.float(), target.float()))
+    return loop(model, {"batches": batches})
+
+
+def _bf16_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).train()
+    with torch.no_grad():  # weights of ~0.5: a bf16 ULP there (2^-8) is ~40x an AdamW step of lr 1e-4
+        for p in model.parameters():
+            p.copy_(0.25 + 0.5 * torch.rand_like(p))
+    return model.to(torch.bfloat16)
+
+
+def test_bf16_weights_train_through_float32_master_weights():
+    """DeepSpeed's bf16 scheme: the bf16 weights follow a float32 run of the same start to bf16 rounding, while a
+    loop without master weights loses the updates (each smaller than half a bf16 ULP of its weight)."""
+    fp32 = _bf16_model().float()
+    start = [p.detach().clone() for p in fp32.parameters()]
+    reference = _bf16_run(fp32)
+    master, plain = _bf16_model(), _bf16_model()
+    with_masters, without = _bf16_run(master), _bf16_run(plain, master_weights=False)
+    assert all(p.dtype == torch.bfloat16 for p in master.parameters())
+    moved = [(p.float() - s).abs().max().item() for p, s in zip(master.parameters(), start)]
+    lost = [torch.equal(p.float(), s) for p, s in zip(plain.parameters(), start)]
+    assert min(moved) > 0 and all(lost), (moved, lost)
+    loss_error = lambda run: ((run["loss"] - reference["loss"]).abs() / reference["loss"]).mean().item()  # noqa: E731
+    assert loss_error(with_masters) < 1e-2 < loss_error(without), (loss_error(with_masters), loss_error(without))
+    # the weight norms follow the float32 run's
+    final = lambda run: run["weight_norm.0"][-1].item()  # noqa: E731
+    assert final(with_masters) == pytest.approx(final(reference), rel=5e-3)
+
+
+def test_loss_scaling_with_low_precision_weights_is_refused():
+    from pytest_npu_parity.runtime.recipes import RECIPES
+
+    with pytest.raises(ValueError, match="bf16-weights recipe without loss scaling"):
+        TrajectoryLoop(steps=1, loss_fn=torch.nn.functional.mse_loss)(
+            _bf16_model(), {"batches": [(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(2, 1))]}, RECIPES["fp16"])
