@@ -9,6 +9,12 @@ from the same stream on both sides. After the last step each side's trained mode
 El Niño windows (16 samples each; MSE, MAE, CRPS). The baseline stores the curves and the per-window
 metrics; the verdict is the mean relative loss error with the step where the curves part
 (``judge.trajectory``) and the relative difference of each forecast metric (``judge.forecast``).
+
+Under ``--parity-dtypes bf16-weights`` (opt-in, as the recipe is) ``test_trajectory`` trains as upstream does with
+``precision='bf16'`` under the guide's DeepSpeed ``"bf16": {"enabled": true}``: bf16 weights and bf16 inputs
+(Trainer's cast for DeepSpeed), float32 master weights in the optimizer (``TrajectoryLoop``); the reference side
+runs under the patch set's dtype fixes too (``parity_reference_patches`` in conftest.py), since upstream cannot
+run bf16 weights on any device. Its baseline is committed (``test_trajectory.bf16-weights.safetensors``).
 """
 import pytest
 
@@ -34,3 +40,4 @@ def test_trajectory(parity, aurora_tiny):
 @pytest.mark.parity_nightly
 def test_trajectory_long(parity, aurora_tiny):
     _trajectory(parity, aurora_tiny, LONG)
+
