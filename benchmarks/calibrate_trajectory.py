@@ -18,7 +18,8 @@ variant and steps) and rewrites ``--md`` from all rows, so the three environment
         --label "ATen default + AVX2" --variants clean
     /path/to/torch-2.5.1/bin/python benchmarks/calibrate_trajectory.py --label "torch 2.5.1" --variants clean
 
-``--steps 300`` uses the nightly form's baselines (``test_trajectory_long``); bf16-weights has a 60-step baseline only.
+``--steps 300`` uses the nightly form's baselines (``test_trajectory_long``); bf16-weights and fp16 (both opt-in
+recipes) have a 60-step baseline only.
 """
 from __future__ import annotations
 
@@ -49,17 +50,19 @@ from pytest_npu_parity.store.suites import SuiteStores  # noqa: E402
 
 #: Expected verdict of a fault below what a recipe resolves: a 1e-4 weight fault moves a bf16 trajectory less
 #: than the reduction order does (1 thread vs 2: 6.8e-4), so bf16 cannot tell it; that is the fp32 recipe's job.
+#: Likewise the weight fault and AdamW eps × 10 under fp16 (8.9e-5 and 8.7e-5 against 7.2e-5 for 1 thread).
 BELOW = "below resolution"
 #: variant -> (recipes it runs under, expected verdict; a dict: per recipe)
 VARIANTS = {
-    "clean": (("fp32", "bf16", "bf16-weights"), "pass"),
-    "threads1": (("fp32", "bf16", "bf16-weights"), "pass"),
-    "weight": (("fp32", "bf16"), {"fp32": "fail", "bf16": BELOW}),
-    "eps": (("fp32",), "fail"),
-    "clip": (("fp32",), "fail"),
-    "dropout": (("fp32",), "fail"),
+    "clean": (("fp32", "bf16", "bf16-weights", "fp16"), "pass"),
+    "threads1": (("fp32", "bf16", "bf16-weights", "fp16"), "pass"),
+    "weight": (("fp32", "bf16", "fp16"), {"fp32": "fail", "bf16": BELOW, "fp16": BELOW}),
+    "eps": (("fp32", "fp16"), {"fp32": "fail", "fp16": BELOW}),
+    "clip": (("fp32", "fp16"), "fail"),
+    "dropout": (("fp32", "fp16"), "fail"),
     "schedule": (("fp32",), "fail"),
     "no_master_weights": (("bf16-weights",), "fail"),
+    "fp16_unscale": (("fp16",), "fail"),
 }
 TEST = {60: "test_trajectory", 300: "test_trajectory_long"}
 
@@ -147,13 +150,13 @@ def render(rows: list[dict], machine: str) -> str:
              "committed baseline (recorded with torch 2.14.1, 2 threads) except for the WarmupLR fault, judged "
              "against a live CPU run of the warmup loop. Limits: `judge.trajectory.DEFAULT_LIMITS` (fp32: loss "
              "1e-6, grad norm 2.5e-6, each module 1e-3, forecast 1e-4; bf16 and bf16-weights: 1e-2, 5e-2, 0.25, "
-             "5e-2). A row is correct when a legitimate variant passes and a fault fails.", "",
+             "5e-2; fp16: 5e-4, 5e-3, 4e-2, 1e-3). A row is correct when a legitimate variant passes and a fault fails.", "",
              f"CPU: {machine}.", "",
              "| label | torch | recipe | variant | steps | expected | verdict | mean rel. loss error | loss parts at | "
              "mean rel. grad-norm error | grad norm parts at | largest module mean | forecast max rel. diff | s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = {v: i for i, v in enumerate(VARIANTS)}
-    recipes = {"fp32": 0, "bf16": 1, "bf16-weights": 2}
+    recipes = {"fp32": 0, "bf16": 1, "bf16-weights": 2, "fp16": 3}
     for r in sorted(rows, key=lambda r: (recipes.get(r["recipe"], 9), r["steps"], order.get(r["variant"], 99),
                                          r["label"])):
         ok = " ❌ wrong" if _wrong(r) else ""
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", required=True, help="the environment's name in the table, e.g. 'torch 2.5.1'")
     parser.add_argument("--variants", default="clean", help="comma-separated variants, 'all', or 'none' (rewrite --md only) "
                         f"({', '.join(VARIANTS)})")
-    parser.add_argument("--recipes", default="fp32,bf16,bf16-weights")
+    parser.add_argument("--recipes", default="fp32,bf16,bf16-weights,fp16")
     parser.add_argument("--steps", type=int, default=60, choices=sorted(TEST))
     parser.add_argument("--json", type=Path, default=REPO / "benchmarks/results/calibration_trajectory.json")
     parser.add_argument("--md", type=Path, default=REPO / "benchmarks/results/calibration_trajectory.md")
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = json.loads(args.json.read_text())["rows"] if args.json.exists() else []
     for variant in variants:
         for recipe in recipes:
-            if recipe not in VARIANTS[variant][0] or (recipe == "bf16-weights" and args.steps != 60):
+            if recipe not in VARIANTS[variant][0] or (recipe in ("bf16-weights", "fp16") and args.steps != 60):
                 continue
             row = dict(run_variant(variant, recipe, args.steps, model, batches, held_out), label=args.label,
                        torch=torch.__version__,

@@ -108,7 +108,7 @@ def test_a_step_skipped_on_both_sides_alike_is_no_difference():
     assert not result.passed and result.grad_norm_parted_at == 2
     with pytest.raises(ValueError, match="limits must be > 0"):
         TrajectoryPolicy(0.0)
-    assert default_policy("fp16") is DEFAULT_LIMITS["bf16"]
+    assert default_policy("fp16") is DEFAULT_LIMITS["fp16"] and default_policy("bf16-weights") is DEFAULT_LIMITS["bf16"]
     assert relative_errors(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0])).tolist() == [0.0, 0.0]
 
 
