@@ -5,7 +5,6 @@ as a port's runtime patches would change it: a weight off by 1e-4, AdamW's weigh
 clipping gone (AdamW's eps ×10 is invisible on this model's large gradients; tests/aurora plants it there).
 """
 import contextlib
-import math
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch
 from pytest_npu_parity.judge.allclose import ParityError
 from pytest_npu_parity.judge.trajectory import TrajectoryPolicy
 from pytest_npu_parity.runner import ParityCase, ParitySession
+from pytest_npu_parity.runtime import training_faults
 from pytest_npu_parity.runtime.trajectory import TrajectoryLoop
 from pytest_npu_parity.store.suites import SuiteStores
 
@@ -49,9 +49,7 @@ def target(weight_scale=1.0, eps_scale=1.0, weight_decay=None, clip=True):
                     else weight_decay))
                 stack.callback(setattr, torch.optim, "AdamW", adamw)
             if not clip:
-                clip_fn = torch.nn.utils.clip_grad_norm_
-                torch.nn.utils.clip_grad_norm_ = lambda params, max_norm, **kw: clip_fn(params, math.inf, **kw)
-                stack.callback(setattr, torch.nn.utils, "clip_grad_norm_", clip_fn)
+                stack.enter_context(training_faults.no_clipping())
             yield
     return patches
 
@@ -202,34 +200,12 @@ def test_held_out_inputs_and_an_evaluating_loop_go_together():
 
 
 def test_fp16_trains_through_a_loss_scaler_and_a_missing_unscale_fails():
-    from pytest_npu_parity.runtime import recipes
-
     clean = live("fp16").trajectory("curve", MODEL, batches(), loop=LOOP)
     assert clean.status == "pass" and clean.result.mean_rel_loss_error == 0.0
 
-    @contextlib.contextmanager
-    def clipped_before_unscale(device):  # the AMP bug: clip_grad_norm_ on the scaled gradients
-        make = recipes.make_grad_scaler
-
-        def buggy(dev):
-            scaler = make(dev)
-            real_unscale = scaler.unscale_
-            scaler.unscale_ = lambda optimizer: None  # the loop's call before clipping does nothing
-            real_step = scaler.step
-
-            def step(optimizer, *args, **kwargs):
-                real_unscale(optimizer)  # only here, after clipping
-                return real_step(optimizer, *args, **kwargs)
-            scaler.step = step
-            return scaler
-        recipes.make_grad_scaler = buggy
-        try:
-            yield
-        finally:
-            recipes.make_grad_scaler = make
-
     with pytest.raises(ParityError) as failure:
-        live("fp16", clipped_before_unscale).trajectory("curve", MODEL, batches(), loop=LOOP)
+        live("fp16", lambda device: training_faults.clip_before_unscale()).trajectory(
+            "curve", MODEL, batches(), loop=LOOP)
     result = failure.value.result  # the norms are taken where clipping sees them: scaled, from step 0 on
     assert not result.passed and result.grad_norm_parted_at == 0 and result.mean_rel_loss_error > 1e-4
 
