@@ -1,6 +1,6 @@
 """First-divergence localization on the full seeded Aurora: a fault in decoder layer 4 is named.
 
-Three port bugs are injected into ``model.dec_layers.4`` on the target side only (inside the patch
+Four port bugs are injected into ``model.dec_layers.4`` on the target side only (inside the patch
 factory, on top of the NPU patch set), and the full-model eval forward (``forward_eval``) must fail
 with a message whose first divergence is that layer (or a submodule of it), with a local error
 larger than the inherited one:
@@ -9,9 +9,11 @@ larger than the inherited one:
 * a dropped mask: inside layer 4 only, ``causal_attention_mask`` builds an all-zero mask (the layer's
   own code, outside its submodules, hands the wrong mask to its self-attention);
 * a wrong attention scale: layer 4's self-attention divides its scores by head_dim^(1/4) instead of
-  sqrt(head_dim).
+  sqrt(head_dim);
+* a wrong norm eps: layer 4's second BatchNorm with eps 1e-3 instead of upstream's 1e-5 (named down to
+  that norm).
 
-The reference is a live CPU run of the unpatched upstream model. The three faults share one
+The reference is a live CPU run of the unpatched upstream model. The faults share one
 ``Localizer`` (as a session does), and the scaled-weight case also checks decoder layer 4 on the
 activations the model hands it (``decoder_layer_4``, as the suite does): the whole model's descent
 answers it without running anything.
@@ -93,7 +95,19 @@ def _wrong_scale(layer: torch.nn.Module):
         del attention._scaled_dot_product_attention
 
 
-FAULTS = {"scaled_weight": _scaled_weight, "dropped_mask": _dropped_mask, "wrong_scale": _wrong_scale}
+@contextlib.contextmanager
+def _wrong_norm_eps(layer: torch.nn.Module):
+    # a port's BatchNorm built with another eps (1e-3 for upstream's 1e-5): the layer's second norm
+    norm = layer.norm2[1]
+    eps, norm.eps = norm.eps, 1e-3
+    try:
+        yield
+    finally:
+        norm.eps = eps
+
+
+FAULTS = {"scaled_weight": _scaled_weight, "dropped_mask": _dropped_mask, "wrong_scale": _wrong_scale,
+          "wrong_norm_eps": _wrong_norm_eps}
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -126,6 +140,8 @@ def test_full_forward_failure_names_the_faulty_decoder_layer(ctx, session, local
     assert by_path["model.dec_layers.5"]["verdict"] == "inherited"
     if fault == "dropped_mask":  # the mask is built in the layer's own forward, not in a child
         assert first["submodule"] == LAYER and "in its own code outside its submodules" in message
+    if fault == "wrong_norm_eps":  # the descent goes down to the norm itself
+        assert first["submodule"] in (f"{LAYER}.norm2", f"{LAYER}.norm2.1"), message
     assert math.isfinite(first["local_max_abs"])
     # What makes it pass: the first divergence replaced by its float64 CPU reference (computed outside the
     # patch set, so the dropped mask does not reach it) removes the error, as turning the patch set off does.
