@@ -145,7 +145,9 @@ class TrajectoryLoop:
         """Train ``module`` in place on ``batch["batches"]`` (cycled) and return its curves.
 
         Args:
-            module: the model, in training mode, on its device.
+            module: the model, in training mode, on its device. A parameter several modules share (tied
+                weights, e.g. GPT-2's ``wte`` and ``lm_head``) is stepped and clipped once and counts once in
+                ``grad_norm``; each of its owners' ``layer_grad_norm`` curves includes it.
             batch: ``{"batches": [b0, b1, …]}``, each a dict (``module(**b)``) or a tuple/list
                 ``(inputs…, target)`` (``loss_fn(module(*inputs), target)``), already on the device;
                 with ``evaluate``, also ``"held_out"``: what ``evaluate`` is given.
@@ -169,7 +171,8 @@ class TrajectoryLoop:
         if not batches:
             raise ValueError("TrajectoryLoop: give the batches as {'batches': [batch, …]} (at least one)")
         owners = trainable_owners(module)
-        params = [p for _, ps in owners for p in ps]
+        # a parameter two modules share (tied weights) is one parameter: stepped, clipped and counted once
+        params = list({id(p): p for _, ps in owners for p in ps}.values())
         if not params:
             raise ValueError("TrajectoryLoop: the module has no trainable parameter (every requires_grad is False): "
                              "nothing to train")

@@ -93,3 +93,34 @@ def test_loss_scaling_with_low_precision_weights_is_refused():
     with pytest.raises(ValueError, match="bf16-weights recipe without loss scaling"):
         TrajectoryLoop(steps=1, loss_fn=torch.nn.functional.mse_loss)(
             _bf16_model(), {"batches": [(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(2, 1))]}, RECIPES["fp16"])
+
+
+class _TiedHead(torch.nn.Module):
+    """An input and an output projection sharing one weight, as a language model ties its embedding and head;
+    ``tied=False`` uses the one parameter twice through ``functional.linear`` instead (the same arithmetic)."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tied = tied
+        self.proj = torch.nn.Linear(4, 4, bias=False)
+        if tied:
+            self.head = torch.nn.Linear(4, 4, bias=False)
+            self.head.weight = self.proj.weight
+
+    def forward(self, x):
+        h = torch.tanh(self.proj(x))
+        return self.head(h) if self.tied else torch.nn.functional.linear(h, self.proj.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tied_weights_are_stepped_and_counted_once(dtype):
+    """A weight two modules share is one parameter: AdamW steps it once per step (not once per owner) and the
+    global gradient norm counts it once, with or without master weights."""
+    torch.manual_seed(1)
+    x, y = torch.randn(16, 4, dtype=dtype), torch.randn(16, 4, dtype=dtype)
+    loop = TrajectoryLoop(steps=3, learning_rate=1e-2, loss_fn=torch.nn.functional.mse_loss)
+    tied, single = _TiedHead(True).to(dtype), _TiedHead(False).to(dtype)
+    got, want = loop(tied, {"batches": [(x, y)]}), loop(single, {"batches": [(x, y)]})
+    assert torch.equal(got["loss"], want["loss"]) and torch.equal(got["grad_norm"], want["grad_norm"]), (got, want)
+    assert torch.equal(tied.proj.weight, single.proj.weight)
