@@ -809,7 +809,7 @@ class ParityCase:
     def _source(self) -> ReferenceSource:
         """Where this test's references come from (``checks.reference.expected_for``)."""
         return ReferenceSource(self.session.reference, self.session.store, self.test_id, self.recipe.name,
-                               self.session.rng, self.session._reference_memo)
+                               self.session.rng, self.session._reference_memo, self.reference_patches)
 
     def _side(self) -> Side:
         """What each run of this case's checks is lent: recipe, placement, patch set, audit."""

@@ -78,7 +78,9 @@ class ReferenceSource:
         test_id: the test's node id (names its baseline file).
         recipe: the test's recipe name.
         rng: the session's random stream mode for sampling checks (``ParitySession.rng``).
-        memo: the session's live-reference memo (``memo_key`` -> ``(fn, leaves)``).
+        memo: the session's live-reference memo (``memo_key`` -> ``(fn, leaves, reference patches)``).
+        reference_patches: the test's ``(device) -> context manager`` of the reference side
+            (``ParityCase.reference_patches``), or None: part of the memo key (``reference_patches_key``).
     """
 
     mode: str
@@ -87,6 +89,21 @@ class ReferenceSource:
     recipe: str
     rng: str
     memo: dict
+    reference_patches: Any = None
+
+
+def reference_patches_key(factory: Any) -> tuple:
+    """What tells two reference-patch factories apart in the live-reference memo: ``()`` for None; for a
+    function its code object and the identities of its closure's values (the suite's fixture returns a fresh
+    ``lambda device: ...`` per test: one definition over the same values is one patch set); any other callable
+    by identity. The memo keeps the factory with its result, so these identities stay unique."""
+    if factory is None:
+        return ()
+    code = getattr(factory, "__code__", None)
+    if code is None:
+        return (id(factory),)
+    cells = tuple(id(c.cell_contents) for c in (getattr(factory, "__closure__", None) or ()))
+    return (id(code), cells, id(getattr(factory, "__self__", None)))
 
 
 def check_hashes(fn: Any, args: tuple, kwargs: dict, *, modes: bool = True, labels: Any = None) -> dict[str, Any]:
@@ -177,10 +194,11 @@ def expected_for(source: ReferenceSource, baseline: Any, name: str, run: Callabl
                 raise source.store.missing_error(source.test_id)
             return _baseline_entry(source, baseline, name, hashes, call)
     live_rng = source.rng if call.sample_dim is not None else "shared"
-    key = memo_key(name, source.recipe, hashes, call) + (live_rng,)
+    # a reference run under other reference patches (the suite's parity_reference_patches) is another run
+    key = memo_key(name, source.recipe, hashes, call) + (live_rng,) + reference_patches_key(source.reference_patches)
     memo = source.memo
-    if key not in memo:  # the function/module is kept with the result: its id stays unique
-        memo[key] = (call.fn, run(torch.device("cpu"), patched=False)[0])
+    if key not in memo:  # the function/module and the patch factory are kept with the result: their ids stay unique
+        memo[key] = (call.fn, run(torch.device("cpu"), patched=False)[0], source.reference_patches)
     return Expected(memo[key][1], "cpu", None, live_rng, None)
 
 

@@ -41,3 +41,69 @@ def test_reference_patches_apply_to_the_reference_side_only_under_their_recipe(p
     assert "test_doubler[fp32]" not in "\n".join(line for line in result.outlines if line.startswith("FAILED"))
     summary = (pytester.path / "out" / "summary.md").read_text()
     assert "Reference side also under: `" in summary and "triple_on_the_reference`." in summary, summary
+
+
+SHARED = """
+import torch
+
+class Doubler(torch.nn.Module):
+    factor = 2.0
+    def forward(self, x):
+        return x * Doubler.factor
+
+MODEL = Doubler()
+X = torch.linspace(1, 2, 12).reshape(3, 4)
+"""
+
+PLAIN = """
+from shared import MODEL, X
+
+def test_plain(parity):
+    parity.check("doubler", MODEL, X)
+"""
+
+TRIPLED = """
+import contextlib
+import pytest
+from shared import MODEL, X, Doubler
+
+@pytest.fixture
+def parity_reference_patches():
+    @contextlib.contextmanager
+    def triple_on_the_reference(device):
+        Doubler.factor = 3.0
+        try:
+            yield
+        finally:
+            Doubler.factor = 2.0
+    return triple_on_the_reference
+
+def test_tripled_reference(parity):
+    parity.check("doubler", MODEL, X)
+"""
+
+
+@pytest.mark.parametrize("order", [("test_plain.py", "test_tripled.py"), ("test_tripled.py", "test_plain.py")])
+def test_a_live_reference_is_not_shared_across_reference_patches(pytester: pytest.Pytester, order) -> None:
+    """One module, input and check name in two tests, one of them with reference patches: each test's reference
+    runs under its own patches, in either order (the session's live-reference memo must not hand the first
+    test's reference to the second)."""
+    pytester.makepyfile(shared=SHARED, test_plain=PLAIN, test_tripled=TRIPLED)
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32", "-p", "no:cacheprovider", *order)
+    result.assert_outcomes(passed=1, failed=1)
+    failed = [line for line in result.outlines if line.startswith("FAILED")]
+    assert len(failed) == 1 and "test_tripled.py::test_tripled_reference" in failed[0], failed
+
+
+def test_one_factory_definition_over_the_same_values_is_one_memo_key() -> None:
+    """The suite's fixture returns a fresh ``lambda device: ...`` per test: those share live references; a factory
+    over other values does not."""
+    from pytest_npu_parity.checks.reference import reference_patches_key
+
+    def fixture(value):
+        return lambda device: value
+
+    shared = object()
+    assert reference_patches_key(fixture(shared)) == reference_patches_key(fixture(shared))
+    assert reference_patches_key(fixture(shared)) != reference_patches_key(fixture(object()))
+    assert reference_patches_key(None) == ()
