@@ -52,6 +52,27 @@ def parity_session(pytestconfig: pytest.Config):
     return pytestconfig.stash[SESSION_KEY]
 
 
+def _check_patch_factory(nodeid: str, fixture: str, factory: Any) -> None:
+    """A patch fixture's value is None or a ``(device) -> context manager`` factory.
+
+    Raises:
+        pytest.UsageError: a context manager itself (its ``__enter__`` would run once, not around each run), or
+            anything else that cannot be called; the message names the fixture and the fix.
+    """
+    __tracebackhide__ = True
+    import contextlib
+
+    if factory is None:
+        return
+    if isinstance(factory, contextlib.AbstractContextManager):
+        raise pytest.UsageError(f"{nodeid}: the {fixture} fixture returned a context manager "
+                                f"({type(factory).__name__}); return a factory instead, called with the device "
+                                f"around each run: `return lambda device: your_context_manager()`")
+    if not callable(factory):
+        raise pytest.UsageError(f"{nodeid}: the {fixture} fixture returned {type(factory).__name__} "
+                                f"{factory!r:.60}; return None or a `(device) -> context manager` factory")
+
+
 @pytest.fixture
 def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, parity_patches,
            parity_audit_budget, parity_reference_patches) -> Iterator[Any]:
@@ -66,6 +87,8 @@ def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, p
     from ..checks.settings import marker_tolerance
     from ..runner import ParityCase
 
+    for fixture, factory in (("parity_patches", parity_patches), ("parity_reference_patches", parity_reference_patches)):
+        _check_patch_factory(request.node.nodeid, fixture, factory)
     marker = request.node.get_closest_marker("parity")
     try:
         budget = parse_audit_budget(parity_audit_budget, source="suite", base=parity_session.audit_budget)

@@ -107,3 +107,33 @@ def test_one_factory_definition_over_the_same_values_is_one_memo_key() -> None:
     assert reference_patches_key(fixture(shared)) == reference_patches_key(fixture(shared))
     assert reference_patches_key(fixture(shared)) != reference_patches_key(fixture(object()))
     assert reference_patches_key(None) == ()
+
+
+ODD = """
+import contextlib
+import pytest
+import torch
+
+@contextlib.contextmanager
+def nothing():
+    yield
+
+@pytest.fixture
+def {fixture}():
+    return {value}
+
+def test_linear(parity):
+    parity.check("linear", torch.nn.Linear(4, 3), torch.ones(2, 4))
+"""
+
+
+@pytest.mark.parametrize("fixture", ["parity_patches", "parity_reference_patches"])
+@pytest.mark.parametrize("value, says", [("nothing()", "returned a context manager (_GeneratorContextManager)"),
+                                         ("'fft_bf16_upcast'", "returned str 'fft_bf16_upcast'")])
+def test_a_patch_fixture_that_is_no_factory_is_named(pytester: pytest.Pytester, fixture, value, says) -> None:
+    """A patch fixture returning a context manager or a name, not a ``(device) -> context manager`` factory: the
+    error names the fixture and what it returned, not a bare TypeError from inside a run."""
+    pytester.makepyfile(ODD.format(fixture=fixture, value=value))
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32", "-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([f"*UsageError: *test_linear?fp32?: the {fixture} fixture {says}*"])
