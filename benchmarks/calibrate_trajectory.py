@@ -76,6 +76,11 @@ def _wrong(row: dict) -> bool:
     return row["expected"] != BELOW and row["verdict"] != row["expected"]
 
 
+def _runs(variant: str, recipe: str, steps: int) -> bool:
+    """Whether ``variant`` has a row under ``recipe`` at ``steps`` (bf16-weights and fp16: 60-step baselines only)."""
+    return recipe in VARIANTS[variant][0] and (recipe not in ("bf16-weights", "fp16") or steps == 60)
+
+
 def _test_id(steps: int, recipe: str) -> str:
     return f"parity_suites/aurora/test_trajectory.py::{TEST[steps]}[{recipe}]"
 
@@ -185,13 +190,20 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     recipes = args.recipes.split(",")
+    known = sorted({r for runs_under, _ in VARIANTS.values() for r in runs_under})
+    if [r for r in recipes if r not in known]:
+        parser.error(f"unknown recipe(s) {', '.join(r for r in recipes if r not in known)}; known: {', '.join(known)}")
+    if variants and not [(v, r) for v in variants for r in recipes if _runs(v, r, args.steps)]:
+        parser.error(f"no row to run: variant(s) {', '.join(variants)} under recipe(s) {', '.join(recipes)} at "
+                     f"{args.steps} steps (" + "; ".join(f"{v}: {', '.join(VARIANTS[v][0])}" for v in variants)
+                     + "; bf16-weights and fp16 at 60 steps only)")
 
     model = factory.get_model("tiny", seed=0) if variants else None
     batches, held_out = (checks.trajectory_batches(), checks.forecast_held_out()) if variants else (None, None)
     rows = json.loads(args.json.read_text())["rows"] if args.json.exists() else []
     for variant in variants:
         for recipe in recipes:
-            if recipe not in VARIANTS[variant][0] or (recipe in ("bf16-weights", "fp16") and args.steps != 60):
+            if not _runs(variant, recipe, args.steps):
                 continue
             row = dict(run_variant(variant, recipe, args.steps, model, batches, held_out), label=args.label,
                        torch=torch.__version__,
