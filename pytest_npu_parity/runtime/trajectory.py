@@ -188,11 +188,11 @@ class TrajectoryLoop:
         if recipe is not None and getattr(recipe, "loss_scaling", False):
             from .recipes import make_grad_scaler
 
-            scaler = make_grad_scaler(device)
-            if masters:
+            if any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
                 raise ValueError("TrajectoryLoop: a loss-scaling recipe (fp16 autocast) trains float32 weights; "
                                  "this module has bf16/fp16 parameters: use the bf16-weights recipe without loss "
                                  "scaling, or float32 weights")
+            scaler = make_grad_scaler(device)
         rows = torch.zeros(self.steps, 3 + len(owners), dtype=torch.float32, device=device)
         marks = self.checkpoint_steps()
         weights = torch.zeros(len(marks), len(owners) + len(buffered), dtype=torch.float32, device=device)

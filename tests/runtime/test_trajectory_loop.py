@@ -90,9 +90,11 @@ def test_bf16_weights_train_through_float32_master_weights():
 def test_loss_scaling_with_low_precision_weights_is_refused():
     from pytest_npu_parity.runtime.recipes import RECIPES
 
-    with pytest.raises(ValueError, match="bf16-weights recipe without loss scaling"):
-        TrajectoryLoop(steps=1, loss_fn=torch.nn.functional.mse_loss)(
-            _bf16_model(), {"batches": [(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(2, 1))]}, RECIPES["fp16"])
+    for master_weights in (True, False):  # refused whether or not the loop would keep master weights
+        with pytest.raises(ValueError, match="bf16-weights recipe without loss scaling"):
+            TrajectoryLoop(steps=1, loss_fn=torch.nn.functional.mse_loss, master_weights=master_weights)(
+                _bf16_model(), {"batches": [(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(2, 1))]},
+                RECIPES["fp16"])
 
 
 class _TiedHead(torch.nn.Module):
