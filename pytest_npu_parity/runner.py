@@ -360,6 +360,9 @@ class ParityCase:
         self.marker_tolerance = marker_tolerance
         self.patches = patches
         self.reference_patches = reference_patches
+        #: names of the reference patches this test's reference ran under (live, recorded, or as the baseline
+        #: entry it is compared with says); the session's reference_patch_set is their union.
+        self.reference_patches_applied: set[str] = set()
         self.vacuous_ok = vacuous_ok
         self.marker_policy = marker_policy
         # The marker's settings, parsed once for this test (a bad spec fails before any run).
@@ -713,6 +716,8 @@ class ParityCase:
         try:
             baseline = self._load_baseline() if self.session.reference in ("auto", "baseline") else None
             expected = expected_for(self._source(), baseline, plan.name, run, hashes, call)
+            if expected.entry is not None:  # the recording's reference patches (checks.reference.recording)
+                self.reference_patches_applied.update(expected.entry.meta.get("reference_patches") or ())
             # a baseline entry's stored golden, else the live golden run (checks.stored_golden)
             source = golden_source(expected.entry, expected.path) if plan.golden_policy is not None else None
         except BaselineError as exc:
@@ -748,7 +753,8 @@ class ParityCase:
         golden = recorded_golden_run(self.session.golden, memo_key(plan.name, self.recipe.name, hashes, call), plan,
                                      call.fn, golden_run, rng)
         self._pending[plan.name], record = recording(self._facts(), plan, leaves, hashes, call, rng,
-                                                     extras=extras, replay_meta=replay_meta, golden=golden)
+                                                     extras=extras, replay_meta=replay_meta, golden=golden,
+                                                     reference_patches=sorted(self.reference_patches_applied))
         self._keep(record)
         return record
 
@@ -814,7 +820,7 @@ class ParityCase:
     def _side(self) -> Side:
         """What each run of this case's checks is lent: recipe, placement, patch set, audit."""
         return Side(self.recipe, self.session.place, self.patches, self.session.audit_factory,
-                    self.session.patches_applied, self.reference_patches, self.session.reference_patches_applied)
+                    self.session.patches_applied, self.reference_patches, self.reference_patches_applied)
 
     def _facts(self) -> CaseFacts:
         """This test's facts for records and verdicts."""
@@ -828,6 +834,7 @@ class ParityCase:
                             self.session.audit_factory is not None)
 
     def _keep(self, record: CheckRecord) -> None:
+        self.session.reference_patches_applied |= self.reference_patches_applied
         self.records.append(record)
         self.session.records.append(record)
 

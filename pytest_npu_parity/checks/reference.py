@@ -242,16 +242,21 @@ def baseline_error_record(facts: CaseFacts, plan: CheckPlan, exc: BaselineError,
 
 def recording(facts: CaseFacts, plan: CheckPlan, leaves: dict, hashes: dict[str, Any], call: CheckCall,
               rng: str, extras: dict | None = None, replay_meta: dict | None = None,
-              golden: tuple[dict | None, str | None] | None = None) -> tuple[CheckBaseline, CheckRecord]:
+              golden: tuple[dict | None, str | None] | None = None,
+              reference_patches: list[str] | None = None) -> tuple[CheckBaseline, CheckRecord]:
     """Record mode: ``(the baseline entry, the recorded record)`` of the reference run's ``leaves``
     (a train step's compacted as ``plan.train_store`` says, ``compact``; ``rng`` the run's stream mode),
     with the ``extras`` and ``replay_meta`` of ``checks.replay.recorded_extras`` and, for a check judged
     by a golden verdict, ``golden``: ``(golden leaves or None, why it is unavailable or None)``, stored
-    as ``checks.stored_golden.recorded_golden`` says (reduced like the leaves of a compact step)."""
+    as ``checks.stored_golden.recorded_golden`` says (reduced like the leaves of a compact step).
+    ``reference_patches``: the names of the patches the reference ran under (the suite's
+    ``parity_reference_patches``), stored as the entry's ``reference_patches`` meta when there are any."""
 
 
     __tracebackhide__ = True
     extra_meta: dict[str, Any] = {"replay": replay_meta} if replay_meta else {}
+    if reference_patches:
+        extra_meta["reference_patches"] = list(reference_patches)
     compact = None
     if plan.train_store is not None and plan.train_store.mode != "full":
         leaves, compact = compact_leaves(leaves, plan.train_store)

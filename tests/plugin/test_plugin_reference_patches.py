@@ -137,3 +137,22 @@ def test_a_patch_fixture_that_is_no_factory_is_named(pytester: pytest.Pytester, 
     result = pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32", "-p", "no:cacheprovider")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines([f"*UsageError: *test_linear?fp32?: the {fixture} fixture {says}*"])
+
+
+def test_a_baseline_recorded_under_reference_patches_says_so_where_it_is_compared(pytester: pytest.Pytester) -> None:
+    # bf16 records the tripled reference; against that baseline the doubling target fails, and the report of the
+    # compare run names the reference patches the baseline was recorded under (its entry's meta)
+    pytester.makepyfile(SUITE)
+    record = pytester.runpytest("--npu-parity", "--update-baselines", "--parity-dtypes", "bf16", "-p", "no:cacheprovider")
+    record.assert_outcomes(passed=1)
+    from safetensors import safe_open
+    import json
+
+    [path] = (pytester.path / "baselines").rglob("*.bf16.safetensors")
+    with safe_open(str(path), "pt") as f:
+        assert "triple_on_the_reference" in json.dumps(f.metadata())
+    result = pytester.runpytest("--npu-parity", "--parity-dtypes", "bf16", "--parity-reference", "baseline",
+                                "--parity-report", "out", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    summary = (pytester.path / "out" / "summary.md").read_text()
+    assert "Reference side also under: `" in summary and "triple_on_the_reference`." in summary, summary
