@@ -2,6 +2,17 @@
 in the report."""
 import pytest
 
+#: The reference patch of both suites below: the reference side's Doubler triples instead of doubling.
+TRIPLE = """    @contextlib.contextmanager
+    def triple_on_the_reference(device):
+        Doubler.factor = 3.0
+        try:
+            yield
+        finally:
+            Doubler.factor = 2.0
+    return triple_on_the_reference
+"""
+
 SUITE = """
 import contextlib
 import pytest
@@ -16,15 +27,7 @@ class Doubler(torch.nn.Module):
 def parity_reference_patches(parity_recipe):
     if parity_recipe != "bf16":
         return None
-    @contextlib.contextmanager
-    def triple_on_the_reference(device):
-        Doubler.factor = 3.0
-        try:
-            yield
-        finally:
-            Doubler.factor = 2.0
-    return triple_on_the_reference
-
+""" + TRIPLE + """
 @pytest.mark.parity(policy="allclose")  # the golden floor would measure both sides against a float64 run instead
 def test_doubler(parity):
     parity.check("doubler", Doubler(), torch.linspace(1, 2, 12).reshape(3, 4))
@@ -69,15 +72,7 @@ from shared import MODEL, X, Doubler
 
 @pytest.fixture
 def parity_reference_patches():
-    @contextlib.contextmanager
-    def triple_on_the_reference(device):
-        Doubler.factor = 3.0
-        try:
-            yield
-        finally:
-            Doubler.factor = 2.0
-    return triple_on_the_reference
-
+""" + TRIPLE + """
 def test_tripled_reference(parity):
     parity.check("doubler", MODEL, X)
 """
