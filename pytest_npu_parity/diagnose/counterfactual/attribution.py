@@ -154,7 +154,13 @@ def attribute(runner: Rerunner, suspects: list[Suspect], result: Any) -> list[At
             if suspect.kind == "patch set":
                 outcome = runner.run(None, patched=False)
             else:
-                refs = reference_runs(pristine_float64(module, suspect.name), calls.get(suspect.name, []))
+                try:
+                    refs = reference_runs(pristine_float64(module, suspect.name), calls.get(suspect.name, []))
+                except Exception as exc:  # noqa: BLE001 - e.g. upstream code that cannot run in float64
+                    problem = f"its float64 CPU reference raised {type(exc).__name__}: {str(exc).splitlines()[0]}"
+                    out.append(Attribution(suspect, Outcome(False, math.inf, 0.0, problem), math.nan, math.nan,
+                                           "not run"))
+                    continue
                 outcome = runner.run(partial(_replacing, name=suspect.name, outputs=refs))
         except Spent:
             break
