@@ -555,6 +555,7 @@ class _Replacement:
     attr: str
     original: Any
     replacement: Any
+    patch: str = ""  # the name of the patch it belongs to (set by ``PatchSet._mark``)
 
 
 @dataclass
@@ -595,6 +596,9 @@ class PatchSet:
         self.replaced.append(f"{_owner_name(owner)}.{attr}")
 
     def _mark(self, name: str) -> None:
+        for rep in self._replacements:  # the bindings replaced since the last mark are this patch's
+            if not rep.patch:
+                rep.patch = name
         self.applied.append(name)
         logger.info("%s applied %s: %s", LOG_PREFIX, name, PATCH_DESCRIPTIONS[name])
 
@@ -626,6 +630,44 @@ class PatchSet:
             if _ACTIVE is self:
                 _ACTIVE = None
             logger.info("%s reverted: %s", LOG_PREFIX, ", ".join(self.applied))
+
+    @contextlib.contextmanager
+    def suspended(self, *names: str) -> Iterator["PatchSet"]:
+        """Turn the named patches off inside the block, the rest of the set staying in force: their
+        bindings are the upstream objects again (``fft_cpu_fallback``: torch.fft runs on the tensor's
+        own device) and are put back on exit, also when the body raises. What a counterfactual re-run
+        needs to measure one patch's share of a failure (``pytest_npu_parity.runtime.side.
+        patches_suspended``).
+
+        Args:
+            names: names in :attr:`applied` (see :data:`PATCH_DESCRIPTIONS`).
+        Raises:
+            PatchError: the set is no longer active, or a name is not an applied patch (the message
+                lists the applied ones).
+        """
+        global _fft_fallback_mode
+        unknown = [name for name in names if name not in self.applied]
+        if not self._active or unknown:
+            raise PatchError(f"cannot turn off {', '.join(unknown) or ', '.join(names)}: "
+                             + ("the patch set is no longer active" if not self._active else
+                                f"not an applied patch (applied: {', '.join(self.applied) or 'none'})"))
+        with _LOCK:
+            reps = [rep for rep in self._replacements if rep.patch in names]
+            for rep in reversed(reps):
+                if rep.original is _MISSING:
+                    delattr(rep.owner, rep.attr)
+                else:
+                    setattr(rep.owner, rep.attr, rep.original)
+            fallback_mode = _fft_fallback_mode
+            if "fft_cpu_fallback" in names:
+                _fft_fallback_mode = False
+        try:
+            yield self
+        finally:
+            with _LOCK:
+                for rep in reps:
+                    setattr(rep.owner, rep.attr, rep.replacement)
+                _fft_fallback_mode = fallback_mode
 
     def __enter__(self) -> "PatchSet":
         return self

@@ -308,8 +308,9 @@ EXTRA_TABLE: tuple[Column, ...] = (
     Column(LOCALIZATION_OPS, JSON, "op table of the module where the localization ended: each op's local error vs "
            "its float64 CPU golden, the first culprit op first (JSON list of rows; first row only)"),
     Column(COUNTERFACTUAL, JSON, "what makes a failing check pass: one row per counterfactual re-run of its target "
-           "(suspect, modification, error before/after, share of the error that disappears, root cause/contributing/"
-           "no effect; precision-island runs last) (JSON list of rows; first row only)"),
+           "(suspect: a submodule, the patch set, or some of its patches turned off (`patches`, the bisection's "
+           "groups marked `split`); modification, error before/after, share of the error that disappears, root "
+           "cause/contributing/no effect; precision-island runs last) (JSON list of rows; first row only)"),
     Column(FP32_ISLANDS, TEXT, "the verified precision-island fix of a failing 16-bit check: submodules, comma-separated, "
            "whose float32 run makes it pass (pytest_npu_parity.fp32_islands; first row only)"),
     Column(COUNTERFACTUAL_S, FLOAT, "seconds the counterfactual re-runs and the precision-island search took (first row only)"),

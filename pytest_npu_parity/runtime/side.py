@@ -9,12 +9,14 @@ target: ``patched`` under the patch set, ``audited`` under the device-propagatio
 raised as ``recipes.RecipeUnsupportedError`` naming the op and the module (``_recipe_error``).
 
 Also here: the placement helpers (``fresh_copy``, ``trainable_copy``, ``_move``), the check's
-description for hooks that run it again (``CheckCall``), the audit of a target run (``target_audit``)
-and the patch factory that applies nothing (``no_patches``).
+description for hooks that run it again (``CheckCall``), the audit of a target run (``target_audit``),
+the patch factory that applies nothing (``no_patches``) and ``patches_suspended``, which turns single
+patches of a patch set off inside the patched runs of a block (a counterfactual re-run).
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import linecache
@@ -23,7 +25,7 @@ import re
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -500,6 +502,9 @@ def _call(side: Side, spec: RunSpec, device: torch.device, patched: bool, audit:
             # A patch context that names no patches (a user's parity_patches override) is named
             # after its factory, so that the report never says "none" while patches ran.
             side.patches_applied.update(names if names is not None else (patch_factory_name(side.patches),))
+            off = _SUSPENDED.get()
+            if off:
+                stack.enter_context(_suspend(applied, off, side.patches))
         elif not patched and side.reference_patches is not None:
             applied = stack.enter_context(side.reference_patches(device))
             names = getattr(applied, "applied", None)
@@ -624,6 +629,37 @@ def target_audit(device: torch.device) -> Any:
     if torch.device(device).type == "cpu":
         return DeviceAudit(DEFAULT_LOGICAL_TARGET, logical=True)
     return DeviceAudit(device, logical=False)
+
+
+#: Names of the patches that patched runs turn off again inside ``patches_suspended`` (empty: none).
+_SUSPENDED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("npu_parity_patches_suspended",
+                                                                              default=())
+
+
+@contextlib.contextmanager
+def patches_suspended(names: Iterable[str]) -> Iterator[None]:
+    """Inside the block, each patched run enters its patch set and then turns the patches ``names`` off
+    again: the object the patch context returned must offer ``suspended(*names)``, a context manager
+    (``aurora.patches.PatchSet.suspended``). Outside the block nothing changes.
+
+    Raises (at the patched run, not here):
+        TypeError: the patch context returned an object without ``suspended``; the message names the
+            patch factory.
+        Whatever ``suspended`` raises for a name it did not apply.
+    """
+    token = _SUSPENDED.set(tuple(names))
+    try:
+        yield
+    finally:
+        _SUSPENDED.reset(token)
+
+
+def _suspend(applied: Any, names: tuple[str, ...], factory: Any) -> ContextManager[Any]:
+    suspend = getattr(applied, "suspended", None)
+    if suspend is None:
+        raise TypeError(f"the patch set of {patch_factory_name(factory)} cannot turn single patches off: the object "
+                        f"its context returns ({type(applied).__name__}) has no suspended(*names) context manager")
+    return suspend(*names)
 
 
 @contextlib.contextmanager

@@ -541,3 +541,34 @@ def test_real_image_pixels_reach_the_vit_on_its_device(tiny):
         with patched("meta", fft_fallback=False):
             out = encoder(images, type="real")
     assert out.device.type == "meta" and out.shape == (2, tiny.config.num_distill, tiny.config.hidden_size)
+
+
+def _binding(owner, attr):
+    return owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+
+
+def test_suspended_turns_one_patch_off_and_puts_it_back():
+    with patched("cpu") as patch_set:
+        in_force = {key: _binding(*key) for key in UPSTREAM}
+        with patch_set.suspended("resample", "causal_attention_mask"):
+            for (owner, attr), upstream in UPSTREAM.items():
+                now = _binding(owner, attr)
+                if attr == "resample":
+                    assert now is upstream  # every rebound name is upstream's again
+                elif (owner, attr) in ((util, "causal_attention_mask"), (modeling, "causal_attention_mask"),
+                                       (retriever_mod, "causal_attention_mask"),
+                                       (modeling.AuroraDecoderLayer, "forward"), (retriever_mod.Retriever, "forward")):
+                    assert now is upstream, (owner, attr)
+                else:  # the rest of the set stays in force
+                    assert now is in_force[(owner, attr)], (owner, attr)
+            assert torch.fft.rfft is rfft
+        assert all(_binding(*key) is in_force[key] for key in UPSTREAM)  # back on exit
+        with pytest.raises(RuntimeError), patch_set.suspended("fft_bf16_upcast"):
+            assert torch.fft.rfft is not rfft
+            raise RuntimeError("the body raised")
+        assert torch.fft.rfft is rfft  # back also when the body raises
+        with pytest.raises(PatchError, match=r"no_such_patch: not an applied patch \(applied: resample, "):
+            with patch_set.suspended("no_such_patch"):
+                pass
+    with pytest.raises(PatchError, match="no longer active"), patch_set.suspended("resample"):
+        pass

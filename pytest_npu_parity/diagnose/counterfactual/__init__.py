@@ -24,7 +24,11 @@ named submodules that survive the copies a run makes (``copy.deepcopy`` keeps ho
 Counterfactual attribution (``attribution.attribute``): for each suspect — the localization's first
 divergence, the op trace's culprit op's module, the patch set as a whole; where nothing is localized
 (a golden verdict) the top-level children of the check's module — one re-run with that piece
-replaced by its reference behaviour (the patch set: turned off). The end-to-end error is the largest
+replaced by its reference behaviour (the patch set: turned off). Where turning the whole patch set
+off removes a share of the error or cannot run, and the patch set can turn single patches off (its
+context returns an object with ``applied`` and ``suspended(*names)``, as ``aurora.patches.PatchSet``),
+the set is bisected down to the patch the error comes from (``attribution.bisect_patches``), each part
+turned off with the rest of the set in force. The end-to-end error is the largest
 ``rerun.leaf_error`` over the leaves that failed (allclose: err/tol; golden: the worst metric ratio
 over its limit); the share of it that disappears is ``1 − after / before``: ``root cause`` (the
 re-run passes, or share >= ``ROOT_CAUSE_SHARE``), ``contributing`` (>= ``CONTRIBUTING_SHARE``),
@@ -88,13 +92,17 @@ class WhatMakesItPass:
                          "so a fault in a backward is not removed here and NO EFFECT does not clear it; the backward "
                          "table names the layer whose backward differs: rerun with --parity-policy allclose)")
         ranked = sorted(self.attributions, key=lambda a: (-a.share if math.isfinite(a.share) else 0.0))
-        for a in ranked:
+        split = [a for a in ranked if a.split]
+        for a in (a for a in ranked if not a.split):
             if a.outcome.problem is not None:
-                lines.append(f"  {a.suspect.label()} replaced by {_replaced(a)}: not run ({a.outcome.problem})")
+                lines.append(f"  {a.suspect.label()} {_replaced(a)}: not run ({a.outcome.problem})")
                 continue
-            lines.append(f"  {a.suspect.label()} replaced by {_replaced(a)}: error {_fmt(a.before)} -> "
+            lines.append(f"  {a.suspect.label()} {_replaced(a)}: error {_fmt(a.before)} -> "
                          f"{_fmt(a.outcome.error)} ({a.share:.0%} removed{', passes' if a.outcome.passed else ''}): "
                          f"{a.verdict.upper()}  [{a.suspect.why}]")
+        if split:
+            lines.append(f"  ({len(split)} group(s) of patches turned off on the way to single patches: in the report's "
+                         "counterfactual rows)")
         if not self.attributions:
             lines.append("  (no suspect re-run: budget spent)")
         lines += self._island_lines()
@@ -129,7 +137,9 @@ def _fmt(value: float) -> str:
 def _replaced(a: Attribution) -> str:
     from .attribution import REPLACED_BY
 
-    return REPLACED_BY[a.suspect.kind]
+    if a.suspect.kind == "patches":
+        return "turned off, the rest of the patch set in force"
+    return f"replaced by {REPLACED_BY[a.suspect.kind]}"
 
 
 def suspects_for(case: Any, record: Any, call: Any, localization: Any = None) -> list[Suspect]:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .modify import called_children, pristine_float64, recorded_inputs, reference_runs, replaced_outputs
-from .rerun import Outcome, Rerunner, Spent, end_to_end_error, share_removed
+from .rerun import Outcome, Rerunner, Spent, end_to_end_error, patch_names, share_removed
 
 #: Share of the end-to-end error that must disappear for a suspect to be the root cause (a re-run
 #: that passes is the root cause whatever its share). Measured on the planted faults of
@@ -31,14 +31,19 @@ CONTRIBUTING_SHARE = 0.2
 MAX_CHILD_SUSPECTS = 8
 
 #: What each kind of suspect is replaced by.
-REPLACED_BY = {"module": "its float64 CPU reference", "patch set": "the target run without its patch set"}
+REPLACED_BY = {"module": "its float64 CPU reference", "patch set": "the target run without its patch set",
+               "patches": "the target run with it turned off, the rest of the patch set in force"}
+#: Verdicts of a group of patches turned off that send the bisection into its halves: it removed a share
+#: of the error, or the target cannot run without it (a needed patch hides a faulty one in its group).
+_DRILL = ("root cause", "contributing", "not run")
 
 
 @dataclass(frozen=True)
 class Suspect:
     """A piece of the target's computation to replace: a submodule (``kind="module"``, ``name`` its
-    qualified name in the check's module, ``""`` the module itself) or the whole patch set
-    (``kind="patch set"``); ``why`` says where the suspicion came from."""
+    qualified name in the check's module, ``""`` the module itself), the whole patch set
+    (``kind="patch set"``) or some patches of it (``kind="patches"``, ``name`` their names joined by
+    ``", "``); ``why`` says where the suspicion came from."""
 
     kind: str
     name: str
@@ -49,6 +54,8 @@ class Suspect:
         """``blocks.2.b (Linear)``, ``the patch set``."""
         if self.kind == "patch set":
             return "the patch set"
+        if self.kind == "patches":
+            return f"patch{'es' if ', ' in self.name else ''} {self.name}"
         return f"{self.name or '<module>'} ({self.module_type})" if self.module_type else (self.name or "<module>")
 
 
@@ -63,15 +70,17 @@ class Attribution:
     before: float
     share: float
     verdict: str
+    split: bool = False  # a group of patches that the bisection split further (its halves follow)
 
     def to_row(self) -> dict[str, Any]:
         """A JSON-able row (the report's ``counterfactual`` entries)."""
         return {"kind": "counterfactual", "suspect": self.suspect.label(), "suspect_kind": self.suspect.kind,
                 "submodule": self.suspect.name if self.suspect.kind == "module" else None,
+                "patches": self.suspect.name.split(", ") if self.suspect.kind == "patches" else None,
                 "why": self.suspect.why, "replaced_by": REPLACED_BY[self.suspect.kind],
                 "error_before": _num(self.before), "error_after": _num(self.outcome.error),
                 "share": _num(self.share), "passed": self.outcome.passed, "verdict": self.verdict,
-                "seconds": self.outcome.seconds, "problem": self.outcome.problem}
+                "seconds": self.outcome.seconds, "problem": self.outcome.problem, "split": self.split}
 
 
 def _num(value: float) -> float | None:
@@ -138,8 +147,10 @@ def attribute(runner: Rerunner, suspects: list[Suspect], result: Any) -> list[At
     (``modify.reference_runs``: a patch of the submodule's class or of a function it calls does not
     reach them), and each suspect's re-run returns them in place of its calls' outputs
     (``modify.replaced_outputs``; a call the recording did not see keeps its own). The patch set's
-    re-run is the target without it. Stops quietly when the runner's budget is spent (the suspects
-    not run are left out)."""
+    re-run is the target without it; where that removes a share of the error (or the target cannot run
+    without it) and the patch set can turn single patches off (``rerun.patch_names``), ``bisect_patches``
+    names the patch. Stops quietly when the runner's budget is spent (the suspects not run are left
+    out)."""
     out: list[Attribution] = []
     module = runner.call.module
     names = [s.name for s in suspects if s.kind == "module"]
@@ -164,13 +175,45 @@ def attribute(runner: Rerunner, suspects: list[Suspect], result: Any) -> list[At
                 outcome = runner.run(partial(_replacing, name=suspect.name, outputs=refs))
         except Spent:
             break
-        paths = measured_paths(runner, suspect)
-        before = end_to_end_error(result, paths)
-        if outcome.result is not None:
-            outcome.error = end_to_end_error(outcome.result, paths)
-        share = share_removed(before, outcome.error)
-        out.append(Attribution(suspect, outcome, before, share, classify(outcome, share)))
+        out.append(_attributed(runner, suspect, outcome, result))
+        if suspect.kind == "patch set" and out[-1].verdict in _DRILL:
+            try:
+                bisect_patches(runner, patch_names(runner.case), result, out)
+            except Spent:
+                break
     return out
+
+
+def _attributed(runner: Rerunner, suspect: Suspect, outcome: Outcome, result: Any) -> Attribution:
+    paths = measured_paths(runner, suspect)
+    before = end_to_end_error(result, paths)
+    if outcome.result is not None:
+        outcome.error = end_to_end_error(outcome.result, paths)
+    share = share_removed(before, outcome.error)
+    return Attribution(suspect, outcome, before, share, classify(outcome, share))
+
+
+def bisect_patches(runner: Rerunner, names: list[str], result: Any, out: list[Attribution]) -> None:
+    """Which patches of the patch set the error comes from: the patches ``names`` are split in halves,
+    each half turned off (the rest of the set in force: ``Rerunner.run(suspended=...)``) and attributed
+    like any suspect; a half that removes a share of the error, or without which the target does not
+    run, is split again (``Attribution.split``), down to single patches. One faulty patch among ``n`` costs about
+    ``2·log2(n)`` re-runs; every attribution is appended to ``out``.
+
+    Raises:
+        Spent: the runner's budget ran out (the attributions made so far are in ``out``).
+    """
+    if len(names) < 2:
+        return
+    half = (len(names) + 1) // 2
+    for group in (names[:half], names[half:]):
+        suspect = Suspect("patches", ", ".join(group), "one patch of the patch set" if len(group) == 1 else
+                          "part of the patch set")
+        attribution = _attributed(runner, suspect, runner.run(None, suspended=tuple(group)), result)
+        out.append(attribution)
+        if attribution.verdict in _DRILL and len(group) > 1:
+            attribution.split = True
+            bisect_patches(runner, group, result, out)
 
 
 def _recording(module: torch.nn.Module, names: list[str], store: dict) -> Any:

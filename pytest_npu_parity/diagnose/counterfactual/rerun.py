@@ -12,6 +12,8 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
+from ...runtime.side import patches_suspended
+
 #: Re-runs one failing check may make for its counterfactual attribution and island search together.
 MAX_RERUNS = 40
 
@@ -117,10 +119,10 @@ class Rerunner:
         return self.runs < self.max_runs and (self.deadline is None or time.perf_counter() < self.deadline)
 
     def run(self, modification: Callable[[torch.nn.Module], ContextManager[Any]] | None,
-            patched: bool = True) -> Outcome:
-        """One re-run of the whole check's target side (``patched``: under the case's patch set) with
-        ``modification(m)`` entered for each module the target may run (``target_modules``), judged by
-        ``call.rejudge``.
+            patched: bool = True, suspended: tuple[str, ...] = ()) -> Outcome:
+        """One re-run of the whole check's target side (``patched``: under the case's patch set, less
+        the patches ``suspended``: ``runtime.side.patches_suspended``) with ``modification(m)`` entered
+        for each module the target may run (``target_modules``), judged by ``call.rejudge``.
 
         Raises:
             Spent: no re-run is left (``left``).
@@ -130,7 +132,7 @@ class Rerunner:
         self.runs += 1
         start = time.perf_counter()
         try:
-            with _entered(self.targets, modification):
+            with _entered(self.targets, modification), patches_suspended(suspended):
                 leaves = self.call.rerun(self.case.target, patched, self.call.args, self.call.kwargs)
             result = self.call.rejudge(leaves)
         except Exception as exc:  # noqa: BLE001 - a modified run that raises is an outcome, not an error
@@ -166,3 +168,19 @@ def target_modules(case: Any, call: Any) -> list[torch.nn.Module]:
         if placed is not module:
             modules.append(placed)
     return modules
+
+
+def patch_names(case: Any) -> list[str]:
+    """The names of the patches in ``case``'s patch set that can be turned off one by one: the patch
+    context is entered once on the target (nothing runs in it) and must return an object with
+    ``applied`` (names) and ``suspended(*names)`` (``aurora.patches.PatchSet``); [] for any other
+    patch set, none, or one whose entry raises."""
+    factory = getattr(case, "patches", None)
+    if factory is None:
+        return []
+    try:
+        with factory(case.target) as applied:
+            names = list(getattr(applied, "applied", None) or [])
+            return names if callable(getattr(applied, "suspended", None)) else []
+    except Exception:  # noqa: BLE001 - a patch set that cannot be entered alone is attributed as a whole
+        return []
