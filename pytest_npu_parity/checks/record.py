@@ -139,7 +139,9 @@ class LocalizationOutcome:
         localization_skipped: why it was not run (``structure``, ``budget``), or None.
         localization_stopped: why a descent stopped early (``budget``), or None.
         localization_ops: the op table of the module where the descent ended
-            (``localize.Localization.op_rows()``: JSON-able dicts, the first culprit op first), or None.
+            (``localize.Localization.op_rows()``: JSON-able dicts, the first culprit op first), or under a
+            golden verdict of the counterfactual's root-cause module (``counterfactual.trace_root_cause``),
+            or None.
         localization_backward: a failing train step's backward table, layer by layer in backward
             order (``localize.Localization.backward_rows()``: JSON-able dicts), or None.
     """

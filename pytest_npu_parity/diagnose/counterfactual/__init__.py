@@ -39,6 +39,11 @@ fp16): the whole module in float32 first (failing too: precision is not the caus
 hierarchical bisection for the smallest set of submodules whose float32 run makes the check pass,
 verified by a re-run with exactly the printed fix (``pytest_npu_parity.fp32_islands``).
 
+Under a golden verdict no localization traced the ops; the module suspect found to be the root cause is
+then traced in one more re-run (``trace_root_cause``, ``modify.op_traced``: ``op_trace.trace_ops`` on
+its first call, from the call's own inputs, in the run's own patch set, recipe and random stream), so a
+bf16 failure gets the op table too (the report's ``localization_ops``).
+
 ``what_makes_it_pass`` runs both within a deadline and ``rerun.MAX_RERUNS`` re-runs, fills
 ``record.whatfix`` (``checks.record.CounterfactualOutcome``: report columns ``counterfactual``,
 ``fp32_islands``, ``counterfactual_s``) and returns the failure message's section. The session's
@@ -47,6 +52,7 @@ verified by a re-run with exactly the printed fix (``pytest_npu_parity.fp32_isla
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -55,8 +61,8 @@ from typing import Any
 from .attribution import (CONTRIBUTING_SHARE, MAX_CHILD_SUSPECTS, ROOT_CAUSE_SHARE, Attribution,  # noqa: F401
                           Suspect, attribute, child_suspects, module_suspect)
 from .islands import IslandSearch, find_islands
-from .modify import fp32_islands, pristine_float64, reference_outputs  # noqa: F401
-from .rerun import MAX_RERUNS, Outcome, Rerunner, end_to_end_error, failing_paths, leaf_error  # noqa: F401
+from .modify import fp32_islands, op_traced, pristine_float64, reference_outputs  # noqa: F401
+from .rerun import MAX_RERUNS, Outcome, Rerunner, Spent, end_to_end_error, failing_paths, leaf_error  # noqa: F401
 
 __all__ = ["WhatMakesItPass", "what_makes_it_pass", "fp32_islands", "reference_outputs", "Rerunner",
            "attribute", "find_islands", "Suspect"]
@@ -77,6 +83,8 @@ class WhatMakesItPass:
     seconds: float = 0.0
     stopped: bool = False
     train_step: bool = False
+    op_trace: Any = None
+    op_trace_note: str | None = None
 
     def to_rows(self) -> list[dict[str, Any]]:
         """The report's ``counterfactual`` rows: attributions, then the island search's re-runs."""
@@ -105,6 +113,12 @@ class WhatMakesItPass:
                          "counterfactual rows)")
         if not self.attributions:
             lines.append("  (no suspect re-run: budget spent)")
+        if self.op_trace is not None:
+            lines.append("Op trace of the root cause (one more re-run, the ops of its first call compared with their "
+                         "float64 golden):")
+            lines += ["  " + line for line in self.op_trace.format().splitlines()]
+        elif self.op_trace_note:
+            lines.append(f"(No op trace of the root cause: {self.op_trace_note}.)")
         lines += self._island_lines()
         if self.stopped:
             lines.append("  (the re-run budget ran out: later suspects or finer islands were not tried)")
@@ -197,12 +211,17 @@ def what_makes_it_pass(case: Any, record: Any, call: Any, result: Any, *, locali
     runner = Rerunner(case, call, paths, deadline=deadline, max_runs=max_runs)
     out = WhatMakesItPass(end_to_end_error(result, paths), measure, train_step=call.kind == "train_step")
     out.attributions = attribute(runner, suspects_for(case, record, call, localization), result)
+    if getattr(localization, "op_trace", None) is None:
+        out.op_trace, out.op_trace_note = trace_root_cause(runner, out.attributions, getattr(record, "submodule", None))
     if islands is None:
         islands = getattr(case.recipe, "autocast_dtype", None) is not None
     if islands:
         out.islands = find_islands(runner, case.recipe)
     out.runs, out.seconds = runner.runs, time.perf_counter() - start
     out.stopped = not runner.left() or bool(out.islands is not None and out.islands.stopped)
+    localized = getattr(record, "localized", None)
+    if out.op_trace is not None and localized is not None and getattr(localized, "localization_ops", None) is None:
+        localized.localization_ops = out.op_trace.to_rows()
     whatfix = getattr(record, "whatfix", None)
     if whatfix is not None:
         whatfix.counterfactual = out.to_rows()
@@ -210,3 +229,26 @@ def what_makes_it_pass(case: Any, record: Any, call: Any, result: Any, *, locali
         if out.islands is not None and out.islands.status == "found":
             whatfix.fp32_islands = ", ".join(out.islands.islands)
     return out
+
+
+def trace_root_cause(runner: Rerunner, attributions: list, prefix: str | None) -> tuple[Any, str | None]:
+    """Where no localization traced the ops (a golden verdict), the op trace (``op_trace.trace_ops``) of the
+    module suspect that is the root cause with the largest share: one more re-run of the target with
+    ``modify.op_traced`` on it, the trace judged at the recipe's precision. Returns ``(OpTrace or None,
+    why not)``."""
+    roots = [a for a in attributions if a.suspect.kind == "module" and a.verdict == "root cause"]
+    if not roots:
+        return None, None
+    best = max(roots, key=lambda a: a.share if math.isfinite(a.share) else 1.0)
+    name = best.suspect.name
+    path = ".".join(p for p in (prefix or "", name) if p)
+    found: list = []
+    try:
+        outcome = runner.run(functools.partial(op_traced, name=name, found=found, device=runner.case.target,
+                                               recipe=runner.case.recipe, path=path, deadline=runner.deadline))
+    except Spent:
+        return None, "the re-run budget is spent"
+    if found:
+        return found[0], None
+    return None, (f"its traced re-run raised ({outcome.problem})" if outcome.problem else
+                  f"{path or 'the module'} was not called in the re-run")

@@ -324,3 +324,33 @@ def reference_outputs(model: torch.nn.Module, names: Sequence[str],
 
             stack.enter_context(_hooked(module, None, post))
         yield
+
+
+@contextlib.contextmanager
+def op_traced(model: torch.nn.Module, name: str, found: list, **trace: Any) -> Iterator[None]:
+    """Trace the ops of the first call of ``model``'s submodule ``name`` inside the block
+    (``op_trace.trace_ops(submodule, args, kwargs, **trace)``, appended to ``found``): a forward pre-hook
+    runs the traced call from the call's own inputs, in the run's own context (patch set, recipe,
+    autocast, grad mode, random stream as the call would see it), before the call itself runs. The run's
+    outputs after that call are not those of a plain run (the traced call drew from the random stream and
+    updated any running statistics first): use the run for the trace only.
+
+    Raises:
+        AttributeError: ``name`` is not a submodule of ``model``.
+    """
+    from ..op_trace import trace_ops
+
+    module = model.get_submodule(name) if name else model
+    busy: list[bool] = []
+
+    def pre(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if busy or found:
+            return
+        busy.append(True)
+        try:
+            found.append(trace_ops(mod, args, kwargs, enter_recipe=False, **trace))
+        finally:
+            busy.pop()
+
+    with _hooked(module, pre, None):
+        yield

@@ -1,0 +1,103 @@
+"""Under a golden verdict (every bf16 check) the root cause's ops are traced: a wrong kernel is named.
+
+The first-divergence localization judges submodule outputs by allclose, so a golden-verdict failure is
+not localized and its op trace used to be missing. The counterfactual attribution names the root-cause
+module; one more re-run then traces that module's ops (``counterfactual.trace_root_cause``) at the
+recipe's precision. Planted on the target only: a softmax kernel 5 % off inside the attention (far beyond
+bfloat16's budget of 2⁻⁷ ≈ 7.8e-3), and, as the control, a fragile port whose every op is correct (the
+moments computed with bf16 matmuls: an algorithm problem, no kernel to blame).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from counterfactual_models import fragile_moments, norm_input, norm_net
+from pytest_npu_parity.compare import ParityError
+from pytest_npu_parity.localize import Localizer
+from pytest_npu_parity.runner import ParityCase, ParitySession
+
+aten = torch.ops.aten
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.q = torch.nn.Linear(width, width)
+        self.k = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / 4.0
+        return torch.softmax(scores, dim=-1) @ x
+
+
+class Model(torch.nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Linear(width, width)
+        self.attn = Attention(width)
+        self.head = torch.nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(torch.tanh(self.embed(x))))
+
+
+class _SoftmaxOff(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is aten._softmax.default:
+            with _disable_current_modes():
+                return out * 1.05
+        return out
+
+
+def _session() -> ParitySession:
+    return ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[Localizer(None)])
+
+
+def _fails(case: ParityCase, *args) -> str:
+    with pytest.raises(ParityError) as info:
+        case.check(*args)
+    return str(info.value)
+
+
+def test_a_wrong_softmax_kernel_in_a_bf16_check_is_named_by_the_root_causes_op_trace():
+    torch.manual_seed(0)
+    model, x = Model().eval(), torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    case = ParityCase(_session(), "t::softmax", "bf16", patches=lambda device: _SoftmaxOff())
+    message = _fails(case, "m", model, x)
+    record = case.records[-1]
+    assert record.golden_policy is not None, message  # judged by the golden verdict, not localized
+    rows = {r["suspect"]: r for r in record.whatfix.counterfactual if r["kind"] == "counterfactual"}
+    assert rows["attn (Attention)"]["verdict"] == "root cause", message
+    first = next(r for r in record.localized.localization_ops if r["first_op"])
+    assert first["op"] == "aten._softmax" and first["module"] == "attn" and first["verdict"] == "local", message
+    assert first["local"] == pytest.approx(0.05, rel=0.05), message  # the planted error, measured
+    assert "torch.softmax(scores, dim=-1)" in first["source"], message
+    assert first["budget"] == pytest.approx(2 ** -7)  # judged at the recipe's precision (bf16), not float32's
+    assert "Op trace of the root cause" in message and "first culprit op: aten._softmax (in attn" in message
+
+
+def test_a_fragile_port_with_correct_kernels_gets_an_op_trace_that_blames_no_kernel():
+    model, x = norm_net(), norm_input()
+    case = ParityCase(_session(), "t::fragile", "bf16", patches=fragile_moments)
+    message = _fails(case, "m", model, x)
+    ops = case.records[-1].localized.localization_ops
+    assert ops is not None and not any(r["first_op"] for r in ops), message
+    assert "Op trace of the root cause" in message and "every op compared is within its budget" in message
+    assert 'fp32_islands(model, ["blocks.1.norm"])' in message  # what does fix it: the island
+
+
+def test_without_a_root_cause_module_no_op_trace_is_run():
+    torch.manual_seed(0)
+    model, x = Model().eval(), torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    calls = []
+    handle = model.attn.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        case = ParityCase(_session(), "t::clean", "bf16")
+        case.check("m", model, x)  # passes: no diagnosis, no trace
+    finally:
+        handle.remove()
+    assert case.records[-1].localized.localization_ops is None
+    assert len(calls) == 3  # reference, target and golden runs only
