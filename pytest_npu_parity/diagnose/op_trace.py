@@ -363,16 +363,17 @@ def _join(base: str, rel: str) -> str:
     return f"{base}.{rel}" if base and rel else base or rel
 
 
-def _user_frame() -> str | None:
+def _user_frame(stop: Any = None) -> str | None:
     """``"<file>:<line>: <code>"`` of the innermost Python frame outside torch, the standard library and
     this package (the model's line that issued the op). Where the op comes from a torch module's own
     forward called directly by the trace (an ``nn.LayerNorm`` traced alone), there is no such frame
     inside the call: then the innermost frame of ``torch/nn/modules`` other than ``module.py`` (the torch
     module's ``forward``: ``torch/nn/modules/normalization.py:…``).
-    None when there is neither."""
+    None when there is neither. The walk stops at ``trace_ops``'s frame, and at a frame running the
+    code object ``stop`` (another recorder's entry point: ``op_stream.record_ops``)."""
     frame = sys._getframe(2)
     fallback = None
-    while frame is not None and frame.f_code is not _TRACE_CODE:
+    while frame is not None and frame.f_code is not _TRACE_CODE and frame.f_code is not stop:
         filename = os.path.abspath(frame.f_code.co_filename)
         if not (filename.startswith((_TORCH_DIR, _PACKAGE_DIR, _STDLIB_DIR)) or filename.startswith("<")):
             return _where(frame, filename)

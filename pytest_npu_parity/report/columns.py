@@ -306,8 +306,10 @@ EXTRA_TABLE: tuple[Column, ...] = (
     Column(LOCALIZATION_SKIPPED, TEXT, "why localization did not run: budget (spent) or structure (outputs do not match) (first row only)"),
     Column(LOCALIZATION_STOPPED, TEXT, "budget: the localization descent stopped between levels (first row only)"),
     Column(LOCALIZATION_OPS, JSON, "op table of the module where the localization ended (under a golden verdict: of "
-           "the counterfactual's root-cause module): each op's local error vs "
-           "its float64 CPU golden, the first culprit op first (JSON list of rows; first row only)"),
+           "the counterfactual's root-cause module): each op's local error vs its float64 CPU golden, the first "
+           "culprit op first; then, where the reference and target op streams differ, the ops of their first "
+           "difference (kind op_stream: side, change inserted/removed/replaced/dtype/shape) (JSON list of rows; "
+           "first row only)"),
     Column(COUNTERFACTUAL, JSON, "what makes a failing check pass: one row per counterfactual re-run of its target "
            "(suspect: a submodule, the patch set, or some of its patches turned off (`patches`, the bisection's "
            "groups marked `split`); modification, error before/after, share of the error that disappears, root "

@@ -34,7 +34,11 @@ mode that re-runs every op in float64 on the CPU from the target op's own inputs
 names the first op whose own (local) error is beyond its dtype's budget, with its module path and
 source line (``Localization.op_trace``; the report's ``localization_ops``). It is not run where the
 descent stopped at the budget, where the levels came from another check's localization, or for a
-train step whose forward agrees.
+train step whose forward agrees. The same traced call records the target's op stream, the module's
+call runs once more on the reference side from the same inputs to record its stream, and the two are
+aligned (``op_stream.compare_streams``): the message names the first op the target inserts, removes,
+replaces or runs with other dtypes (``Localization.op_stream``; ``kind: "op_stream"`` rows of
+``localization_ops``), or says that the same ops run and the difference is in their values.
 
 The hooks exist only inside ``localize``: a passing check never runs it (``failure_hook`` is a
 ``ParitySession`` failure hook), so a passing run pays nothing. Computation done outside

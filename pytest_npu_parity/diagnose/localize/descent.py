@@ -5,6 +5,7 @@ Part of ``pytest_npu_parity.diagnose.localize`` (the package docstring describes
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -107,6 +108,9 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
     _conclude(loc, levels, root_name, context_rows)
     if ended is not None and loc.stopped is None and (loc.first is not None or call.kind == "check"):
         _trace_culprit(loc, case, ref, tgt, ended, prefix, deadline)
+        if loc.op_stream is not None and record.reference == "baseline":
+            loc.notes.append("the program difference compares the target's op stream with that of the live CPU run "
+                             "this localization uses as its reference: a stored baseline holds no op stream")
     if call.kind == "train_step" and first_pass is not None:
         _gradients(loc, result, first_pass.last_done, context_rows)
     if call.kind == "train_step":
@@ -270,7 +274,12 @@ def _trace_culprit(loc: Localization, case: Any, ref: _Side, tgt: _Side, ended: 
     reference call (a leaf module, or the scope whose own code diverges) or ``"root"`` (the check's
     module itself). It runs on the target from the *reference's* inputs of that call (moved to the
     target), in the call's context (patch set, recipe, random stream restored, grad/autocast mode), as
-    the local re-run did; it is kept in ``loc.op_trace``, or a note says why not."""
+    the local re-run did; it is kept in ``loc.op_trace``, or a note says why not.
+
+    The same traced call records the target's op stream (``op_stream.OpRecorder``, entered below the
+    trace's mode: it sees the ops the target runs under its patch set, not the trace's float64
+    goldens), and ``_program_difference`` compares it with the reference's (``loc.op_stream``)."""
+    from ..op_stream import OpRecorder
     from ..op_trace import trace_ops
 
     if ended == "root":
@@ -285,15 +294,61 @@ def _trace_culprit(loc: Localization, case: Any, ref: _Side, tgt: _Side, ended: 
     if deadline is not None and time.perf_counter() >= deadline:
         loc.notes.append(f"no op trace of {path}: the session's localization budget is spent")
         return
+    shown = path if name or prefix else ""
+    recorder: OpRecorder | None = None
     try:
         with tgt.running(rng, state) as root:
             args, kwargs = _to_device(inputs, tgt.device)
             module = root.get_submodule(name) if name else root
-            loc.op_trace = trace_ops(module, args, kwargs, device=tgt.device, recipe=case.recipe,
-                                     path=path if name or prefix else "", enter_recipe=False, deadline=deadline)
+            with contextlib.ExitStack() as stack:
+                try:
+                    recorder = stack.enter_context(OpRecorder(module, shown))
+                except Exception as exc:  # noqa: BLE001 - the trace runs without it
+                    loc.notes.append(f"no program difference of {path}: the op recorder could not start "
+                                     f"({_error(exc)})")
+                loc.op_trace = trace_ops(module, args, kwargs, device=tgt.device, recipe=case.recipe,
+                                         path=shown, enter_recipe=False, deadline=deadline)
     except Exception as exc:  # noqa: BLE001 - the module-level localization stands without it
-        loc.notes.append(f"no op trace of {path}: its traced forward raised ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''})")
+        loc.notes.append(f"no op trace of {path}: its traced forward raised ({_error(exc)})")
+        return
+    if recorder is not None:
+        _program_difference(loc, ref, recorder.stream, (inputs, rng, state), name, shown, path, deadline)
+
+
+def _program_difference(loc: Localization, ref: _Side, target: Any, entry: tuple, name: str, shown: str,
+                        path: str, deadline: float | None) -> None:
+    """Record the reference's op stream of the same call (``ref``'s module ``name``, from the call's
+    ``entry``: inputs, random state, mode state) and align it with the ``target`` stream
+    (``op_stream.compare_streams``); the result goes to ``loc.op_stream``, or a note says why not.
+    Nothing here can fail the localization: errors become notes."""
+    from ..op_stream import compare_streams, record_ops
+
+    if deadline is not None and time.perf_counter() >= deadline:
+        loc.notes.append(f"no program difference of {path}: the session's localization budget is spent")
+        return
+    if target.failed is not None:
+        loc.notes.append(f"no program difference of {path}: recording the target's op stream failed ({target.failed})")
+        return
+    inputs, rng, state = entry
+    try:
+        with ref.running(rng, state) as root:
+            args, kwargs = _to_device(inputs, ref.device)
+            module = root.get_submodule(name) if name else root
+            reference = record_ops(module, args, kwargs, path=shown)
+        if reference.failed is not None:
+            loc.notes.append(f"no program difference of {path}: recording the reference's op stream failed "
+                             f"({reference.failed})")
+            return
+        loc.op_stream = compare_streams(reference, target)
+    except Exception as exc:  # noqa: BLE001 - the localization stands without it
+        loc.notes.append(f"no program difference of {path}: recording the reference's op stream raised "
+                         f"({_error(exc)})")
+        return
+    loc.notes += loc.op_stream.notes
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def _conversion_notes(loc: Localization, *notes: dict[str, set[str]], prefix: str = "") -> None:

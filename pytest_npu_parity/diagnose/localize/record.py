@@ -96,6 +96,10 @@ class Localization:
             submodules, or the one whose own code diverges), naming the first op beyond its budget;
             None where the descent did not end at a module (a bound method's own code, a budget
             stop, levels reused from another check, a train step whose forward agrees).
+        op_stream: the ``op_stream.ProgramDifference`` of that module's call: the reference's and the
+            target's op streams aligned, naming the first op the target inserts, removes, replaces or
+            runs with other dtypes or shapes; None where there is no op trace or a recording failed (a
+            note says why).
         backward: train steps whose gradients fail: the backward table (``backward.backward_table``),
             one JSON-able row per module call in backward order: inherited (grad_output), total
             (param grads, grad_input) and local error, and the verdict.
@@ -123,6 +127,7 @@ class Localization:
     first_param: str | None = None
     loss_agrees: bool = False
     op_trace: Any = None
+    op_stream: Any = None
     backward: list[dict[str, Any]] = field(default_factory=list)
     first_backward: str | None = None
 
@@ -135,9 +140,13 @@ class Localization:
         return rows
 
     def op_rows(self) -> list[dict[str, Any]] | None:
-        """The op table (``op_trace.OpTrace.to_rows``: the first culprit op first) as JSON-able dicts
-        (``record.localized.localization_ops``), or None without an op trace."""
-        return None if self.op_trace is None else self.op_trace.to_rows()
+        """The op table (``op_trace.OpTrace.to_rows``: the first culprit op first), then the ops of the
+        first program difference (``op_stream.ProgramDifference.to_rows``: ``kind: "op_stream"`` rows,
+        none where the op streams are the same) as JSON-able dicts (``record.localized.localization_ops``),
+        or None without an op trace."""
+        if self.op_trace is None:
+            return None
+        return self.op_trace.to_rows() + (self.op_stream.to_rows() if self.op_stream is not None else [])
 
     def backward_rows(self) -> list[dict[str, Any]] | None:
         """The backward table (``backward``, in backward order) as JSON-able dicts
@@ -207,6 +216,8 @@ class Localization:
         if self.op_trace is not None:
             lines.append("")
             lines.append(self.op_trace.format())
+        if self.op_stream is not None:
+            lines.append(self.op_stream.summary())
         return "\n".join(lines)
 
 
