@@ -11,7 +11,9 @@ larger than the inherited one:
 * a wrong attention scale: layer 4's self-attention divides its scores by head_dim^(1/4) instead of
   sqrt(head_dim);
 * a wrong norm eps: layer 4's second BatchNorm with eps 1e-3 instead of upstream's 1e-5 (named down to
-  that norm).
+  that norm);
+* a softmax kernel computing in half precision inside layer 4's self-attention only (named down to the
+  op: ``aten._softmax`` at upstream's softmax line, a local error far beyond the float32 budget).
 
 The reference is a live CPU run of the unpatched upstream model. The faults share one
 ``Localizer`` (as a session does), and the scaled-weight case also checks decoder layer 4 on the
@@ -26,6 +28,7 @@ import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from pytest_npu_parity.aurora import checks, patches
 from pytest_npu_parity.compare import ParityError
@@ -106,8 +109,41 @@ def _wrong_norm_eps(layer: torch.nn.Module):
         norm.eps = eps
 
 
+class _HalfSoftmax(TorchDispatchMode):
+    """``aten._softmax`` computed in float16 (and cast back) while ``on``; exact otherwise."""
+
+    on = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._softmax.default and self.on:
+            x, dim, _ = args
+            with _disable_current_modes():
+                return func(x.half(), dim, False).to(x.dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _half_softmax(layer: torch.nn.Module):
+    # the kernel is wrong only inside layer 4's self-attention: hooks switch it (no frame is added to the op's stack)
+    kernel = _HalfSoftmax()
+
+    def on(module, args):
+        kernel.on = True
+
+    def off(module, args, output):
+        kernel.on = False
+
+    handles = [layer.self_attn.register_forward_pre_hook(on), layer.self_attn.register_forward_hook(off)]
+    try:
+        with kernel:
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 FAULTS = {"scaled_weight": _scaled_weight, "dropped_mask": _dropped_mask, "wrong_scale": _wrong_scale,
-          "wrong_norm_eps": _wrong_norm_eps}
+          "wrong_norm_eps": _wrong_norm_eps, "half_softmax": _half_softmax}
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -142,11 +178,17 @@ def test_full_forward_failure_names_the_faulty_decoder_layer(ctx, session, local
         assert first["submodule"] == LAYER and "in its own code outside its submodules" in message
     if fault == "wrong_norm_eps":  # the descent goes down to the norm itself
         assert first["submodule"] in (f"{LAYER}.norm2", f"{LAYER}.norm2.1"), message
+    if fault == "half_softmax":  # down to the op, at upstream's softmax line
+        assert first["submodule"] == f"{LAYER}.self_attn", message
+        op = next(row for row in case.records[-1].localized.localization_ops if row["first_op"])
+        assert op["op"] == "aten._softmax" and op["verdict"] == "local", message
+        assert "modeling_aurora.py:" in op["source"] and "F.softmax(attn_scores, dim=-1)" in op["source"], message
+        assert op["local"] > 10 * op["budget"], message
     assert math.isfinite(first["local_max_abs"])
     # What makes it pass: the first divergence replaced by its float64 CPU reference (computed outside the
     # patch set, so the dropped mask does not reach it) removes the error, as turning the patch set off does.
     counterfactual = [row for row in case.records[-1].whatfix.counterfactual if row["kind"] == "counterfactual"]
-    named = [row for row in counterfactual if row["why"] == "first divergence"]
+    named = [row for row in counterfactual if row["why"].startswith("first divergence")]
     assert len(named) == 1 and first["submodule"].endswith(named[0]["submodule"]), message
     assert named[0]["verdict"] == "root cause" and named[0]["share"] > 0.9, message
     if fault != "scaled_weight":
