@@ -28,7 +28,9 @@ Measures on one machine, in one run:
     baselines (every weight of the model × (1 + 1e-3) before the session: the model changed for
     every check, as when another torch version draws the weights). Both are injected by a pytest
     plugin this script writes to a temporary directory (``-p npu_parity_bench_faults``), never by
-    the shipped suite. Each is reported against the bare compute and against the green run.
+    the shipped suite. Each is reported against the bare compute and against the green run. The
+    scenario ``fault-undiagnosed`` is the same fault with ``--parity-localize-budget 0``: the red run
+    without any diagnosis, so the diagnosis's own cost is the difference of the two.
 
 Results are printed as a table and written as JSON (``benchmarks/results/bench_suite.json``;
 ``bench_suite_quick.json`` with ``--quick``). No timing is asserted anywhere.
@@ -40,6 +42,7 @@ Usage::
     python benchmarks/bench_suite.py --repeat 3 --recipes fp32       # min/median over 3 repetitions
     python benchmarks/bench_suite.py --skip-plugin --compare-mib 64  # bare compute and throughput only
     python benchmarks/bench_suite.py --scenarios green,fault         # green and one red run
+    python benchmarks/bench_suite.py --scenarios green,fault,fault-undiagnosed  # the diagnosis's cost
 
 Exit status 0 when the run finished (whatever the numbers), 1 when the pytest run failed, 2 on bad
 arguments.
@@ -74,7 +77,10 @@ TRAIN_STEP = "train_step"
 #: the held-out forecasts); its nightly 300-step form is skipped there and not timed.
 TRAJECTORY = "trajectory"
 #: The pytest runs of (b) and (f): name -> what is injected (``NPU_PARITY_BENCH_FAULT``).
-SCENARIOS = {"green": None, "fault": "ffn", "stale": "weights"}
+SCENARIOS = {"green": None, "fault": "ffn", "stale": "weights", "fault-undiagnosed": "ffn"}
+#: Extra pytest arguments of a scenario: the same fault with the localization budget at 0 (no
+#: localization, op trace, program difference nor counterfactual re-run): the cost of the diagnosis.
+SCENARIO_ARGS = {"fault-undiagnosed": ["--parity-localize-budget", "0"]}
 #: Relative size of the injected fault and of the stale-weights change.
 FAULT_FACTOR = 1 + 1e-3
 
@@ -152,7 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-plugin", action="store_true", help="skip the pytest runs (b, c, f)")
     parser.add_argument("--scenarios", default="green,fault,stale",
                         help="pytest runs to time: green (the suite as shipped), fault (one fault everywhere on "
-                             "the target), stale (the model's weights changed); default all three")
+                             "the target), stale (the model's weights changed), fault-undiagnosed (the fault with the "
+                             "localization budget at 0); default green,fault,stale")
     parser.add_argument("--pytest-args", default="",
                         help="extra arguments for every pytest run (e.g. '--parity-localize-budget 60')")
     parser.add_argument("--vs-msprobe", type=int, default=None, metavar="ELEMENTS",
@@ -425,7 +432,8 @@ def plugin(names: list[str], recipes: list[str], reference: str, repeat: int, qu
         Path(plugin_dir, "npu_parity_bench_faults.py").write_text(FAULT_PLUGIN)
         for _ in range(repeat):
             for name in scenarios:
-                runs[name].append(_pytest(["--durations=0", "--durations-min=0", *extra], node_ids, recipes,
+                runs[name].append(_pytest(["--durations=0", "--durations-min=0", *extra, *SCENARIO_ARGS.get(name, [])],
+                                          node_ids, recipes,
                                           pytest_ref, fault=SCENARIOS[name], plugin_dir=plugin_dir))
     return {"collect": collect, "runs": runs["green"], "scenarios": runs,
             "peak_rss_mib": _maxrss_mib(resource.RUSAGE_CHILDREN)}
@@ -640,7 +648,8 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"{'scenario (suite = run - collection)':38}{'wall s':>8}{'CPU s':>8}{'/bare':>7}{'/green':>8}"
                      f"{'  failed/passed':>16}")
         labels = {"green": "green (stored baselines)", "fault": f"fault: dec FFN weights x{FAULT_FACTOR:g}",
-                  "stale": f"stale: model weights x{FAULT_FACTOR:g}"}
+                  "stale": f"stale: model weights x{FAULT_FACTOR:g}",
+                  "fault-undiagnosed": "fault, localization budget 0"}
         for name, e in s["scenarios"].items():
             o = e["outcomes"]
             lines.append(f"{labels.get(name, name):38}{e['suite_wall']:8.1f}{e['suite_cpu']:8.1f}"

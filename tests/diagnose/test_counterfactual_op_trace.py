@@ -101,3 +101,29 @@ def test_without_a_root_cause_module_no_op_trace_is_run():
         handle.remove()
     assert case.records[-1].localized.localization_ops is None
     assert len(calls) == 3  # reference, target and golden runs only
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+def test_the_traced_call_computes_bitwise_what_the_call_itself_computes(recipe):
+    """The trace of the root cause does not change what it measures: its traced call, run from the call's
+    own inputs in the run's own context, returns bitwise the submodule's output in that run, and the run's
+    output is bitwise a plain run's (this model draws no random numbers and keeps no running statistics)."""
+    from pytest_npu_parity.diagnose.counterfactual import op_traced
+    from pytest_npu_parity.recipes import RECIPES
+
+    torch.manual_seed(0)
+    model, x = Model().eval(), torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    rec = RECIPES[recipe]
+    seen = []
+    handle = model.attn.register_forward_hook(lambda m, a, out: seen.append(out))
+    try:
+        with torch.no_grad(), rec.context(torch.device("cpu")):
+            plain = model(x)
+            found: list = []
+            with op_traced(model, "attn", found, device="cpu", recipe=rec, path="attn"):
+                traced_run = model(x)
+    finally:
+        handle.remove()
+    assert len(found) == 1 and found[0].ops > 0
+    assert torch.equal(found[0].output, seen[-1])  # the traced call vs the call itself, same run
+    assert torch.equal(traced_run, plain) and torch.equal(seen[0], seen[-1])
