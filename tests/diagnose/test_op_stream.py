@@ -246,8 +246,10 @@ def test_a_correct_model_has_no_difference_and_recording_changes_no_output(recip
             assert out.dtype == plain.dtype and torch.equal(out, plain)  # bitwise
         target = recorder.stream
         assert reference.failed is None and target.failed is None
-        assert [o.key for o in reference.ops] == [o.key for o in target.ops]  # no golden op was recorded
-        assert len(target.ops) == target.dispatched == traced.ops
+        # no golden op was recorded (views left out: torch 2.5.1's ModuleTracker adds detach/view ops of its own)
+        assert [o.key for o in reference.ops if o.op not in IGNORED] == [o.key for o in target.ops if o.op not in IGNORED]
+        assert len(target.ops) == target.dispatched
+        assert len([o for o in target.ops if o.op not in IGNORED]) == len([r for r in traced.rows if r.op not in IGNORED])
         diff = compare_streams(reference, target)
         assert diff.change is None and diff.blocks == 0 and diff.to_rows() == [], diff.summary()
         assert diff.reference_ops == len([o for o in reference.ops if o.op not in IGNORED]) > 0
