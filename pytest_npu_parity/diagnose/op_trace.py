@@ -80,12 +80,13 @@ import contextlib
 import linecache
 import math
 import os
+import re
 import sys
 import sysconfig
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -177,6 +178,7 @@ class OpRow:
     why: str | None = None
     first: bool = False
     precision_budget: float | None = None
+    phase: str = "forward"
 
     @property
     def ratio(self) -> float:
@@ -192,7 +194,7 @@ class OpRow:
         return {"kind": "op", "op": self.op, "overload": self.overload, "op_index": self.index,
                 "module": self.module, "source": self.source, "dtype": self.dtype,
                 "local": _num(self.local), "budget": _num(self.budget), "inherited": _num(self.inherited),
-                "verdict": self.verdict, "why": self.why, "first_op": self.first}
+                "verdict": self.verdict, "why": self.why, "first_op": self.first, "phase": self.phase}
 
 
 @dataclass
@@ -224,6 +226,7 @@ class OpTrace:
     seconds: float = 0.0
     output: Any = None
     notes: list[str] = field(default_factory=list)
+    backward_output: Any = None
 
     def summary(self) -> str:
         """One line naming the first culprit op, or saying that every op is within its budget."""
@@ -289,7 +292,8 @@ def _table(rows: list[OpRow]) -> list[str]:
     out = [header]
     for r in rows:
         verdict = r.verdict.upper() + " <- first culprit op" if r.first else r.verdict
-        out.append((str(r.index), r.op, r.module, r.source or "-", r.dtype or "-", _fmt(r.local), _fmt(r.budget),
+        source = r.source or ("backward" if r.phase == "backward" else "-")
+        out.append((str(r.index), r.op, r.module, source, r.dtype or "-", _fmt(r.local), _fmt(r.budget),
                     _fmt(r.inherited), verdict))
     widths = [max(len(str(r[i])) for r in out) for i in range(len(header))]
     return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in out]
@@ -381,6 +385,52 @@ def _user_frame(stop: Any = None) -> str | None:
             fallback = frame  # the torch module's forward (not functional.py below it, not Module.__call__)
         frame = frame.f_back
     return _where(fallback, os.path.abspath(fallback.f_code.co_filename)) if fallback is not None else None
+
+
+@contextlib.contextmanager
+def _anomaly_stacks() -> Iterator[None]:
+    """``torch.autograd.detect_anomaly(check_nan=False)`` without its warning: each autograd node keeps
+    the forward stack that created it (``Node.metadata["traceback_"]``); no value changes."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autograd.detect_anomaly(check_nan=False):
+            yield
+
+
+def _node_source() -> str | None:
+    """``"backward of <file>:<line>: <code>"``: the forward line (outside torch, the standard library and
+    this package) that created the autograd node whose backward is running, from its anomaly-mode stack;
+    None where there is none (no current node, anomaly mode off, a torch without
+    ``torch._C._current_autograd_node``)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    node = current() if current is not None else None
+    stack = node.metadata.get("traceback_") if node is not None else None
+    fallback = None
+    for entry in reversed(stack or []):
+        m = re.match(r'\s*File "([^"]+)", line (\d+)', entry)
+        if m is None:
+            continue
+        filename = os.path.abspath(m.group(1))
+        if filename.startswith((_TORCH_DIR, _PACKAGE_DIR, _STDLIB_DIR)) or m.group(1).startswith("<"):
+            if fallback is None and filename.startswith(_TORCH_NN_MODULES) and filename != _TORCH_MODULE_PY:
+                fallback = (m.group(1), int(m.group(2)), filename)  # a torch module's forward (as _user_frame)
+            continue
+        return "backward of " + _where(_FrameLike(m.group(1), int(m.group(2))), filename)
+    return "backward of " + _where(_FrameLike(*fallback[:2]), fallback[2]) if fallback is not None else None
+
+
+@dataclass
+class _FrameLike:
+    """What ``_where`` reads of a frame, for a line of a recorded stack."""
+
+    co_filename: str
+    f_lineno: int
+
+    @property
+    def f_code(self) -> Any:
+        return self
 
 
 def _where(frame: Any, filename: str) -> str:
@@ -554,6 +604,7 @@ class _State:
         self.deadline, self.max_ops = deadline, max_ops
         self.chain: WeakIdKeyDictionary = WeakIdKeyDictionary()  # target tensor -> its float64 chain value
         self.stopped: str | None = None
+        self.backward = False  # inside trace_ops' ``backward`` call
 
     def skip(self, name: str, why: str) -> None:
         self.trace.not_compared[why] += 1
@@ -585,7 +636,11 @@ class _OpTracer(TorchDispatchMode):
         if st.stopped is not None:
             st.skip(name, st.stopped)
             return func(*args, **kwargs)
-        row = OpRow(len(st.trace.rows), name, func._overloadname, st.tracker.innermost(), _user_frame())
+        if st.backward:
+            row = OpRow(len(st.trace.rows), name, func._overloadname, st.tracker.innermost(), _node_source(),
+                        phase="backward")
+        else:
+            row = OpRow(len(st.trace.rows), name, func._overloadname, st.tracker.innermost(), _user_frame())
         st.trace.rows.append(row)
         inputs = _tensors((args, kwargs))
         why = "nested or sparse tensor" if any(_exotic(t) for t in inputs) else _why_not(func, args, kwargs)
@@ -706,9 +761,17 @@ class _OpTracer(TorchDispatchMode):
 
 def trace_ops(module: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, *,
               device: torch.device | str, recipe: Any = None, path: str = "", enter_recipe: bool = True,
-              deadline: float | None = None, max_ops: int = MAX_OPS) -> OpTrace:
+              deadline: float | None = None, max_ops: int = MAX_OPS,
+              backward: Callable[[Any], Any] | None = None) -> OpTrace:
     """Run ``module(*args, **kwargs)`` once on ``device`` with every op compared to its float64 golden
     (module doc) and name the first culprit op.
+
+    With ``backward``, ``backward(output)`` is called next inside the same trace (e.g. a
+    ``torch.autograd.grad`` through the call): its ops — the call's backward kernels — are compared the
+    same way, with ``phase`` ``backward``, the module path ``ModuleTracker`` gives in the backward, and
+    as source the forward line that created the op's autograd node (``_node_source``: the forward and
+    the backward run under ``torch.autograd.detect_anomaly(check_nan=False)``, which records each node's
+    forward stack; it changes no value). Its result is ``OpTrace.backward_output``.
 
     Args:
         module: the module to trace, already on ``device`` (a target's placed copy).
@@ -741,8 +804,13 @@ def trace_ops(module: torch.nn.Module, args: tuple = (), kwargs: dict | None = N
             stack.enter_context(recipe.context(device))
         tracker = stack.enter_context(_Tracker(module, path))
         state = _State(tracker, trace, precision, deadline, max_ops)
+        if backward is not None:
+            stack.enter_context(_anomaly_stacks())
         stack.enter_context(_OpTracer(state))
         trace.output = module(*args, **kwargs)
+        if backward is not None:
+            state.backward = True
+            trace.backward_output = backward(trace.output)
     trace.seconds = time.perf_counter() - start
     culprits = [r for r in trace.rows if r.verdict in _VERDICT_ORDER]
     if culprits:

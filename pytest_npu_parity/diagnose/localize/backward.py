@@ -176,10 +176,13 @@ def _ancestors(outputs: list[torch.Tensor]) -> set[int]:
 
 
 def call_gradients(side: _Side, call: _Call, inputs: tuple, rng: tuple, needs: list[str],
-                   grad_out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                   grad_out: dict[str, torch.Tensor], traced: list | None = None,
+                   **trace: Any) -> dict[str, torch.Tensor]:
     """Re-run call ``call`` of ``side`` on ``inputs`` (a recorded snapshot) with the random stream at
     ``rng`` and the call's grad/autocast mode, and backpropagate ``grad_out`` (``{output path: CPU
-    gradient}``) through it alone.
+    gradient}``) through it alone. With ``traced`` (a list), the forward and the backward run under
+    ``op_trace.trace_ops(..., backward=...)`` (``trace``: its keyword arguments), appended to ``traced``:
+    the same gradients, each op of the call's backward compared with its float64 golden.
 
     Returns:
         ``{"grad_input<path>": ..., "grad.<param>": ...}`` CPU tensors: the gradients w.r.t. the inputs
@@ -207,19 +210,29 @@ def call_gradients(side: _Side, call: _Call, inputs: tuple, rng: tuple, needs: l
 
         args, kwargs = _to_device(inputs, side.device)
         args, kwargs = prepare(args, "[0]"), prepare(kwargs, "[1]")
-        output = module(*args, **kwargs)
-        pairs, seen = [], set()
-        for path, t in _tensors(output):
-            if path in grad_out and _differentiable(t) and id(t) not in seen:
-                seen.add(id(t))
-                pairs.append((t, grad_out[path].to(side.device)))
-        for i in sorted(_ancestors([t for t, _ in pairs]), reverse=True):
-            del pairs[i]
         params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         wrt = list(leaves.values()) + [p for _, p in params]
-        with _no_autocast(side):
-            grads = (torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                     if pairs and wrt else [None] * len(wrt))
+
+        def backward(output: Any) -> Any:
+            pairs, seen = [], set()
+            for path, t in _tensors(output):
+                if path in grad_out and _differentiable(t) and id(t) not in seen:
+                    seen.add(id(t))
+                    pairs.append((t, grad_out[path].to(side.device)))
+            for i in sorted(_ancestors([t for t, _ in pairs]), reverse=True):
+                del pairs[i]
+            with _no_autocast(side):
+                return (torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                        if pairs and wrt else [None] * len(wrt))
+
+        if traced is None:
+            grads = backward(module(*args, **kwargs))
+        else:
+            from ..op_trace import trace_ops
+
+            traced.append(trace_ops(module, args, kwargs, device=side.device, enter_recipe=False, backward=backward,
+                                    **trace))
+            grads = traced[-1].backward_output
     names = [f"grad_input{p}" for p in leaves] + [f"grad.{n}" for n, _ in params]
     return {name: (g if g is not None else torch.zeros_like(x)).detach().to("cpu", copy=True)
             for name, g, x in zip(names, grads, wrt)}
@@ -331,10 +344,35 @@ def backward_table(loc: Localization, case: Any, call: Any, tol: Tolerance, pref
             loc.first_backward = f"{path} ({r.module_type})"
         loc.backward.append(row)
     _mark_holders(loc.backward, order)
+    first = next((c for row, c in zip(loc.backward, order) if row.get("first_divergence")), None)
+    if first is not None and loc.op_trace is None:
+        _trace_backward(loc, case, ref, tgt, first, tgt_calls.get(first.key), (ref_rec, tgt_rec), prefix, deadline)
     if loc.first is not None and loc.backward:
         loc.notes.append(f"the forward already diverges ({loc.first.path}): the backward table's inputs differ "
                          "between the sides from there on; its local column re-runs each call on the "
                          "reference's inputs and grad_output")
+
+
+def _trace_backward(loc: Localization, case: Any, ref: _Side, tgt: _Side, r: _Call, t: _Call | None,
+                    recs: tuple[_GradRecorder, _GradRecorder], prefix: str, deadline: float | None) -> None:
+    """The op trace of the first local call's backward (``call_gradients`` with ``traced``): the target's
+    call re-run on the reference's inputs and grad_output, as its local column does, each forward and
+    backward op compared with its float64 golden; kept in ``loc.op_trace`` (the message's op table and
+    the report's ``localization_ops``), or a note says why not."""
+    ref_rec, _ = recs
+    name = ".".join(p for p in (prefix, r.name) if p)
+    if t is None or (deadline is not None and time.perf_counter() >= deadline):
+        return
+    traced: list = []
+    try:
+        call_gradients(tgt, t, r.inputs, r.rng, ref_rec.needs[r.key], ref_rec.grad_out.get(r.key) or {}, traced,
+                       recipe=case.recipe, path=name, deadline=deadline)
+    except Exception as exc:  # noqa: BLE001 - the table stands without it
+        loc.notes.append(f"no op trace of {name or 'the module'}'s backward: its re-run raised ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})")
+        return
+    if traced:
+        loc.op_trace = traced[0]
 
 
 def _mark_holders(rows: list[dict[str, Any]], order: list[_Call]) -> None:
