@@ -4,6 +4,7 @@ Part of ``pytest_npu_parity.diagnose.counterfactual`` (the package docstring des
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass
@@ -166,7 +167,8 @@ def attribute(runner: Rerunner, suspects: list[Suspect], result: Any) -> list[At
                 outcome = runner.run(None, patched=False)
             else:
                 try:
-                    refs = reference_runs(pristine_float64(module, suspect.name), calls.get(suspect.name, []))
+                    with _reference_patches(runner.case):
+                        refs = reference_runs(pristine_float64(module, suspect.name), calls.get(suspect.name, []))
                 except Exception as exc:  # noqa: BLE001 - e.g. upstream code that cannot run in float64
                     problem = f"its float64 CPU reference raised {type(exc).__name__}: {str(exc).splitlines()[0]}"
                     out.append(Attribution(suspect, Outcome(False, math.inf, 0.0, problem), math.nan, math.nan,
@@ -182,6 +184,12 @@ def attribute(runner: Rerunner, suspects: list[Suspect], result: Any) -> list[At
             except Spent:
                 break
     return out
+
+
+def _reference_patches(case: Any) -> Any:
+    """The case's reference patches on the CPU (what the reference needs to run at all), or nothing."""
+    factory = getattr(case, "reference_patches", None)
+    return factory(torch.device("cpu")) if factory is not None else contextlib.nullcontext()
 
 
 def _attributed(runner: Rerunner, suspect: Suspect, outcome: Outcome, result: Any) -> Attribution:

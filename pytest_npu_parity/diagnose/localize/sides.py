@@ -328,11 +328,14 @@ class _Side:
 
     @contextlib.contextmanager
     def running(self, rng: tuple | None = None, state: tuple | None = None) -> Iterator[torch.nn.Module]:
-        """Patch set (target), placement, recipe, shared randomness (restored to ``rng``), grad mode
-        and autocast state ``state`` — the context of the check's own runs; yields the root module."""
+        """Patch set (target) or reference patches (reference: ``ParityCase.reference_patches``, what the
+        reference needs to run at all), placement, recipe, shared randomness (restored to ``rng``), grad
+        mode and autocast state ``state`` — the context of the check's own runs; yields the root module."""
         with contextlib.ExitStack() as stack:
             if self.patched and self.case.patches is not None:
                 stack.enter_context(self.case.patches(self.device))
+            elif not self.patched and getattr(self.case, "reference_patches", None) is not None:
+                stack.enter_context(self.case.reference_patches(self.device))
             root = self.root()
             stack.enter_context(self.case.recipe.context(self.device))
             stack.enter_context(same_randomness(self.call.seed))
