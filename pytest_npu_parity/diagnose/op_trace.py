@@ -403,16 +403,19 @@ def _node_source() -> str | None:
     """``"backward of <file>:<line>: <code>"``: the forward line (outside torch, the standard library and
     this package) that created the autograd node whose backward is running, from its anomaly-mode stack;
     None where there is none (no current node, anomaly mode off, a torch without
-    ``torch._C._current_autograd_node``)."""
+    ``torch._C._current_autograd_node``). As in ``_user_frame``, the walk stops at ``trace_ops``'s frame:
+    the frames above it are the caller's (the test's ``train_step`` line), not the traced call's."""
     current = getattr(torch._C, "_current_autograd_node", None)
     node = current() if current is not None else None
     stack = node.metadata.get("traceback_") if node is not None else None
     fallback = None
     for entry in reversed(stack or []):
-        m = re.match(r'\s*File "([^"]+)", line (\d+)', entry)
+        m = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', entry)
         if m is None:
             continue
         filename = os.path.abspath(m.group(1))
+        if filename == _TRACE_FILE and m.group(3) == _TRACE_CODE.co_name:
+            break
         if filename.startswith((_TORCH_DIR, _PACKAGE_DIR, _STDLIB_DIR)) or m.group(1).startswith("<"):
             if fallback is None and filename.startswith(_TORCH_NN_MODULES) and filename != _TORCH_MODULE_PY:
                 fallback = (m.group(1), int(m.group(2)), filename)  # a torch module's forward (as _user_frame)
@@ -820,3 +823,4 @@ def trace_ops(module: torch.nn.Module, args: tuple = (), kwargs: dict | None = N
 
 
 _TRACE_CODE = trace_ops.__code__  # where the frame walk of ``_user_frame`` stops: the traced call's caller
+_TRACE_FILE = os.path.abspath(_TRACE_CODE.co_filename)  # and that of ``_node_source`` (a recorded stack's file)

@@ -92,3 +92,40 @@ def test_tracing_a_backward_changes_neither_the_outputs_nor_the_gradients():
     assert any(r.op == "aten.sigmoid_backward" for r in backward) and trace.first is None
     named = next(r for r in backward if r.op == "aten.sigmoid_backward")
     assert named.module.startswith("layers.1") and "torch.sigmoid(h)" in named.source
+
+
+class GeluChain(torch.nn.Module):
+    """Linear -> GELU -> Linear: the layer whose backward differs is a torch module (``nn.GELU``)."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.inp, self.act, self.out = torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act(self.inp(x)))
+
+
+class _WrongGeluBackward(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is aten.gelu_backward.default:
+            with _disable_current_modes():
+                return out * (1 + 1e-2)
+        return out
+
+
+def test_the_backward_op_of_a_torch_module_is_sourced_at_its_forward_not_at_the_callers_line():
+    """``nn.GELU`` traced alone has no model line inside the traced call: its backward op's source is the
+    torch module's forward, as its forward op's is. The anomaly stack walk used to run past the trace's own
+    frame and name the caller's line (this file's ``train_step`` call)."""
+    torch.manual_seed(0)
+    session = ParitySession(torch.device("cpu"), reference="cpu", failure_hooks=[failure_hook],
+                            recipe_policies={"fp32": "allclose"})
+    case = ParityCase(session, "t::gelu-bwd", patches=lambda device: _WrongGeluBackward())
+    with pytest.raises(ParityError) as info:
+        case.train_step("step", GeluChain(), {"x": _x()}, loss_fn=lambda out: out.square().mean(), max_grad_norm=None)
+    message = str(info.value)
+    first = next(row for row in case.records[-1].localized.localization_ops if row["first_op"])
+    assert first["op"] == "aten.gelu_backward" and first["module"] == "act", message
+    assert first["source"].startswith("backward of torch/nn/modules/activation.py:"), message
+    assert "F.gelu(" in first["source"], message
