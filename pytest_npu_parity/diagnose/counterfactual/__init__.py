@@ -41,8 +41,8 @@ verified by a re-run with exactly the printed fix (``pytest_npu_parity.fp32_isla
 
 Under a golden verdict no localization traced the ops; the module suspect found to be the root cause is
 then traced in one more re-run (``trace_root_cause``, ``modify.op_traced``: ``op_trace.trace_ops`` on
-its first call, from the call's own inputs, in the run's own patch set, recipe and random stream), so a
-bf16 failure gets the op table too (the report's ``localization_ops``).
+its calls until one has a culprit op, each from the call's own inputs, in the run's own patch set, recipe
+and random stream), so a bf16 failure gets the op table too (the report's ``localization_ops``).
 
 ``what_makes_it_pass`` runs both within a deadline and ``rerun.MAX_RERUNS`` re-runs, fills
 ``record.whatfix`` (``checks.record.CounterfactualOutcome``: report columns ``counterfactual``,
@@ -114,7 +114,7 @@ class WhatMakesItPass:
         if not self.attributions:
             lines.append("  (no suspect re-run: budget spent)")
         if self.op_trace is not None:
-            lines.append("Op trace of the root cause (one more re-run, the ops of its first call compared with their "
+            lines.append("Op trace of the root cause (one more re-run, the ops of its calls compared with their "
                          "float64 golden):")
             lines += ["  " + line for line in self.op_trace.format().splitlines()]
         elif self.op_trace_note:
@@ -249,6 +249,20 @@ def trace_root_cause(runner: Rerunner, attributions: list, prefix: str | None) -
     except Spent:
         return None, "the re-run budget is spent"
     if found:
-        return found[0], None
+        return _culprit_call(found, path), None
     return None, (f"its traced re-run raised ({outcome.problem})" if outcome.problem else
                   f"{path or 'the module'} was not called in the re-run")
+
+
+def _culprit_call(traces: list, path: str) -> Any:
+    """Of the traces of one module's calls (call order), the first with a culprit op, else the first.
+    Where several calls were traced, the trace is named as the localization names calls (``path#k``,
+    from 0) and a note says how many were traced."""
+    index = next((i for i, t in enumerate(traces) if t.first is not None), 0)
+    trace = traces[index]
+    if len(traces) > 1:
+        trace.module = f"{path or trace.module}#{index}"
+        trace.notes.append(f"{len(traces)} calls of {path or 'the module'} traced; "
+                           + (f"the first culprit op is in call #{index}, the calls before it are within their budgets"
+                              if trace.first is not None else "no call has a culprit op"))
+    return trace
