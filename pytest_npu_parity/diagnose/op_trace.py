@@ -93,6 +93,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .node_modules import NodeModules, current_module
+
 try:  # present from torch 1.13 on; a private name, hence the fallback
     from torch.utils._python_dispatch import _disable_current_modes
 except ImportError:  # pragma: no cover - every supported torch has it
@@ -640,8 +642,8 @@ class _OpTracer(TorchDispatchMode):
             st.skip(name, st.stopped)
             return func(*args, **kwargs)
         if st.backward:
-            row = OpRow(len(st.trace.rows), name, func._overloadname, st.tracker.innermost(), _node_source(),
-                        phase="backward")
+            row = OpRow(len(st.trace.rows), name, func._overloadname, current_module() or st.tracker.innermost(),
+                        _node_source(), phase="backward")
         else:
             row = OpRow(len(st.trace.rows), name, func._overloadname, st.tracker.innermost(), _user_frame())
         st.trace.rows.append(row)
@@ -771,7 +773,8 @@ def trace_ops(module: torch.nn.Module, args: tuple = (), kwargs: dict | None = N
 
     With ``backward``, ``backward(output)`` is called next inside the same trace (e.g. a
     ``torch.autograd.grad`` through the call): its ops — the call's backward kernels — are compared the
-    same way, with ``phase`` ``backward``, the module path ``ModuleTracker`` gives in the backward, and
+    same way, with ``phase`` ``backward``, the module whose forward created the op's autograd node
+    (``node_modules``; else the path ``ModuleTracker`` gives in the backward), and
     as source the forward line that created the op's autograd node (``_node_source``: the forward and
     the backward run under ``torch.autograd.detect_anomaly(check_nan=False)``, which records each node's
     forward stack; it changes no value). Its result is ``OpTrace.backward_output``.
@@ -809,6 +812,7 @@ def trace_ops(module: torch.nn.Module, args: tuple = (), kwargs: dict | None = N
         state = _State(tracker, trace, precision, deadline, max_ops)
         if backward is not None:
             stack.enter_context(_anomaly_stacks())
+            stack.enter_context(NodeModules(tracker.innermost))
         stack.enter_context(_OpTracer(state))
         trace.output = module(*args, **kwargs)
         if backward is not None:
