@@ -189,3 +189,28 @@ def test_tracing_every_call_of_a_shared_module_leaves_the_run_bitwise_plain(reci
             traced_run = model(x)
     assert len(found) == 2 and all(t.first is None for t in found)  # no fault: both calls traced, no culprit
     assert torch.equal(traced_run, plain)
+
+
+class _TanhOff(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is aten.tanh.default:
+            with _disable_current_modes():
+                return out * 1.05
+        return out
+
+
+def test_a_wrong_kernel_in_the_modules_own_code_is_named_by_the_trace_of_the_whole_module():
+    """``Model``'s tanh runs in its own code, outside every child: no child suspect is the root cause, and
+    the op trace used to be skipped. The check's whole module is traced instead and names ``aten.tanh``."""
+    torch.manual_seed(0)
+    model, x = Model().eval(), torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    case = ParityCase(_session(), "t::tanh", "bf16", patches=lambda device: _TanhOff())
+    message = _fails(case, "m", model, x)
+    record = case.records[-1]
+    rows = [r for r in record.whatfix.counterfactual if r["kind"] == "counterfactual" and r["suspect_kind"] == "module"]
+    assert rows and not any(r["verdict"] == "root cause" for r in rows), message
+    first = next(r for r in record.localized.localization_ops if r["first_op"])
+    assert first["op"] == "aten.tanh" and first["module"] == "<Model>" and first["verdict"] == "local", message
+    assert "torch.tanh(self.embed(x))" in first["source"], message
+    assert "Op trace of the check's module" in message and "the check's whole module was traced" in message
