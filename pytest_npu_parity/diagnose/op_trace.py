@@ -93,6 +93,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .node_modules import NodeModules, current_module
+
 try:  # present from torch 1.13 on; a private name, hence the fallback
     from torch.utils._python_dispatch import _disable_current_modes
 except ImportError:  # pragma: no cover - every supported torch has it
@@ -403,16 +405,19 @@ def _node_source() -> str | None:
     """``"backward of <file>:<line>: <code>"``: the forward line (outside torch, the standard library and
     this package) that created the autograd node whose backward is running, from its anomaly-mode stack;
     None where there is none (no current node, anomaly mode off, a torch without
-    ``torch._C._current_autograd_node``)."""
+    ``torch._C._current_autograd_node``). As in ``_user_frame``, the walk stops at ``trace_ops``'s frame:
+    the frames above it are the caller's (the test's ``train_step`` line), not the traced call's."""
     current = getattr(torch._C, "_current_autograd_node", None)
     node = current() if current is not None else None
     stack = node.metadata.get("traceback_") if node is not None else None
     fallback = None
     for entry in reversed(stack or []):
-        m = re.match(r'\s*File "([^"]+)", line (\d+)', entry)
+        m = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', entry)
         if m is None:
             continue
         filename = os.path.abspath(m.group(1))
+        if filename == _TRACE_FILE and m.group(3) == _TRACE_CODE.co_name:
+            break
         if filename.startswith((_TORCH_DIR, _PACKAGE_DIR, _STDLIB_DIR)) or m.group(1).startswith("<"):
             if fallback is None and filename.startswith(_TORCH_NN_MODULES) and filename != _TORCH_MODULE_PY:
                 fallback = (m.group(1), int(m.group(2)), filename)  # a torch module's forward (as _user_frame)
@@ -637,8 +642,8 @@ class _OpTracer(TorchDispatchMode):
             st.skip(name, st.stopped)
             return func(*args, **kwargs)
         if st.backward:
-            row = OpRow(len(st.trace.rows), name, func._overloadname, st.tracker.innermost(), _node_source(),
-                        phase="backward")
+            row = OpRow(len(st.trace.rows), name, func._overloadname, current_module() or st.tracker.innermost(),
+                        _node_source(), phase="backward")
         else:
             row = OpRow(len(st.trace.rows), name, func._overloadname, st.tracker.innermost(), _user_frame())
         st.trace.rows.append(row)
@@ -768,7 +773,8 @@ def trace_ops(module: torch.nn.Module, args: tuple = (), kwargs: dict | None = N
 
     With ``backward``, ``backward(output)`` is called next inside the same trace (e.g. a
     ``torch.autograd.grad`` through the call): its ops — the call's backward kernels — are compared the
-    same way, with ``phase`` ``backward``, the module path ``ModuleTracker`` gives in the backward, and
+    same way, with ``phase`` ``backward``, the module whose forward created the op's autograd node
+    (``node_modules``; else the path ``ModuleTracker`` gives in the backward), and
     as source the forward line that created the op's autograd node (``_node_source``: the forward and
     the backward run under ``torch.autograd.detect_anomaly(check_nan=False)``, which records each node's
     forward stack; it changes no value). Its result is ``OpTrace.backward_output``.
@@ -806,6 +812,7 @@ def trace_ops(module: torch.nn.Module, args: tuple = (), kwargs: dict | None = N
         state = _State(tracker, trace, precision, deadline, max_ops)
         if backward is not None:
             stack.enter_context(_anomaly_stacks())
+            stack.enter_context(NodeModules(tracker.innermost))
         stack.enter_context(_OpTracer(state))
         trace.output = module(*args, **kwargs)
         if backward is not None:
@@ -820,3 +827,4 @@ def trace_ops(module: torch.nn.Module, args: tuple = (), kwargs: dict | None = N
 
 
 _TRACE_CODE = trace_ops.__code__  # where the frame walk of ``_user_frame`` stops: the traced call's caller
+_TRACE_FILE = os.path.abspath(_TRACE_CODE.co_filename)  # and that of ``_node_source`` (a recorded stack's file)

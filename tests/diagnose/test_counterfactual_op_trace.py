@@ -127,3 +127,90 @@ def test_the_traced_call_computes_bitwise_what_the_call_itself_computes(recipe):
     assert len(found) == 1 and found[0].ops > 0
     assert torch.equal(found[0].output, seen[-1])  # the traced call vs the call itself, same run
     assert torch.equal(traced_run, plain) and torch.equal(seen[0], seen[-1])
+
+
+class Shared(torch.nn.Module):
+    """One Linear called twice: on the embedding (values beyond [-1, 1]) and on a tanh of its own output."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, width)
+        self.shared = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.shared(self.embed(x) * 3))
+        return self.head(torch.tanh(self.shared(h)))
+
+
+class _SecondCallOff(TorchDispatchMode):
+    """An addmm kernel 5 % off for a 16 x 16 weight and an input within [-1, 1]: ``shared``'s second call only."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is aten.addmm.default and args[2].shape == (16, 16) and bool(args[1].abs().max() <= 1):
+            with _disable_current_modes():
+                return out * 1.05
+        return out
+
+
+def _shared_and_input():
+    torch.manual_seed(0)
+    return Shared().eval(), torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1))
+
+
+def test_a_module_computing_wrongly_in_its_second_call_only_is_traced_in_that_call():
+    """The root cause ``shared`` is called twice; its first call is right. Tracing the first call alone said
+    "every op compared is within its budget" (no kernel to blame); the calls are traced until one has a
+    culprit op, and that call is named as the localization names calls (``shared#1``)."""
+    model, x = _shared_and_input()
+    case = ParityCase(_session(), "t::second-call", "bf16", patches=lambda device: _SecondCallOff())
+    message = _fails(case, "m", model, x)
+    record = case.records[-1]
+    rows = {r["suspect"]: r for r in record.whatfix.counterfactual if r["kind"] == "counterfactual"}
+    assert rows["shared (Linear)"]["verdict"] == "root cause", message
+    first = next(r for r in record.localized.localization_ops if r["first_op"])
+    assert first["op"] == "aten.addmm" and first["module"] == "shared" and first["verdict"] == "local", message
+    assert first["local"] == pytest.approx(0.05, rel=0.05), message
+    assert "Op trace of shared#1 (Linear)" in message and "2 calls of shared traced" in message
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+def test_tracing_every_call_of_a_shared_module_leaves_the_run_bitwise_plain(recipe):
+    from pytest_npu_parity.diagnose.counterfactual import op_traced
+    from pytest_npu_parity.recipes import RECIPES
+
+    model, x = _shared_and_input()
+    rec = RECIPES[recipe]
+    with torch.no_grad(), rec.context(torch.device("cpu")):
+        plain = model(x)
+        found: list = []
+        with op_traced(model, "shared", found, device="cpu", recipe=rec, path="shared"):
+            traced_run = model(x)
+    assert len(found) == 2 and all(t.first is None for t in found)  # no fault: both calls traced, no culprit
+    assert torch.equal(traced_run, plain)
+
+
+class _TanhOff(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is aten.tanh.default:
+            with _disable_current_modes():
+                return out * 1.05
+        return out
+
+
+def test_a_wrong_kernel_in_the_modules_own_code_is_named_by_the_trace_of_the_whole_module():
+    """``Model``'s tanh runs in its own code, outside every child: no child suspect is the root cause, and
+    the op trace used to be skipped. The check's whole module is traced instead and names ``aten.tanh``."""
+    torch.manual_seed(0)
+    model, x = Model().eval(), torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    case = ParityCase(_session(), "t::tanh", "bf16", patches=lambda device: _TanhOff())
+    message = _fails(case, "m", model, x)
+    record = case.records[-1]
+    rows = [r for r in record.whatfix.counterfactual if r["kind"] == "counterfactual" and r["suspect_kind"] == "module"]
+    assert rows and not any(r["verdict"] == "root cause" for r in rows), message
+    first = next(r for r in record.localized.localization_ops if r["first_op"])
+    assert first["op"] == "aten.tanh" and first["module"] == "<Model>" and first["verdict"] == "local", message
+    assert "torch.tanh(self.embed(x))" in first["source"], message
+    assert "Op trace of the check's module" in message and "the check's whole module was traced" in message

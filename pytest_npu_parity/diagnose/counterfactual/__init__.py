@@ -41,8 +41,8 @@ verified by a re-run with exactly the printed fix (``pytest_npu_parity.fp32_isla
 
 Under a golden verdict no localization traced the ops; the module suspect found to be the root cause is
 then traced in one more re-run (``trace_root_cause``, ``modify.op_traced``: ``op_trace.trace_ops`` on
-its first call, from the call's own inputs, in the run's own patch set, recipe and random stream), so a
-bf16 failure gets the op table too (the report's ``localization_ops``).
+its calls until one has a culprit op, each from the call's own inputs, in the run's own patch set, recipe
+and random stream), so a bf16 failure gets the op table too (the report's ``localization_ops``).
 
 ``what_makes_it_pass`` runs both within a deadline and ``rerun.MAX_RERUNS`` re-runs, fills
 ``record.whatfix`` (``checks.record.CounterfactualOutcome``: report columns ``counterfactual``,
@@ -85,6 +85,7 @@ class WhatMakesItPass:
     train_step: bool = False
     op_trace: Any = None
     op_trace_note: str | None = None
+    op_trace_of: str = "the root cause"  # or "the check's module" (no module suspect is the root cause)
 
     def to_rows(self) -> list[dict[str, Any]]:
         """The report's ``counterfactual`` rows: attributions, then the island search's re-runs."""
@@ -114,8 +115,8 @@ class WhatMakesItPass:
         if not self.attributions:
             lines.append("  (no suspect re-run: budget spent)")
         if self.op_trace is not None:
-            lines.append("Op trace of the root cause (one more re-run, the ops of its first call compared with their "
-                         "float64 golden):")
+            lines.append(f"Op trace of {self.op_trace_of} (one more re-run, the ops of its calls compared with "
+                         "their float64 golden):")
             lines += ["  " + line for line in self.op_trace.format().splitlines()]
         elif self.op_trace_note:
             lines.append(f"(No op trace of the root cause: {self.op_trace_note}.)")
@@ -213,6 +214,8 @@ def what_makes_it_pass(case: Any, record: Any, call: Any, result: Any, *, locali
     out.attributions = attribute(runner, suspects_for(case, record, call, localization), result)
     if getattr(localization, "op_trace", None) is None:
         out.op_trace, out.op_trace_note = trace_root_cause(runner, out.attributions, getattr(record, "submodule", None))
+        if not any(a.suspect.kind == "module" and a.verdict == "root cause" for a in out.attributions):
+            out.op_trace_of = "the check's module"
     if islands is None:
         islands = getattr(case.recipe, "autocast_dtype", None) is not None
     if islands:
@@ -234,13 +237,14 @@ def what_makes_it_pass(case: Any, record: Any, call: Any, result: Any, *, locali
 def trace_root_cause(runner: Rerunner, attributions: list, prefix: str | None) -> tuple[Any, str | None]:
     """Where no localization traced the ops (a golden verdict), the op trace (``op_trace.trace_ops``) of the
     module suspect that is the root cause with the largest share: one more re-run of the target with
-    ``modify.op_traced`` on it, the trace judged at the recipe's precision. Returns ``(OpTrace or None,
-    why not)``."""
-    roots = [a for a in attributions if a.suspect.kind == "module" and a.verdict == "root cause"]
-    if not roots:
+    ``modify.op_traced`` on it, the trace judged at the recipe's precision. Where no module suspect is the
+    root cause (a wrong kernel in every layer, a fault in the module's own code), the check's whole module
+    is traced instead (``OpTrace.notes`` says so). Returns ``(OpTrace or None, why not)``."""
+    if not attributions:
         return None, None
-    best = max(roots, key=lambda a: a.share if math.isfinite(a.share) else 1.0)
-    name = best.suspect.name
+    roots = [a for a in attributions if a.suspect.kind == "module" and a.verdict == "root cause"]
+    best = max(roots, key=lambda a: a.share if math.isfinite(a.share) else 1.0) if roots else None
+    name = best.suspect.name if best is not None else ""
     path = ".".join(p for p in (prefix or "", name) if p)
     found: list = []
     try:
@@ -249,6 +253,24 @@ def trace_root_cause(runner: Rerunner, attributions: list, prefix: str | None) -
     except Spent:
         return None, "the re-run budget is spent"
     if found:
-        return found[0], None
+        trace = _culprit_call(found, path)
+        if best is None:
+            trace.notes.append("no module suspect is the root cause on its own, so the check's whole module "
+                               "was traced")
+        return trace, None
     return None, (f"its traced re-run raised ({outcome.problem})" if outcome.problem else
                   f"{path or 'the module'} was not called in the re-run")
+
+
+def _culprit_call(traces: list, path: str) -> Any:
+    """Of the traces of one module's calls (call order), the first with a culprit op, else the first.
+    Where several calls were traced, the trace is named as the localization names calls (``path#k``,
+    from 0) and a note says how many were traced."""
+    index = next((i for i, t in enumerate(traces) if t.first is not None), 0)
+    trace = traces[index]
+    if len(traces) > 1:
+        trace.module = f"{path or trace.module}#{index}"
+        trace.notes.append(f"{len(traces)} calls of {path or 'the module'} traced; "
+                           + (f"the first culprit op is in call #{index}, the calls before it are within their budgets"
+                              if trace.first is not None else "no call has a culprit op"))
+    return trace

@@ -326,14 +326,19 @@ def reference_outputs(model: torch.nn.Module, names: Sequence[str],
         yield
 
 
+MAX_TRACED_CALLS = 8  # calls of one module traced by ``op_traced`` before it gives up on a culprit op
+
+
 @contextlib.contextmanager
 def op_traced(model: torch.nn.Module, name: str, found: list, **trace: Any) -> Iterator[None]:
-    """Trace the ops of the first call of ``model``'s submodule ``name`` inside the block
-    (``op_trace.trace_ops(submodule, args, kwargs, **trace)``, appended to ``found``): a forward pre-hook
-    runs the traced call from the call's own inputs, in the run's own context (patch set, recipe,
-    autocast, grad mode, random stream as the call would see it), before the call itself runs. The run's
-    outputs after that call are not those of a plain run (the traced call drew from the random stream and
-    updated any running statistics first): use the run for the trace only.
+    """Trace the ops of the calls of ``model``'s submodule ``name`` inside the block
+    (``op_trace.trace_ops(submodule, args, kwargs, **trace)``, one ``OpTrace`` per call appended to
+    ``found``, in call order): a forward pre-hook runs the traced call from the call's own inputs, in the
+    run's own context (patch set, recipe, autocast, grad mode, random stream as the call would see it),
+    before the call itself runs. Calls are traced until one has a culprit op (a module called twice may
+    compute wrongly in its second call only), at most ``MAX_TRACED_CALLS``; the later calls run untraced.
+    The run's outputs after the first traced call are not those of a plain run (the traced call drew from
+    the random stream and updated any running statistics first): use the run for the trace only.
 
     Raises:
         AttributeError: ``name`` is not a submodule of ``model``.
@@ -344,7 +349,7 @@ def op_traced(model: torch.nn.Module, name: str, found: list, **trace: Any) -> I
     busy: list[bool] = []
 
     def pre(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if busy or found:
+        if busy or len(found) >= MAX_TRACED_CALLS or any(t.first is not None for t in found):
             return
         busy.append(True)
         try:
