@@ -214,3 +214,43 @@ def test_a_wrong_kernel_in_the_modules_own_code_is_named_by_the_trace_of_the_who
     assert first["op"] == "aten.tanh" and first["module"] == "<Model>" and first["verdict"] == "local", message
     assert "torch.tanh(self.embed(x))" in first["source"], message
     assert "Op trace of the check's module" in message and "the check's whole module was traced" in message
+
+
+class _ResidualTwice(Attention):
+    """The target's port of the attention adds its input twice (a program difference, every kernel right)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out + x if PORT["on"] else out
+
+
+PORT = {"on": False}
+
+
+def test_a_program_difference_in_the_root_cause_is_named_under_the_golden_verdict():
+    torch.manual_seed(0)
+    model, x = Model().eval(), torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    model.attn.__class__ = _ResidualTwice
+
+    def port(device):
+        import contextlib
+
+        @contextlib.contextmanager
+        def on():
+            PORT["on"] = True
+            try:
+                yield
+            finally:
+                PORT["on"] = False
+        return on()
+
+    case = ParityCase(_session(), "t::residual", "bf16", patches=port)
+    message = _fails(case, "m", model, x)
+    record = case.records[-1]
+    assert record.golden_policy is not None, message
+    ops = record.localized.localization_ops
+    assert not any(r.get("first_op") for r in ops if r["kind"] == "op"), message  # every kernel computed right
+    stream = [r for r in ops if r["kind"] == "op_stream"]
+    assert stream and stream[0]["change"] == "inserted" and stream[0]["op"] == "aten.add", message
+    assert "return out + x if PORT" in stream[0]["source"], message
+    assert "Program difference (reference vs target op streams" in message and "inserted aten.add" in message

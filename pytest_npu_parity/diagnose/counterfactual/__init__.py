@@ -61,7 +61,7 @@ from typing import Any
 from .attribution import (CONTRIBUTING_SHARE, MAX_CHILD_SUSPECTS, ROOT_CAUSE_SHARE, Attribution,  # noqa: F401
                           Suspect, attribute, child_suspects, module_suspect)
 from .islands import IslandSearch, find_islands
-from .modify import fp32_islands, op_traced, pristine_float64, reference_outputs  # noqa: F401
+from .modify import fp32_islands, op_traced, pristine_float64, reference_outputs, reference_stream  # noqa: F401
 from .rerun import MAX_RERUNS, Outcome, Rerunner, Spent, end_to_end_error, failing_paths, leaf_error  # noqa: F401
 
 __all__ = ["WhatMakesItPass", "what_makes_it_pass", "fp32_islands", "reference_outputs", "Rerunner",
@@ -85,6 +85,7 @@ class WhatMakesItPass:
     train_step: bool = False
     op_trace: Any = None
     op_trace_note: str | None = None
+    op_stream: Any = None
     op_trace_of: str = "the root cause"  # or "the check's module" (no module suspect is the root cause)
 
     def to_rows(self) -> list[dict[str, Any]]:
@@ -118,6 +119,8 @@ class WhatMakesItPass:
             lines.append(f"Op trace of {self.op_trace_of} (one more re-run, the ops of its calls compared with "
                          "their float64 golden):")
             lines += ["  " + line for line in self.op_trace.format().splitlines()]
+            if self.op_stream is not None:
+                lines.append("  " + self.op_stream.summary())
         elif self.op_trace_note:
             lines.append(f"(No op trace of the root cause: {self.op_trace_note}.)")
         lines += self._island_lines()
@@ -213,7 +216,8 @@ def what_makes_it_pass(case: Any, record: Any, call: Any, result: Any, *, locali
     out = WhatMakesItPass(end_to_end_error(result, paths), measure, train_step=call.kind == "train_step")
     out.attributions = attribute(runner, suspects_for(case, record, call, localization), result)
     if getattr(localization, "op_trace", None) is None:
-        out.op_trace, out.op_trace_note = trace_root_cause(runner, out.attributions, getattr(record, "submodule", None))
+        out.op_trace, out.op_trace_note, out.op_stream = trace_root_cause(runner, out.attributions,
+                                                                          getattr(record, "submodule", None))
         if not any(a.suspect.kind == "module" and a.verdict == "root cause" for a in out.attributions):
             out.op_trace_of = "the check's module"
     if islands is None:
@@ -224,7 +228,7 @@ def what_makes_it_pass(case: Any, record: Any, call: Any, result: Any, *, locali
     out.stopped = not runner.left() or bool(out.islands is not None and out.islands.stopped)
     localized = getattr(record, "localized", None)
     if out.op_trace is not None and localized is not None and getattr(localized, "localization_ops", None) is None:
-        localized.localization_ops = out.op_trace.to_rows()
+        localized.localization_ops = out.op_trace.to_rows() + (out.op_stream.to_rows() if out.op_stream else [])
     whatfix = getattr(record, "whatfix", None)
     if whatfix is not None:
         whatfix.counterfactual = out.to_rows()
@@ -234,32 +238,59 @@ def what_makes_it_pass(case: Any, record: Any, call: Any, result: Any, *, locali
     return out
 
 
-def trace_root_cause(runner: Rerunner, attributions: list, prefix: str | None) -> tuple[Any, str | None]:
+def trace_root_cause(runner: Rerunner, attributions: list, prefix: str | None) -> tuple[Any, str | None, Any]:
     """Where no localization traced the ops (a golden verdict), the op trace (``op_trace.trace_ops``) of the
     module suspect that is the root cause with the largest share: one more re-run of the target with
     ``modify.op_traced`` on it, the trace judged at the recipe's precision. Where no module suspect is the
     root cause (a wrong kernel in every layer, a fault in the module's own code), the check's whole module
-    is traced instead (``OpTrace.notes`` says so). Returns ``(OpTrace or None, why not)``."""
+    is traced instead (``OpTrace.notes`` says so). The traced call's op stream is aligned with the
+    reference's same call (``modify.reference_stream``, ``op_stream.compare_streams``): the program
+    difference. Returns ``(OpTrace or None, why not, ProgramDifference or None)``."""
     if not attributions:
-        return None, None
+        return None, None, None
     roots = [a for a in attributions if a.suspect.kind == "module" and a.verdict == "root cause"]
     best = max(roots, key=lambda a: a.share if math.isfinite(a.share) else 1.0) if roots else None
     name = best.suspect.name if best is not None else ""
     path = ".".join(p for p in (prefix or "", name) if p)
     found: list = []
+    calls: list = []
     try:
-        outcome = runner.run(functools.partial(op_traced, name=name, found=found, device=runner.case.target,
-                                               recipe=runner.case.recipe, path=path, deadline=runner.deadline))
+        outcome = runner.run(functools.partial(op_traced, name=name, found=found, calls=calls,
+                                               device=runner.case.target, recipe=runner.case.recipe, path=path,
+                                               deadline=runner.deadline))
     except Spent:
-        return None, "the re-run budget is spent"
-    if found:
-        trace = _culprit_call(found, path)
-        if best is None:
-            trace.notes.append("no module suspect is the root cause on its own, so the check's whole module "
-                               "was traced")
-        return trace, None
-    return None, (f"its traced re-run raised ({outcome.problem})" if outcome.problem else
-                  f"{path or 'the module'} was not called in the re-run")
+        return None, "the re-run budget is spent", None
+    if not found:
+        return None, (f"its traced re-run raised ({outcome.problem})" if outcome.problem else
+                      f"{path or 'the module'} was not called in the re-run"), None
+    trace = _culprit_call(found, path)
+    if best is None:
+        trace.notes.append("no module suspect is the root cause on its own, so the check's whole module "
+                           "was traced")
+    return trace, None, _program_difference(runner, name, path, calls[found.index(trace)] if len(calls) == len(found)
+                                            else None, trace)
+
+
+def _program_difference(runner: Rerunner, name: str, path: str, call: Any, trace: Any) -> Any:
+    """The reference's op stream of the traced call aligned with the target's, or None (a note on ``trace``)."""
+    from ..op_stream import compare_streams
+
+    if call is None or call.stream is None or call.stream.failed is not None:
+        trace.notes.append("no program difference: the target's op stream was not recorded")
+        return None
+    module = runner.call.module
+    try:
+        sub = module.get_submodule(name) if name else module
+        reference = reference_stream(sub, call, runner.case.recipe, path,
+                                     getattr(runner.case, "reference_patches", None))
+    except Exception as exc:  # noqa: BLE001 - the op trace stands without it
+        trace.notes.append(f"no program difference: the reference's run of the same call raised "
+                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        return None
+    if reference.failed is not None:
+        trace.notes.append(f"no program difference: recording the reference's op stream failed ({reference.failed})")
+        return None
+    return compare_streams(reference, call.stream)
 
 
 def _culprit_call(traces: list, path: str) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -330,7 +331,8 @@ MAX_TRACED_CALLS = 8  # calls of one module traced by ``op_traced`` before it gi
 
 
 @contextlib.contextmanager
-def op_traced(model: torch.nn.Module, name: str, found: list, **trace: Any) -> Iterator[None]:
+def op_traced(model: torch.nn.Module, name: str, found: list, calls: list | None = None,
+              **trace: Any) -> Iterator[None]:
     """Trace the ops of the calls of ``model``'s submodule ``name`` inside the block
     (``op_trace.trace_ops(submodule, args, kwargs, **trace)``, one ``OpTrace`` per call appended to
     ``found``, in call order): a forward pre-hook runs the traced call from the call's own inputs, in the
@@ -340,9 +342,15 @@ def op_traced(model: torch.nn.Module, name: str, found: list, **trace: Any) -> I
     The run's outputs after the first traced call are not those of a plain run (the traced call drew from
     the random stream and updated any running statistics first): use the run for the trace only.
 
+    With ``calls`` (a list), each traced call also records its op stream below the trace
+    (``op_stream.OpRecorder``) and appends ``TracedCall`` (the stream, the call's inputs on the CPU, its
+    random state, grad mode and training flag): what ``reference_stream`` needs to run the reference's
+    same call.
+
     Raises:
         AttributeError: ``name`` is not a submodule of ``model``.
     """
+    from ..op_stream import OpRecorder
     from ..op_trace import trace_ops
 
     module = model.get_submodule(name) if name else model
@@ -353,9 +361,62 @@ def op_traced(model: torch.nn.Module, name: str, found: list, **trace: Any) -> I
             return
         busy.append(True)
         try:
-            found.append(trace_ops(mod, args, kwargs, enter_recipe=False, **trace))
+            if calls is None:
+                found.append(trace_ops(mod, args, kwargs, enter_recipe=False, **trace))
+                return
+            entry = TracedCall(None, _to_cpu(_snapshot((args, kwargs))), torch.get_rng_state(),
+                               torch.is_grad_enabled(), mod.training)
+            with OpRecorder(mod, trace.get("path", "")) as recorder:
+                found.append(trace_ops(mod, args, kwargs, enter_recipe=False, **trace))
+            entry.stream = recorder.stream
+            calls.append(entry)
         finally:
             busy.pop()
 
     with _hooked(module, pre, None):
         yield
+
+
+@dataclass
+class TracedCall:
+    """One call traced by ``op_traced`` with ``calls``: the target's op ``stream`` (``op_stream.OpStream``),
+    its ``inputs`` (``(args, kwargs)`` on the CPU, as the call got them), the CPU random state it started
+    from, its grad mode and its module's training flag."""
+
+    stream: Any
+    inputs: tuple
+    rng: torch.Tensor
+    grad: bool
+    training: bool
+
+
+def _to_cpu(obj: Any) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.detach().to("cpu") if isinstance(x, torch.Tensor) else x, obj)
+
+
+def reference_stream(module: torch.nn.Module, call: TracedCall, recipe: Any, path: str,
+                     reference_patches: Callable[[torch.device], Any] | None = None) -> Any:
+    """The reference's op stream of a traced call (``op_stream.record_ops``): a copy of the pristine
+    ``module`` (the check's own submodule, in the recipe's weights dtype) run on the CPU from the call's
+    inputs, in its training mode, grad mode and random state, under the recipe's context and the case's
+    reference patches, outside any patch set. Raises whatever that run raises."""
+    from ..op_stream import record_ops
+
+    ref = copy.deepcopy(module).to("cpu")
+    weights_dtype = getattr(recipe, "weights_dtype", None)
+    if weights_dtype is not None:
+        ref = ref.to(weights_dtype)
+    ref.train(call.training)
+    args, kwargs = call.inputs
+    cpu = torch.device("cpu")
+    with contextlib.ExitStack() as stack:
+        if reference_patches is not None:
+            stack.enter_context(reference_patches(cpu))
+        if recipe is not None:
+            stack.enter_context(recipe.context(cpu))
+        stack.enter_context(torch.random.fork_rng(devices=[]))
+        torch.set_rng_state(call.rng)
+        stack.enter_context(torch.set_grad_enabled(call.grad))
+        return record_ops(ref, tuple(args), dict(kwargs), path=path)
