@@ -218,7 +218,7 @@ def what_makes_it_pass(case: Any, record: Any, call: Any, result: Any, *, locali
     if getattr(localization, "op_trace", None) is None:
         out.op_trace, out.op_trace_note, out.op_stream = trace_root_cause(runner, out.attributions,
                                                                           getattr(record, "submodule", None))
-        if not any(a.suspect.kind == "module" and a.verdict == "root cause" for a in out.attributions):
+        if root_module(out.attributions) is None:
             out.op_trace_of = "the check's module"
     if islands is None:
         islands = getattr(case.recipe, "autocast_dtype", None) is not None
@@ -248,8 +248,7 @@ def trace_root_cause(runner: Rerunner, attributions: list, prefix: str | None) -
     difference. Returns ``(OpTrace or None, why not, ProgramDifference or None)``."""
     if not attributions:
         return None, None, None
-    roots = [a for a in attributions if a.suspect.kind == "module" and a.verdict == "root cause"]
-    best = max(roots, key=lambda a: a.share if math.isfinite(a.share) else 1.0) if roots else None
+    best = root_module(attributions)
     name = best.suspect.name if best is not None else ""
     path = ".".join(p for p in (prefix or "", name) if p)
     found: list = []
@@ -267,8 +266,14 @@ def trace_root_cause(runner: Rerunner, attributions: list, prefix: str | None) -
     if best is None:
         trace.notes.append("no module suspect is the root cause on its own, so the check's whole module "
                            "was traced")
-    return trace, None, _program_difference(runner, name, path, calls[found.index(trace)] if len(calls) == len(found)
-                                            else None, trace)
+    return trace, None, _program_difference(runner, name, path, next((c for c in calls if c.trace is trace), None),
+                                            trace)
+
+
+def root_module(attributions: list) -> Any:
+    """The module suspect attributed as root cause with the largest share, or None."""
+    roots = [a for a in attributions if a.suspect.kind == "module" and a.verdict == "root cause"]
+    return max(roots, key=lambda a: a.share if math.isfinite(a.share) else 1.0) if roots else None
 
 
 def _program_difference(runner: Rerunner, name: str, path: str, call: Any, trace: Any) -> Any:

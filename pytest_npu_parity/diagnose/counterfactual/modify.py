@@ -343,8 +343,8 @@ def op_traced(model: torch.nn.Module, name: str, found: list, calls: list | None
     the random stream and updated any running statistics first): use the run for the trace only.
 
     With ``calls`` (a list), each traced call also records its op stream below the trace
-    (``op_stream.OpRecorder``) and appends ``TracedCall`` (the stream, the call's inputs on the CPU, its
-    random state, grad mode and training flag): what ``reference_stream`` needs to run the reference's
+    (``op_stream.OpRecorder``) and appends ``TracedCall`` (the trace, the stream, the call's inputs on the
+    CPU, its random state, grad mode and training flag): what ``reference_stream`` needs to run the reference's
     same call.
 
     Raises:
@@ -364,12 +364,10 @@ def op_traced(model: torch.nn.Module, name: str, found: list, calls: list | None
             if calls is None:
                 found.append(trace_ops(mod, args, kwargs, enter_recipe=False, **trace))
                 return
-            entry = TracedCall(None, _to_cpu(_snapshot((args, kwargs))), torch.get_rng_state(),
-                               torch.is_grad_enabled(), mod.training)
+            inputs, rng = _to_cpu(_snapshot((args, kwargs))), torch.get_rng_state()
             with OpRecorder(mod, trace.get("path", "")) as recorder:
                 found.append(trace_ops(mod, args, kwargs, enter_recipe=False, **trace))
-            entry.stream = recorder.stream
-            calls.append(entry)
+            calls.append(TracedCall(found[-1], recorder.stream, inputs, rng, torch.is_grad_enabled(), mod.training))
         finally:
             busy.pop()
 
@@ -379,10 +377,12 @@ def op_traced(model: torch.nn.Module, name: str, found: list, calls: list | None
 
 @dataclass
 class TracedCall:
-    """One call traced by ``op_traced`` with ``calls``: the target's op ``stream`` (``op_stream.OpStream``),
-    its ``inputs`` (``(args, kwargs)`` on the CPU, as the call got them), the CPU random state it started
-    from, its grad mode and its module's training flag."""
+    """One call traced by ``op_traced`` with ``calls``: its ``trace`` (``op_trace.OpTrace``, also in
+    ``found``), the target's op ``stream`` (``op_stream.OpStream``), its ``inputs`` (``(args, kwargs)`` on
+    the CPU, as the call got them), the CPU random state it started from, its grad mode and its module's
+    training flag."""
 
+    trace: Any
     stream: Any
     inputs: tuple
     rng: torch.Tensor
