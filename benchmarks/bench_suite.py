@@ -10,14 +10,17 @@ Measures on one machine, in one run:
     overhead. With stored baselines (the suite's default) there is no reference run; with
     ``--reference cpu`` each check's unpatched reference run is timed too. Model construction and
     context capture (``build_context``) and each check's ``build`` are timed separately ("setup"):
-    both the bare run and the suite need them.
+    both the bare run and the suite need them. Each repetition runs in a fresh Python process, just
+    before the repetition's pytest runs: cold, as a pytest run is, and under the same load as the run
+    it is set against (``--bare-in-process``: every repetition in this process, the later ones warm).
 (b) **plugin** — ``pytest --npu-parity <suite> -p no:cacheprovider`` in a subprocess; its cost is the
     run's time minus pytest's own startup and collection (the same command with ``--co``). Per test,
     ``--durations=0`` gives the call time (the check's ``build`` plus everything ``parity.check``
     does), compared with bare build + run per check group.
 (c) ratio suite / bare, overall and per check group, on wall time and on CPU time (the CPU seconds
     of the process and its threads: on a shared machine wall time carries other users' load, CPU
-    time much less).
+    time much less): the fastest suite run against the fastest bare process, and the median of the
+    repetitions' paired ratios (repetition i's suite run against repetition i's bare process).
 (d) comparison throughput: ``compare.compare`` on a large float32 tensor pair vs a plain
     ``clone`` of the pair (the bytes a comparison must read; a clone of one tensor is reported too); baseline load throughput (``BaselineStore.load`` of every committed Aurora
     baseline, including the checksum) vs reading the same bytes.
@@ -167,6 +170,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "elements (e.g. 67108864) and write benchmarks/results/compare_vs_msprobe.json")
     parser.add_argument("--compare-mib", type=int, default=None,
                         help="size of the comparison tensor in MiB (default 256; quick: 64)")
+    parser.add_argument("--bare-in-process", action="store_true",
+                        help="run every repetition of the bare compute in this process, before the pytest runs "
+                             "(later repetitions run warm; the minimum per check is reported). Default: each "
+                             "repetition in a fresh process, cold like a pytest run, interleaved with the pytest runs")
+    parser.add_argument("--bare-child", default=None, metavar="JSON", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args(argv)
     if args.repeat < 1:
@@ -220,6 +228,9 @@ def machine() -> dict[str, Any]:
                 cpu = line.split(":", 1)[1].strip()
                 break
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE"),
+            "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY"),
+            "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA"),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "platform": platform.platform()}
 
@@ -355,6 +366,51 @@ def bare(names: list[str], recipes: list[str], reference: str, repeat: int) -> d
             "peak_rss_mib": _maxrss_mib(resource.RUSAGE_SELF)}
 
 
+def bare_process(quick: bool, recipes: list[str], reference: str) -> dict[str, Any]:
+    """(a) once, in a fresh Python process: cold, as each pytest run is (no repetition runs warm on
+    the caches, allocator and oneDNN primitives of an earlier one)."""
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="npu-parity-bare-", suffix=".json")
+    os.close(fd)
+    try:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--bare-child", path, "--recipes", ",".join(recipes),
+               "--reference", reference, *(["--quick"] if quick else [])]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bare compute process failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+        return json.loads(Path(path).read_text())
+    finally:
+        os.unlink(path)
+
+
+def _bare_totals(res: dict[str, Any], i: int = 0) -> tuple[float, float]:
+    """Wall and CPU seconds of repetition ``i`` of a bare result: setup + every build and run."""
+    wall = res["setup_wall"] + sum(e[k][i] for e in res["checks"].values()
+                                   for k in ("build_wall", "run_wall") + (("reference_wall",) if e["reference_wall"] else ()))
+    cpu = res["setup_cpu"] + sum(e[k][i] for e in res["checks"].values()
+                                 for k in ("build_cpu", "run_cpu") + (("reference_cpu",) if e["reference_cpu"] else ()))
+    return wall, cpu
+
+
+def merge_bare(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The bare processes' results as one: each check's lists hold one value per process, in order;
+    ``processes`` holds each process's totals and ``best`` the index of the fastest (the one the
+    summary reports, whole: a sum of per-check minima over processes would be no run at all)."""
+    checks_: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        for key, entry in run["checks"].items():
+            merged = checks_.setdefault(key, {k: ([] if isinstance(v, list) else v) for k, v in entry.items()})
+            for k, v in entry.items():
+                if isinstance(v, list):
+                    merged[k].extend(v)
+    processes = [dict(zip(("total_wall", "total_cpu"), _bare_totals(run)), setup_wall=run["setup_wall"],
+                      setup_cpu=run["setup_cpu"]) for run in runs]
+    best = min(range(len(runs)), key=lambda i: processes[i]["total_wall"])
+    return {"setup_wall": runs[best]["setup_wall"], "setup_cpu": runs[best]["setup_cpu"], "checks": checks_,
+            "peak_rss_mib": max(run["peak_rss_mib"] for run in runs), "processes": processes, "best": best}
+
+
 # --------------------------------------------------------------------------------------------
 # (b) plugin
 
@@ -418,10 +474,12 @@ def _pytest(extra: list[str], node_ids: list[str], recipes: list[str], reference
 
 
 def plugin(names: list[str], recipes: list[str], reference: str, repeat: int, quick: bool,
-           scenarios: list[str] = ("green",), extra: list[str] = ()) -> dict[str, Any]:
+           scenarios: list[str] = ("green",), extra: list[str] = (),
+           before_each: Callable[[], None] | None = None) -> dict[str, Any]:
     """(b), (f): pytest startup + collection (``--co``), then the suite run of each scenario, each
     ``repeat`` times, interleaved (green, fault, stale, green, …) so that a change of the machine's
-    load falls on every scenario alike."""
+    load falls on every scenario alike; ``before_each()`` runs at the start of every repetition (the
+    bare compute's process, so that it is interleaved with the suite's runs too)."""
     import tempfile
 
     node_ids = _node_ids(names, recipes, quick)
@@ -431,6 +489,8 @@ def plugin(names: list[str], recipes: list[str], reference: str, repeat: int, qu
     with tempfile.TemporaryDirectory(prefix="npu-parity-bench-") as plugin_dir:
         Path(plugin_dir, "npu_parity_bench_faults.py").write_text(FAULT_PLUGIN)
         for _ in range(repeat):
+            if before_each is not None:
+                before_each()
             for name in scenarios:
                 runs[name].append(_pytest(["--durations=0", "--durations-min=0", *extra, *SCENARIO_ARGS.get(name, [])],
                                           node_ids, recipes,
@@ -555,11 +615,16 @@ def summarize(bare_res: dict, plugin_res: dict | None, recipes: list[str]) -> di
     groups: dict[str, dict[str, float]] = {}
     total = {"build_wall": 0.0, "build_cpu": 0.0, "run_wall": 0.0, "run_cpu": 0.0, "reference_wall": 0.0,
              "reference_cpu": 0.0}
+    best = bare_res.get("best")  # one process per repetition: that process's values, whole
+
+    def pick(values: list[float]) -> float:
+        return (values[best] if best is not None else min(values)) if values else 0.0
+
     for key, entry in bare_res["checks"].items():
         g = groups.setdefault(entry["group"], {"checks": 0, **{k: 0.0 for k in total}, "plugin_call_wall": 0.0})
         g["checks"] += 1
         for k in total:
-            v = min(entry[k]) if entry[k] else 0.0
+            v = pick(entry[k])
             g[k] += v
             total[k] += v
     out: dict[str, Any] = {"bare": {"setup_wall": bare_res["setup_wall"], "setup_cpu": bare_res["setup_cpu"],
@@ -580,6 +645,15 @@ def summarize(bare_res: dict, plugin_res: dict | None, recipes: list[str]) -> di
                          "suite_wall": suite_wall, "suite_cpu": suite_cpu,
                          "rc": [r["rc"] for r in plugin_res["runs"]], "tail": plugin_res["runs"][-1]["tail"]}
         out["ratio"] = {"wall": suite_wall / out["bare"]["total_wall"], "cpu": suite_cpu / out["bare"]["total_cpu"]}
+        processes = bare_res.get("processes")
+        if processes and len(processes) == len(plugin_res["runs"]):
+            # repetition i's suite run against repetition i's bare process (run back to back: the same load)
+            paired = [((r["wall"] - min(col_wall)) / b["total_wall"], (r["cpu"] - min(col_cpu)) / b["total_cpu"])
+                      for r, b in zip(plugin_res["runs"], processes)]
+            out["ratio"]["paired_wall"] = [w for w, _ in paired]
+            out["ratio"]["paired_cpu"] = [c for _, c in paired]
+            out["ratio"]["paired_wall_median"] = statistics.median(w for w, _ in paired)
+            out["ratio"]["paired_cpu_median"] = statistics.median(c for _, c in paired)
         # per group: pytest call time (min over runs) vs bare build + compute of the same checks
         calls: dict[str, float] = {}
         for r in plugin_res["runs"]:
@@ -619,7 +693,7 @@ def table(result: dict[str, Any]) -> str:
     lines = [f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
              f"load average {result['load_before'][0]:.1f} → {result['load_after'][0]:.1f}",
              f"checks: {result['n_checks']} ({', '.join(result['recipes'])}), reference {result['reference']}, "
-             f"repeat {result['repeat']}", ""]
+             f"repeat {result['repeat']}; bare compute: {result.get('bare_mode', 'in-process')}", ""]
     b = s["bare"]
     lines.append(f"{'':34}{'wall s':>10}{'CPU s':>10}")
     lines.append(f"{'bare: model + context (setup)':34}{b['setup_wall']:10.1f}{b['setup_cpu']:10.1f}")
@@ -635,6 +709,10 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"{'pytest run':34}{p['run_wall']['min']:10.1f}{p['run_cpu']['min']:10.1f}")
         lines.append(f"{'suite = run - collection':34}{p['suite_wall']:10.1f}{p['suite_cpu']:10.1f}")
         lines.append(f"{'ratio suite / bare':34}{s['ratio']['wall']:10.3f}{s['ratio']['cpu']:10.3f}")
+        if "paired_wall" in s["ratio"]:
+            lines.append(f"{'paired runs, median ratio':34}{s['ratio']['paired_wall_median']:10.3f}"
+                         f"{s['ratio']['paired_cpu_median']:10.3f}")
+            lines.append("  per repetition (wall): " + ", ".join(f"{x:.3f}" for x in s["ratio"]["paired_wall"]))
         lines.append("")
         lines.append(f"{'group':32}{'checks':>7}{'bare s':>9}{'pytest s':>10}{'ratio':>8}")
         for name, g in sorted(s["groups"].items()):
@@ -685,14 +763,30 @@ def main(argv: list[str] | None = None) -> int:
     from pytest_npu_parity.aurora import checks
 
     names = (QUICK_CHECKS if args.quick else [c.name for c in checks.CHECKS]) + [TRAIN_STEP, TRAJECTORY]
+    if args.bare_child:  # one cold repetition of (a), for bare_process
+        Path(args.bare_child).write_text(json.dumps(bare(names, args.recipes, args.reference, 1)))
+        return 0
     result: dict[str, Any] = {"machine": machine(), "load_before": list(os.getloadavg()), "quick": args.quick,
                               "recipes": args.recipes, "reference": args.reference, "repeat": args.repeat,
                               "n_checks": len(names) * len(args.recipes)}
+    result["bare_mode"] = "in-process, warm repetitions" if args.bare_in_process else "a fresh process per repetition"
     started = time.perf_counter()
-    bare_res = bare(names, args.recipes, args.reference, args.repeat)
+    bare_runs: list[dict[str, Any]] = []
+
+    def one_bare_process() -> None:
+        bare_runs.append(bare_process(args.quick, args.recipes, args.reference))
+
+    if args.bare_in_process:
+        bare_res = bare(names, args.recipes, args.reference, args.repeat)
+    elif args.skip_plugin:
+        for _ in range(args.repeat):
+            one_bare_process()
+    plugin_res = None if args.skip_plugin else plugin(
+        names, args.recipes, args.reference, args.repeat, args.quick, args.scenarios, args.pytest_args,
+        before_each=None if args.bare_in_process else one_bare_process)
+    if not args.bare_in_process:
+        bare_res = merge_bare(bare_runs)
     throughput_res = throughput(args.compare_mib, args.repeat)
-    plugin_res = None if args.skip_plugin else plugin(names, args.recipes, args.reference, args.repeat, args.quick,
-                                                      args.scenarios, args.pytest_args)
     result["load_after"] = list(os.getloadavg())
     result["elapsed_s"] = time.perf_counter() - started
     result["bare"] = bare_res
