@@ -258,6 +258,24 @@ def test_a_non_contiguous_output_is_sampled_at_the_same_positions_without_a_whol
     assert torch.equal(_sampled("layer:s", small, 64), small.contiguous().reshape(-1))
 
 
+def test_a_view_with_an_offset_or_zero_strides_is_sampled_as_its_contiguous_copy():
+    # The strided read starts at the view's own first element (storage_offset) and follows any
+    # strides: a slice of a larger output, an expanded (stride 0) tensor, a permuted bf16 output,
+    # into a new tensor or a preallocated row.
+    from pytest_npu_parity.layers import _sampled
+
+    x = torch.randn(6, 10, 12, 14, generator=torch.Generator().manual_seed(5))
+    views = [x[2:, 1:9, 3:, ::2].permute(0, 2, 3, 1), x[1, 2:].transpose(0, 1),
+             torch.randn(1, 7, 1, generator=torch.Generator().manual_seed(6)).expand(9, 7, 11),
+             x.to(torch.bfloat16).permute(3, 1, 0, 2)[1:]]
+    for t in views:
+        assert not t.is_contiguous() and t.numel() > 64
+        expected = _sampled("layer:v", t.contiguous(), 64)
+        assert torch.equal(_sampled("layer:v", t, 64), expected)
+        row = torch.full((80,), float("nan"), dtype=t.dtype)
+        assert torch.equal(_sampled("layer:v", t, 64, out=row), expected) and torch.equal(row[:64], expected)
+
+
 def test_records_written_into_preallocated_rows_are_each_layers_own_values():
     # capture_layers writes each record into a row of one buffer per dtype: every record must be the
     # values _sampled takes from that layer's first output and input (bf16 and fp32 layers side by side,
