@@ -301,9 +301,10 @@ def replay_optimizer_step(module: torch.nn.Module, leaves: dict[str, Any], optim
                           weights_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """One ``optimizer`` step replayed on the CPU from given gradients (``train_step``'s optimizer replay).
 
-    A fresh copy of ``module`` on the CPU (cast to ``weights_dtype`` unless None), in training mode;
-    ``optimizer`` (a factory, as ``train_step`` takes it) over its trainable parameters in
-    ``named_parameters`` order; each parameter's ``.grad`` set to ``leaves["grad.<p>"]`` cast to the
+    A CPU copy of each trainable parameter of ``module`` (floating and complex ones cast to
+    ``weights_dtype`` unless None, as ``Module.to`` casts them), in ``named_parameters`` order (a
+    parameter shared by two submodules once, under its first name); ``optimizer`` (a factory, as
+    ``train_step`` takes it) over them; each parameter's ``.grad`` set to ``leaves["grad.<p>"]`` cast to the
     parameter's dtype (left None where that leaf is missing, None, or of another shape: the
     optimizer then skips the parameter, as it does one without a gradient); one ``opt.step()`` under
     ``torch.no_grad()`` and ``recipes.strict_fp32_flags``. Nothing is clipped: the ``grad.<p>``
@@ -319,11 +320,15 @@ def replay_optimizer_step(module: torch.nn.Module, leaves: dict[str, Any], optim
     Returns:
         ``{"param.<p>": CPU tensor}`` after the step for every trainable parameter.
     """
-    m = trainable_copy(module).cpu()
-    if weights_dtype is not None:
-        m = m.to(weights_dtype)
-    m.train()
-    params = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
+    # The optimizer sees only its parameters: copies of them, not of the whole module (a deep copy of
+    # every submodule and buffer was most of the replay's time on Aurora's tiny model).
+    params = []
+    for n, p in module.named_parameters():
+        if p.requires_grad:
+            copied = p.detach().to("cpu", copy=True)
+            if weights_dtype is not None and (copied.is_floating_point() or copied.is_complex()):
+                copied = copied.to(weights_dtype)
+            params.append((n, torch.nn.Parameter(copied)))
     with strict_fp32_flags():
         opt = optimizer([p for _, p in params])
         opt.zero_grad(set_to_none=True)

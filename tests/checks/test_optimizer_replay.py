@@ -255,6 +255,26 @@ def test_replay_optimizer_step_is_the_optimizer_step_from_the_given_gradients():
     assert half["param.weight"].dtype == torch.float64
 
 
+def test_replay_steps_a_tied_weight_once_skips_frozen_ones_and_leaves_the_module_alone():
+    # Two submodules share one weight (named_parameters lists it once, under its first name): it is
+    # stepped once from that name's gradient; a frozen parameter is no leaf of the replay; the
+    # module's own parameters keep their values and get no .grad.
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    net[1].weight = net[0].weight
+    net[2].bias.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    grads = {f"grad.{n}": torch.full_like(p, 0.25) for n, p in net.named_parameters() if p.requires_grad}
+    out = replay_optimizer_step(net, grads, lambda params: torch.optim.AdamW(params, lr=0.1))
+    assert set(out) == {"param.0.weight", "param.0.bias", "param.1.bias", "param.2.weight"}
+    expected = torch.optim.AdamW([torch.nn.Parameter(before["0.weight"].clone())], lr=0.1)
+    expected.param_groups[0]["params"][0].grad = torch.full((3, 3), 0.25)
+    expected.step()
+    assert torch.equal(out["param.0.weight"], expected.param_groups[0]["params"][0].detach())
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in net.named_parameters())
+    assert net[1].weight is net[0].weight
+
+
 def _compact_baseline(tmp_path, model, inputs, store: str, **kwargs):
     from pytest_npu_parity.baselines import BaselineStore
 
