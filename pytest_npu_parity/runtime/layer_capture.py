@@ -185,7 +185,7 @@ def capture_layers(root: torch.nn.Module | None, samples: int = DEFAULT_SAMPLES)
     from .audit import not_audited
 
     records: dict[str, torch.Tensor] = {}
-    handles = []
+    handles: dict[str, Any] = {}
     modules = layer_modules(root) if root is not None else []
     rows = _Rows(2 * len(modules), samples)  # at most an output and an input record per layer
     for name, module in modules:
@@ -202,15 +202,20 @@ def capture_layers(root: torch.nn.Module | None, samples: int = DEFAULT_SAMPLES)
                 given = _first_floating(tuple(inputs))
                 if given is not None:
                     rows.take(key + INPUT_SUFFIX, given)
+            # Only the first call is recorded: the later calls (each decoding step of a generate, a
+            # layer applied twice) run without the hook, on the module's hook-free fast path.
+            # Removing it here is safe: Module._call_impl calls the hooks from a copy of the table
+            # (torch/nn/modules/module.py, 2.5.1 and 2.14.1).
+            handles[key].remove()
 
-        handles.append(module.register_forward_hook(hook))
+        handles[key] = module.register_forward_hook(hook)
         if isinstance(module, torch.nn.RNNBase):
             records[key + RECURRENT_SUFFIX] = torch.ones(1)
     try:
         yield records
     finally:
-        for handle in handles:
-            handle.remove()
+        for handle in handles.values():
+            handle.remove()  # again for a hook that already removed itself: a no-op
         with not_audited():
             records.update(rows.records())
 

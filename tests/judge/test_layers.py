@@ -44,6 +44,31 @@ def test_capture_records_first_call_of_weighted_submodules_with_inputs():
     assert torch.equal(again[f"{LAYER_PREFIX}0"], records[f"{LAYER_PREFIX}0"])  # same positions
 
 
+def test_a_layer_runs_without_its_hook_once_its_first_call_is_recorded():
+    # Each decoding step of a generate calls every layer again: after the first record the hook is
+    # gone, so those calls take the hook-free path; the record is the first call's.
+    class Twice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.hooks_seen: list[int] = []
+
+        def forward(self, x):
+            y = self.lin(x)
+            self.hooks_seen.append(len(self.lin._forward_hooks))
+            return self.lin(y)
+
+    m = Twice()
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(2))
+    with capture_layers(m) as records:
+        m(x)
+        m(x)
+    assert m.hooks_seen == [0, 0]
+    assert torch.equal(records["layer:lin"], m.lin(x).detach().reshape(-1))
+    assert torch.equal(records["layer:lin" + INPUT_SUFFIX], x.reshape(-1))
+    assert not m.lin._forward_hooks
+
+
 def test_judge_rule_limit_amplification_and_nonfinite():
     g = torch.Generator().manual_seed(2)
     e = torch.randn(256, generator=g)
