@@ -247,7 +247,7 @@ def _train_step_leaves(module, inputs: dict, recipe, device) -> dict:
     """One training step as ``ParityCase.train_step`` runs it (AdamW, clip 1.0), minus the plugin."""
     import torch
 
-    from pytest_npu_parity.runner import _default_loss, default_optimizer
+    from pytest_npu_parity.runtime.training import _default_loss, default_optimizer
 
     module.train()
     params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -299,7 +299,7 @@ def bare(names: list[str], recipes: list[str], reference: str, repeat: int) -> d
 
     from pytest_npu_parity.aurora import checks, factory, patches
     from pytest_npu_parity.recipes import RECIPES
-    from pytest_npu_parity.runner import _move
+    from pytest_npu_parity.runtime.side import _move
 
     device = torch.device("cpu")
     with Clock() as setup:
@@ -376,10 +376,18 @@ def bare_process(quick: bool, recipes: list[str], reference: str) -> dict[str, A
     try:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--bare-child", path, "--recipes", ",".join(recipes),
                "--reference", reference, *(["--quick"] if quick else [])]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if proc.returncode != 0:
             raise RuntimeError(f"bare compute process failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-        return json.loads(Path(path).read_text())
+        result = json.loads(Path(path).read_text())
+        # the whole process, as the pytest run's is timed: interpreter start, imports, exit included
+        result["process_wall"] = wall
+        result["process_cpu"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        return result
     finally:
         os.unlink(path)
 
@@ -405,7 +413,8 @@ def merge_bare(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 if isinstance(v, list):
                     merged[k].extend(v)
     processes = [dict(zip(("total_wall", "total_cpu"), _bare_totals(run)), setup_wall=run["setup_wall"],
-                      setup_cpu=run["setup_cpu"]) for run in runs]
+                      setup_cpu=run["setup_cpu"], process_wall=run.get("process_wall"),
+                      process_cpu=run.get("process_cpu")) for run in runs]
     best = min(range(len(runs)), key=lambda i: processes[i]["total_wall"])
     return {"setup_wall": runs[best]["setup_wall"], "setup_cpu": runs[best]["setup_cpu"], "checks": checks_,
             "peak_rss_mib": max(run["peak_rss_mib"] for run in runs), "processes": processes, "best": best}
@@ -654,6 +663,21 @@ def summarize(bare_res: dict, plugin_res: dict | None, recipes: list[str]) -> di
             out["ratio"]["paired_cpu"] = [c for _, c in paired]
             out["ratio"]["paired_wall_median"] = statistics.median(w for w, _ in paired)
             out["ratio"]["paired_cpu_median"] = statistics.median(c for _, c in paired)
+        if processes and all(b.get("process_wall") for b in processes):
+            # Whole process against whole process: the pytest run against the bare program, each from
+            # its interpreter's start to its exit. The in-process figures above leave out of the bare
+            # side what they charge to the suite: the exit of an interpreter that has imported torch,
+            # transformers and the aurora package (about 1.5 s on this machine, for any program) and the
+            # imports and startup the collection run does not have.
+            out["process"] = {"bare_wall": _summary([b["process_wall"] for b in processes]),
+                              "bare_cpu": _summary([b["process_cpu"] for b in processes]),
+                              "ratio_wall": min(run_wall) / min(b["process_wall"] for b in processes),
+                              "ratio_cpu": min(run_cpu) / min(b["process_cpu"] for b in processes)}
+            if len(processes) == len(plugin_res["runs"]):
+                walls = [r["wall"] / b["process_wall"] for r, b in zip(plugin_res["runs"], processes)]
+                cpus = [r["cpu"] / b["process_cpu"] for r, b in zip(plugin_res["runs"], processes)]
+                out["process"].update(paired_wall=walls, paired_cpu=cpus, paired_wall_median=statistics.median(walls),
+                                      paired_cpu_median=statistics.median(cpus))
         # per group: pytest call time (min over runs) vs bare build + compute of the same checks
         calls: dict[str, float] = {}
         for r in plugin_res["runs"]:
@@ -713,6 +737,14 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"{'paired runs, median ratio':34}{s['ratio']['paired_wall_median']:10.3f}"
                          f"{s['ratio']['paired_cpu_median']:10.3f}")
             lines.append("  per repetition (wall): " + ", ".join(f"{x:.3f}" for x in s["ratio"]["paired_wall"]))
+        if "process" in s:
+            pr = s["process"]
+            lines.append(f"{'whole processes: bare program':34}{pr['bare_wall']['min']:10.1f}{pr['bare_cpu']['min']:10.1f}")
+            lines.append(f"{'whole processes: pytest run':34}{p['run_wall']['min']:10.1f}{p['run_cpu']['min']:10.1f}")
+            lines.append(f"{'ratio pytest run / bare program':34}{pr['ratio_wall']:10.3f}{pr['ratio_cpu']:10.3f}")
+            if "paired_wall" in pr:
+                lines.append(f"{'  paired, median':34}{pr['paired_wall_median']:10.3f}{pr['paired_cpu_median']:10.3f}")
+                lines.append("  per repetition (wall): " + ", ".join(f"{x:.3f}" for x in pr["paired_wall"]))
         lines.append("")
         lines.append(f"{'group':32}{'checks':>7}{'bare s':>9}{'pytest s':>10}{'ratio':>8}")
         for name, g in sorted(s["groups"].items()):
