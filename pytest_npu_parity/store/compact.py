@@ -122,7 +122,12 @@ def sample_indices(path: str, numel: int, samples: int) -> torch.Tensor:
         raise ValueError(f"cannot sample {samples} of {numel} elements of {path!r}")
     seed = int.from_bytes(hashlib.sha256(f"{path}|{numel}".encode()).digest()[:8], "little")
     bits = np.random.PCG64(seed)
-    chosen: dict[int, None] = {}
+    values = bits.random_raw(2 * samples) % np.uint64(numel)
+    _, first = np.unique(values, return_index=True)
+    if len(first) >= samples:  # the usual case: the first draw holds enough distinct values
+        chosen_first = values[np.sort(first)[:samples]]  # the first ``samples`` distinct, in draw order
+        return torch.from_numpy(np.sort(chosen_first).astype(np.int64))
+    chosen: dict[int, None] = dict.fromkeys(values.tolist())  # all of them: fewer than ``samples``
     while len(chosen) < samples:
         for value in (bits.random_raw(2 * samples) % np.uint64(numel)).tolist():
             chosen.setdefault(int(value))

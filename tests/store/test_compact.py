@@ -32,6 +32,33 @@ def test_sample_indices_are_deterministic_distinct_sorted_and_pinned():
 PINNED = [10942, 15411, 29289, 47993, 49385, 53359, 77759, 99647]
 
 
+def _first_distinct(path: str, numel: int, samples: int) -> list[int]:
+    """The sampling rule of the module docstring, element by element: the first ``samples`` distinct
+    values of the PCG64 raw outputs mod ``numel``, drawn ``2 * samples`` at a time, sorted."""
+    import hashlib
+
+    import numpy as np
+
+    bits = np.random.PCG64(int.from_bytes(hashlib.sha256(f"{path}|{numel}".encode()).digest()[:8], "little"))
+    chosen: dict[int, None] = {}
+    while len(chosen) < samples:
+        for value in (bits.random_raw(2 * samples) % np.uint64(numel)).tolist():
+            chosen.setdefault(int(value))
+            if len(chosen) == samples:
+                break
+    return sorted(chosen)
+
+
+@pytest.mark.parametrize("numel,samples", [(100000, 8), (393216, 64), (36864, 4096), (65, 64), (70, 64),
+                                           (130, 64), (2, 1), (1000, 999)])
+def test_sample_indices_follow_the_rule_element_by_element(numel, samples):
+    # The vectorized draw must give the positions the rule gives (recorded baselines hold values at
+    # them), also where the first 2 * samples draws hold too few distinct values (numel near samples).
+    for path in ("layer:model.dec_layers.0.ffn_layer.ffn.0", "grad.w", "x"):
+        got = sample_indices(path, numel, samples)
+        assert got.dtype == torch.int64 and got.tolist() == _first_distinct(path, numel, samples)
+
+
 def test_train_store_specs():
     assert parse_train_store(None, source="ini") == TrainStore()
     assert parse_train_store("full", source="ini").mode == "full"
