@@ -72,3 +72,31 @@ def test_trainable_copy_shares_nothing():
     with torch.no_grad():
         copied.head.weight.add_(1.0)
     assert not torch.equal(net.head.weight, copied.head.weight)
+
+
+class _ResetsCache(torch.nn.Module):
+    """Drops its cache when copied: ``__getstate__`` replaces the (empty) cache dict of the original and
+    builds its state in a new dict, which CPython's dict free list gives the freed dict's address."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.cache: dict = {}
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def __getstate__(self):
+        self.cache = {}
+        state: dict = {}
+        state.update(self.__dict__)
+        return state
+
+
+def test_memo_keeps_the_originals_alive_like_deepcopy():
+    # A container freed during the copy must not leave its memo entry to a new object at its address.
+    net = torch.nn.Sequential(_ResetsCache(), torch.nn.Linear(3, 1))
+    x = torch.ones(2, 3)
+    for copied in (copy.deepcopy(net, memo=module_copy_memo(net)), fresh_copy(net), trainable_copy(net)):
+        assert sorted(vars(copied[0])) == sorted(vars(net[0]))
+        assert torch.equal(copied(x), net(x))
