@@ -301,10 +301,11 @@ def replay_optimizer_step(module: torch.nn.Module, leaves: dict[str, Any], optim
                           weights_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """One ``optimizer`` step replayed on the CPU from given gradients (``train_step``'s optimizer replay).
 
-    A CPU copy of each trainable parameter of ``module`` (floating and complex ones cast to
-    ``weights_dtype`` unless None, as ``Module.to`` casts them), in ``named_parameters`` order (a
-    parameter shared by two submodules once, under its first name); ``optimizer`` (a factory, as
-    ``train_step`` takes it) over them; each parameter's ``.grad`` set to ``leaves["grad.<p>"]`` cast to the
+    A CPU copy of each trainable parameter of ``module`` (with ``weights_dtype``: of a copy of the
+    module cast by ``Module.to(weights_dtype)``, as the run casts it, so that a module that keeps some
+    parameters in another dtype keeps them here too), in ``named_parameters`` order (a parameter shared
+    by two submodules once, under its first name); ``optimizer`` (a factory, as ``train_step`` takes it)
+    over them; each parameter's ``.grad`` set to ``leaves["grad.<p>"]`` cast to the
     parameter's dtype (left None where that leaf is missing, None, or of another shape: the
     optimizer then skips the parameter, as it does one without a gradient); one ``opt.step()`` under
     ``torch.no_grad()`` and ``recipes.strict_fp32_flags``. Nothing is clipped: the ``grad.<p>``
@@ -320,15 +321,16 @@ def replay_optimizer_step(module: torch.nn.Module, leaves: dict[str, Any], optim
     Returns:
         ``{"param.<p>": CPU tensor}`` after the step for every trainable parameter.
     """
-    # The optimizer sees only its parameters: copies of them, not of the whole module (a deep copy of
-    # every submodule and buffer was most of the replay's time on Aurora's tiny model).
-    params = []
-    for n, p in module.named_parameters():
-        if p.requires_grad:
-            copied = p.detach().to("cpu", copy=True)
-            if weights_dtype is not None and (copied.is_floating_point() or copied.is_complex()):
-                copied = copied.to(weights_dtype)
-            params.append((n, torch.nn.Parameter(copied)))
+    if weights_dtype is not None:
+        # cast as the run casts its module (``Module.to``, which a module may override through
+        # ``_apply``, e.g. to keep its norms in float32): a copy of the module, cast whole
+        m = trainable_copy(module).cpu().to(weights_dtype)
+        params = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
+    else:
+        # The optimizer sees only its parameters: copies of them, not of the whole module (a deep
+        # copy of every submodule and buffer was most of the replay's time on Aurora's tiny model).
+        params = [(n, torch.nn.Parameter(p.detach().to("cpu", copy=True)))
+                  for n, p in module.named_parameters() if p.requires_grad]
     with strict_fp32_flags():
         opt = optimizer([p for _, p in params])
         opt.zero_grad(set_to_none=True)

@@ -275,6 +275,29 @@ def test_replay_steps_a_tied_weight_once_skips_frozen_ones_and_leaves_the_module
     assert net[1].weight is net[0].weight
 
 
+def test_replay_under_a_weights_dtype_casts_the_module_as_the_run_does():
+    # A module may keep some parameters in float32 when cast (its own ``_apply``, as the run's
+    # ``Module.to`` honours): the replay's copies keep them there too, and step them in float32.
+    class KeepNormFp32(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.norm = torch.nn.LayerNorm(4)
+
+        def _apply(self, fn, *args, **kwargs):
+            super()._apply(fn, *args, **kwargs)
+            self.norm.float()
+            return self
+
+    torch.manual_seed(0)
+    net = KeepNormFp32()
+    grads = {f"grad.{n}": torch.ones_like(p) for n, p in net.named_parameters()}
+    out = replay_optimizer_step(net, grads, lambda p: torch.optim.SGD(p, lr=0.1), torch.bfloat16)
+    assert out["param.lin.weight"].dtype == torch.bfloat16
+    assert out["param.norm.weight"].dtype == torch.float32
+    assert torch.equal(out["param.norm.weight"], net.norm.weight.detach() - 0.1)
+
+
 def _compact_baseline(tmp_path, model, inputs, store: str, **kwargs):
     from pytest_npu_parity.baselines import BaselineStore
 
