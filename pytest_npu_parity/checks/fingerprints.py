@@ -203,17 +203,20 @@ def _attribute_tensors(value: Any) -> list[tuple[str, torch.Tensor]]:
     return []
 
 
-def module_attributes(module: torch.nn.Module) -> dict[str, Any]:
+def module_attributes(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """``{dotted name: value}`` of ``module``'s state outside its ``state_dict`` (module docstring): each
     non-persistent buffer and plain tensor attribute as ``_tensor_record``, each private scalar attribute
-    of a submodule of the model's own classes as its plain value.
+    of a submodule of the model's own classes as its plain value. ``state_dict``: the module's
+    ``state_dict(keep_vars=True)`` when the caller has just taken it; taken here otherwise.
 
     Raises:
         TypeError: if ``module`` is not a ``torch.nn.Module``.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module_attributes expects a torch.nn.Module, got {type(module).__name__}")
-    state = {id(t) for t in module.state_dict(keep_vars=True).values()}
+    if state_dict is None:
+        state_dict = module.state_dict(keep_vars=True)
+    state = {id(t) for t in state_dict.values()}
     state |= {id(p) for p in module.parameters()}
     out: dict[str, Any] = {}
     for path, sub in module.named_modules():
@@ -317,16 +320,17 @@ def function_record(fn: Any, *, _depth: int = 0) -> dict[str, Any] | None:
 
 # -- the record and its comparison ---------------------------------------------------------------
 
-def check_fingerprints(fn: Any, given: tuple) -> dict[str, Any]:
+def check_fingerprints(fn: Any, given: tuple, state_dict: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """The ``fingerprints`` record of a check (module docstring): ``{"format": 1, "arguments":
     argument_record(given)}`` with ``"attributes": module_attributes(module)`` for a module or a bound
     method of one (``modules.owner_module``), else ``"function": function_record(fn)`` when ``fn`` is a
     function. Taken before any run; JSON-ready. A part that raises (an object it cannot describe) is left
-    out and named with its error under ``"unavailable"``: that part is then not compared."""
+    out and named with its error under ``"unavailable"``: that part is then not compared. ``state_dict``: the
+    module's ``state_dict(keep_vars=True)`` when the caller has just taken it (``module_attributes``)."""
     record: dict[str, Any] = {"format": FINGERPRINT_FORMAT}
     module = owner_module(fn)
     parts = [("arguments", lambda: argument_record(given))]
-    parts.append(("attributes", lambda: module_attributes(module)) if module is not None else
+    parts.append(("attributes", lambda: module_attributes(module, state_dict)) if module is not None else
                  ("function", lambda: function_record(fn)))
     for key, part in parts:
         try:

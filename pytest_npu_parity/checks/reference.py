@@ -119,10 +119,12 @@ def check_hashes(fn: Any, args: tuple, kwargs: dict, *, modes: bool = True, labe
     (``checks.fingerprints.check_fingerprints``), taken now, before any run."""
     module = owner_module(fn)
     structure: dict | None = None
+    state = None
     if module is not None:
-        config = fingerprint_module(module)
+        state = module.state_dict(keep_vars=True)  # taken once for the parts below
+        config = fingerprint_module(module, state)
         config_tensors: Callable[[], dict] = lambda: module_tensor_digests(module)  # noqa: E731
-        if any(uninitialized(t) for t in module.state_dict(keep_vars=True).values()):
+        if any(uninitialized(t) for t in state.values()):
             # a lazy module: the recorded digests are those of the fingerprint, before its first run materializes it
             digests = module_tensor_digests(module)
             config_tensors = lambda: digests  # noqa: E731
@@ -134,7 +136,7 @@ def check_hashes(fn: Any, args: tuple, kwargs: dict, *, modes: bool = True, labe
     return {"input_hash": fingerprint_tensors(given), "config_hash": config,
             "input_summary": lambda: summarize_tensors(given), "config_tensors": config_tensors,
             "structure_hash": structure_hash(structure) if structure is not None else None,
-            "structure": structure, FINGERPRINTS_KEY: check_fingerprints(fn, given)}
+            "structure": structure, FINGERPRINTS_KEY: check_fingerprints(fn, given, state)}
 
 
 def train_hashes(module: Any, given: tuple) -> dict[str, Any]:

@@ -340,7 +340,7 @@ def test_the_suite_header_names_the_causes_some_checks_have_besides_the_shared_o
 def test_a_part_that_cannot_be_described_is_named_and_not_compared(tmp_path, monkeypatch):
     import pytest_npu_parity.checks.fingerprints as fingerprints
 
-    def broken(module):
+    def broken(module, state_dict=None):
         raise RuntimeError("no attributes today")
     monkeypatch.setattr(fingerprints, "module_attributes", broken)
     record = check_fingerprints(Net(), ((X,), {"scale": 2.0}))
@@ -363,3 +363,16 @@ def test_a_live_reference_is_not_reused_after_the_module_attribute_changed():
     net.mask = torch.ones(8, 8)  # the same module object, another computation
     assert ParityCase(session, "t", "fp32").check("m", net, X).status == "pass"
     assert len(session._reference_memo) == 2
+
+
+def test_check_hashes_takes_the_modules_state_dict_once(monkeypatch):
+    from pytest_npu_parity.checks.reference import check_hashes
+
+    net, calls = Net(), []
+    real = torch.nn.Module.state_dict
+    monkeypatch.setattr(torch.nn.Module, "state_dict", lambda self, *a, **k: calls.append(self) or real(self, *a, **k))
+    hashes = check_hashes(net, (X,), {})
+    assert [c for c in calls if c is net] == [net]  # the fingerprint, the lazy check and the attributes share it
+    monkeypatch.setattr(torch.nn.Module, "state_dict", real)
+    assert hashes["config_hash"] == check_hashes(Net(), (X,), {})["config_hash"]
+    assert hashes["fingerprints"] == check_hashes(Net(), (X,), {})["fingerprints"]

@@ -504,3 +504,12 @@ def test_module_tensor_digests_name_each_weight_and_see_a_row_permutation():
     now = module_tensor_digests(layer)
     assert now["bias"] == before["bias"] and now["weight"] != before["weight"]
     assert weights_changed(before, now) == "weights changed (1 of 2 tensors differ, e.g. 'weight')"
+
+
+def test_module_fingerprint_of_a_given_state_dict_is_the_modules_own(monkeypatch):
+    model = _mlp()
+    assert fingerprint_module(model, model.state_dict(keep_vars=True)) == fingerprint_module(_mlp())
+    with torch.no_grad():
+        model[0].weight[0, 0] += 1.0  # the cache key (pointer, version, shape, dtype, device) sees the edit
+    assert fingerprint_module(model, model.state_dict(keep_vars=True)) != fingerprint_module(_mlp())
+    assert fingerprint_module(model.to(torch.float64)) != fingerprint_module(_mlp().to(torch.float64))
