@@ -28,7 +28,7 @@ from .hooks import (parity_enabled, pytest_addoption, pytest_collection_modifyit
                     pytest_unconfigure)
 from .options import MARKER_KEYS, MAX_SEED, OVERRIDABLE_RECIPES  # noqa: E402
 from .paths import LOCALIZE_OPTIONS, PATH_OPTIONS, RECORD_OPTIONS, localize_command, rerun_command  # noqa: E402
-from .state import (CASES_KEY, COLLECTED_KEY, CONFIG_KEY, DEEPSPEED_LINT_KEY, LOCK_KEY,  # noqa: E402
+from .state import (COLLECTED_KEY, CONFIG_KEY, DEEPSPEED_LINT_KEY, LOCK_KEY,  # noqa: E402
                     OUTCOME_KEY, PROFILE_KEY, ROWS_KEY, SESSION_KEY, STALE_KEY, TEMP_KEY)
 
 __all__ = [
@@ -38,6 +38,6 @@ __all__ = [
     "pytest_generate_tests", "pytest_report_header", "pytest_runtest_makereport", "pytest_sessionfinish",
     "pytest_sessionstart", "pytest_terminal_summary", "pytest_testnodedown", "pytest_unconfigure",
     "MARKER_KEYS", "MAX_SEED", "OVERRIDABLE_RECIPES", "LOCALIZE_OPTIONS", "PATH_OPTIONS", "RECORD_OPTIONS",
-    "localize_command", "rerun_command", "CASES_KEY", "COLLECTED_KEY", "CONFIG_KEY", "DEEPSPEED_LINT_KEY",
+    "localize_command", "rerun_command", "COLLECTED_KEY", "CONFIG_KEY", "DEEPSPEED_LINT_KEY",
     "LOCK_KEY", "OUTCOME_KEY", "PROFILE_KEY", "ROWS_KEY", "SESSION_KEY", "STALE_KEY", "TEMP_KEY",
 ]

@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from .state import CASES_KEY, OUTCOME_KEY, SESSION_KEY, SKIP_REASON
+from .state import OUTCOME_KEY, SESSION_KEY, SKIP_REASON
 
 
 @pytest.fixture
@@ -108,7 +108,6 @@ def parity(request: pytest.FixtureRequest, parity_session, parity_recipe: str, p
                           reference_patches=parity_reference_patches)
     except (ValueError, TypeError) as exc:  # a bad policy= or train_store= in the marker
         raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.parity: {exc}") from None
-    request.config.stash[CASES_KEY].append(case)
     yield case
     # Only a test whose body ran to its end writes its baseline: a failure, pytest.skip() between
     # checks or Ctrl-C (no call report at all) leaves the old file as it was.

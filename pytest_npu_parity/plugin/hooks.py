@@ -21,7 +21,7 @@ from .markers import MARKER_HELP, NIGHTLY_MARKER_HELP, marker_recipes, skip_nigh
 from .config import ParityConfig, recipe_names
 from .options import Raw, add_options
 from .paths import record_parity_paths
-from .state import (CASES_KEY, COLLECTED_KEY, CONFIG_KEY, DEEPSPEED_LINT_KEY, LOCK_KEY, OUTCOME_KEY, PROFILE_KEY,
+from .state import (COLLECTED_KEY, CONFIG_KEY, DEEPSPEED_LINT_KEY, LOCK_KEY, OUTCOME_KEY, PROFILE_KEY,
                     ROWS_KEY, SESSION_KEY, SKIP_REASON, TEMP_KEY)
 from .xdist import is_xdist_controller, xdist_worker_id
 
@@ -83,7 +83,6 @@ def pytest_configure(config: pytest.Config) -> None:
     _hypothesis_profiles(config)
     config.addinivalue_line("markers", MARKER_HELP)
     config.addinivalue_line("markers", NIGHTLY_MARKER_HELP)
-    config.stash[CASES_KEY] = []
     config.stash[ROWS_KEY] = []
     config.stash[COLLECTED_KEY] = []
     config.stash[OUTCOME_KEY] = {}

@@ -7,7 +7,6 @@ import pytest
 
 CONFIG_KEY = pytest.StashKey["Any"]()  # config.ParityConfig: every option and ini key, parsed once at configure
 SESSION_KEY = pytest.StashKey["Any"]()  # runner.ParitySession of a parity session
-CASES_KEY = pytest.StashKey["list"]()
 ROWS_KEY = pytest.StashKey["list"]()
 COLLECTED_KEY = pytest.StashKey["list"]()  # node ids of every collected test (they keep their baselines)
 OUTCOME_KEY = pytest.StashKey["dict"]()  # node id -> outcome of its call phase (only "passed" writes a baseline)

@@ -196,6 +196,33 @@ def test_junit_xml_carries_parity_metrics_per_test(pytester: pytest.Pytester) ->
     assert 'name="parity.linear.max_abs"' in xml and 'name="parity.linear.cosine"' in xml
 
 
+CASE_LIFETIME_TEST = """
+import gc
+import weakref
+
+import pytest
+import torch
+
+CASES = []
+
+def test_first(parity):
+    CASES.append(weakref.ref(parity))
+    torch.manual_seed(0)
+    parity.check("linear", torch.nn.Linear(8, 4).eval(), torch.linspace(-1, 1, 24).reshape(3, 8))
+
+def test_second(parity):
+    gc.collect()
+    assert CASES[0]() is None, "the first test's ParityCase outlived its test"
+"""
+
+
+def test_a_finished_tests_case_is_not_kept_by_the_plugin(pytester: pytest.Pytester) -> None:
+    """The ``parity`` fixture's ``ParityCase`` (its module copies, inputs, pending recordings) is
+    freed when its test ends; the session keeps only the check records."""
+    pytester.makepyfile(CASE_LIFETIME_TEST)
+    pytester.runpytest("--npu-parity", "--parity-dtypes", "fp32").assert_outcomes(passed=2)
+
+
 def test_per_check_override_with_reason(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(BROKEN_TARGET.replace(
         'parity.check("doubler", Doubler(), torch.linspace(1, 2, 12).reshape(3, 4))\n\n@pytest.mark.parity',
