@@ -672,7 +672,9 @@ class ParityCase:
 
     def finish(self, *, failed: bool = False, outcome: str = "passed") -> str | None:
         """End of the test: in record mode write the baseline file, with every check the test
-        recorded — or nothing at all.
+        recorded — or nothing at all. Each record's layer records (``CheckRecord.layer_records``,
+        the sampled layer outputs of both sides) are released: the session keeps every record for
+        its summary, which needs only their verdict (``layer_check``).
 
         Args:
             failed: the test failed (same as ``outcome="failed"``).
@@ -689,6 +691,8 @@ class ParityCase:
         Raises:
             OSError: the file cannot be written (the old baseline is left intact).
         """
+        for record in self.records:  # ~1,600 small tensors per full-Aurora check, held to the session's end
+            record.layer_records = None
         if self._golden_additions:  # --parity-store-goldens (a compare run): checks.reference.store_goldens
             status = store_goldens(self.session, self.test_id, self.recipe.name, self._golden_additions)
             self._golden_additions = {}

@@ -198,7 +198,8 @@ class CheckRecord:
     ``judge.trajectory.TrajectoryPolicy`` of a ``ParityCase.trajectory`` (``result`` is then a
     ``judge.trajectory.TrajectoryResult``, one row per curve), else None. ``layer_records`` is ``(target's,
     reference's)`` layer records (``layers.capture_layers``) of a check judged by a layer policy,
-    else None; ``layer_check`` holds that verdict. ``golden_policy`` is the ``golden.GoldenPolicy``
+    else None, until its test ends (``ParityCase.finish`` releases them); ``layer_check`` holds that
+    verdict. ``golden_policy`` is the ``golden.GoldenPolicy``
     the check was judged by, or None for the allclose tolerance; a check that asked for the golden
     but could not get one is judged by allclose and says why in ``notes.policy_note``. ``vacuity``,
     ``self_check`` and ``localized`` are filled by the vacuity test, ``--parity-selfcheck`` and the

@@ -153,6 +153,19 @@ def test_layer_records_are_stored_in_baselines_and_judged_against_them(tmp_path)
     del stored
 
 
+def test_finish_releases_the_layer_records_and_keeps_their_verdict():
+    """The session keeps every check record to its end; the sampled layer outputs of both sides
+    are needed only while the test runs, so ``ParityCase.finish`` releases them."""
+    session = ParitySession(CPU, reference="cpu")
+    case = ParityCase(session, "tests/test_x.py::t", "fp32")
+    record = case.check("m", damped(), X)
+    actual, expected = record.layer_records
+    assert actual and expected.keys() == actual.keys()
+    case.finish()
+    assert record.layer_records is None and session.records[-1] is record
+    assert record.extra["layers_judged"] == 2
+
+
 def test_baseline_without_layer_records_leaves_a_note(tmp_path):
     model = damped()
     recorder = ParitySession(CPU, update_baselines=True, store=BaselineStore(tmp_path, "suite"), layers="off")
