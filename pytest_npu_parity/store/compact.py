@@ -123,6 +123,9 @@ def sample_indices(path: str, numel: int, samples: int) -> torch.Tensor:
     seed = int.from_bytes(hashlib.sha256(f"{path}|{numel}".encode()).digest()[:8], "little")
     bits = np.random.PCG64(seed)
     values = bits.random_raw(2 * samples) % np.uint64(numel)
+    head = np.sort(values[:samples])
+    if (head[1:] != head[:-1]).all():  # the first ``samples`` draws are distinct: they are the sample
+        return torch.from_numpy(head.astype(np.int64))
     _, first = np.unique(values, return_index=True)
     if len(first) >= samples:  # the usual case: the first draw holds enough distinct values
         chosen_first = values[np.sort(first)[:samples]]  # the first ``samples`` distinct, in draw order

@@ -59,6 +59,17 @@ def test_sample_indices_follow_the_rule_element_by_element(numel, samples):
         assert got.dtype == torch.int64 and got.tolist() == _first_distinct(path, numel, samples)
 
 
+def test_sample_indices_follow_the_rule_on_both_paths_over_many_sizes():
+    # Sizes from just above the sample count (the first draws repeat: the general path) to large
+    # layers (the first ``samples`` draws are distinct: the sorted-head path), each against the rule.
+    import numpy as np
+
+    sizes = np.unique(np.geomspace(65, 5e7, 300).astype(int)).tolist()
+    for numel in sizes:
+        for path in ("layer:model.dec_layers.0.ffn_layer.ffn.0", "layer:encoder.layer.3.output.dense@in"):
+            assert sample_indices(path, numel, 64).tolist() == _first_distinct(path, numel, 64), (path, numel)
+
+
 def test_train_store_specs():
     assert parse_train_store(None, source="ini") == TrainStore()
     assert parse_train_store("full", source="ini").mode == "full"
