@@ -127,7 +127,7 @@ def sample_indices(path: str, numel: int, samples: int) -> torch.Tensor:
     if (head[1:] != head[:-1]).all():  # the first ``samples`` draws are distinct: they are the sample
         return torch.from_numpy(head.astype(np.int64))
     _, first = np.unique(values, return_index=True)
-    if len(first) >= samples:  # the usual case: the first draw holds enough distinct values
+    if len(first) >= samples:  # a repeat among them, but the 2 * samples draws hold enough distinct values
         chosen_first = values[np.sort(first)[:samples]]  # the first ``samples`` distinct, in draw order
         return torch.from_numpy(np.sort(chosen_first).astype(np.int64))
     chosen: dict[int, None] = dict.fromkeys(values.tolist())  # all of them: fewer than ``samples``
