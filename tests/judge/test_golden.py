@@ -441,3 +441,79 @@ def test_the_all_finite_block_path_gives_bitwise_the_masked_paths_metrics():
         mask2 = torch.isfinite(x2)
         masked.add(x2, g2, mask2, mask2 & (g2.abs() < threshold), 1e-9)
         assert fast.result() == masked.result() and fast.n == masked.n == 10000
+
+
+# --------------------------------------------------------------------------------------------
+# small leaves judged together (judge_golden's batched path)
+
+
+def _small_leaves(seed: int) -> tuple[dict, dict, dict]:
+    """Target, reference and golden outputs of many small leaves: sizes from 0 to past ``SMALL_LEAF``
+    and over several ``WORKER_BLOCK`` batches, small golden values, NaN/Inf where both sides agree, a
+    golden beyond bf16's range, a complex leaf, a leaf whose target dtype differs, an integer leaf."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [0, 1, 2, 7, 64, 300, 1000, 4096, G.SMALL_LEAF, G.SMALL_LEAF + 1] + [G.SMALL_LEAF] * 10
+    actual, expected, golden = {}, {}, {}
+    for i, n in enumerate(sizes):
+        g = torch.randn(n, generator=gen, dtype=torch.float64) * 10.0 ** (i % 5 - 2)
+        g[::13] *= 1e-7  # small golden values
+        e = (g + 1e-7 * torch.randn(n, generator=gen, dtype=torch.float64)).float()
+        a = (g + 1.5e-7 * torch.randn(n, generator=gen, dtype=torch.float64)).float()
+        if n > 10:
+            for t in (a, e):
+                t[3], t[5] = math.nan, math.inf  # the same on both sides: left out of the metrics
+            g[9] = 1e40  # beyond bf16's and fp32's range: the floor leaves it out
+        actual[f"w{i}"], expected[f"w{i}"], golden[f"w{i}"] = a, e, g
+    g = torch.randn(50, generator=gen, dtype=torch.complex128)
+    actual["c"], expected["c"], golden["c"] = (g + 1e-6).to(torch.complex64), g.to(torch.complex64), g
+    g = torch.randn(40, generator=gen, dtype=torch.float64)
+    actual["mixed"], expected["mixed"], golden["mixed"] = g.to(torch.bfloat16), g.float(), g
+    actual["steps"] = expected["steps"] = golden["steps"] = torch.arange(5)
+    return actual, expected, golden
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+def test_small_leaves_judged_together_match_the_leaf_by_leaf_verdict(recipe):
+    actual, expected, golden = _small_leaves(3)
+    policy = G.default_golden_for_recipe(recipe)
+    work = torch.bfloat16 if recipe == "bf16" else None
+    together = G.judge_golden(actual, expected, golden, policy, work_dtype=work).leaves
+    assert [leaf.path for leaf in together] == list(expected)
+    for leaf in together:
+        alone = G.judge_golden_tensors(actual[leaf.path], expected[leaf.path], golden[leaf.path], policy,
+                                       path=leaf.path, work_dtype=work)
+        assert ((leaf.passed, leaf.problem, leaf.exact, leaf.note)
+                == (alone.passed, alone.problem, alone.exact, alone.note))
+        if alone.exact:
+            continue
+        for side in ("target", "reference", "floor"):
+            mine, theirs = getattr(leaf, side), getattr(alone, side)
+            assert (mine.small, mine.normal) == (theirs.small, theirs.normal), (leaf.path, side)
+            for metric in ("rmse", "max_rel", "mean_rel", "small_share", "balance"):
+                assert getattr(mine, metric) == pytest.approx(getattr(theirs, metric), rel=1e-12, abs=0), \
+                    (leaf.path, side, metric)
+        assert leaf.ratios == pytest.approx(alone.ratios, rel=1e-12, nan_ok=True), leaf.path
+
+
+@pytest.mark.parametrize("planted", ["w1", "w5", "w8", "w15", "c"])
+def test_a_fault_in_one_small_leaf_fails_that_leaf_only(planted):
+    _, expected, golden = _small_leaves(4)
+    actual = {path: e.clone() for path, e in expected.items()}  # the reference's own errors: every ratio 1
+    policy = G.default_golden_for_recipe("fp32")
+    assert G.judge_golden(actual, expected, golden, policy).passed
+    g = golden[planted]
+    actual[planted] = (g + 1e-3 * g.abs().clamp(min=1e-3)).to(actual[planted].dtype)  # far worse than the reference
+    result = G.judge_golden(actual, expected, golden, policy)
+    assert [leaf.path for leaf in result.failures] == [planted]
+
+
+def test_only_leaves_larger_than_small_leaf_are_judged_one_by_one(monkeypatch):
+    from pytest_npu_parity.judge import golden as judge
+
+    alone = []
+    real = judge._judge_ratios
+    monkeypatch.setattr(judge, "_judge_ratios", lambda leaf, *rest: alone.append(leaf.path) or real(leaf, *rest))
+    actual, expected, golden = _small_leaves(5)
+    result = judge.judge_golden(actual, expected, golden, G.default_golden_for_recipe("fp32"))
+    assert all(leaf.target is not None for leaf in result.leaves if not leaf.exact)
+    assert alone == ["w9"]  # the one leaf of SMALL_LEAF + 1 elements
