@@ -41,10 +41,31 @@ _SUFFIXES = (INPUT_SUFFIX, RECURRENT_SUFFIX)
 
 
 def _first_floating(output: Any) -> torch.Tensor | None:
+    """The first dense floating tensor of ``output``: ``output`` itself when it is one, else the first
+    such leaf in ``leaves.flatten`` order (that very tensor, not a copy). A dense floating tensor is a
+    strided, non-nested tensor of a floating dtype with at least one element. None when there is no
+    such leaf, or when ``flatten`` refuses ``output`` (``TypeError``/``ValueError``: an object it cannot
+    walk, an int beyond int64).
+
+    A plain ``tuple`` or ``list`` of tensors and ``None`` (a layer's positional inputs, most layers'
+    outputs) is walked here directly instead of through ``flatten``'s generators: ``flatten`` yields
+    such a container's elements in order, each tensor as itself and each ``None`` as a leaf that is
+    never a record, so the walk finds the same tensor. Any other element (a number, a string, a nested
+    container) sends the whole output down the generic path: ``flatten`` turns a Python float into a
+    float64 0-d tensor, which is then the answer."""
     if isinstance(output, torch.Tensor):
         ok = (output.is_floating_point() and output.layout == torch.strided and not output.is_nested
               and output.numel() > 0)
         return output if ok else None
+    if type(output) is tuple or type(output) is list:  # not a named tuple or another subclass
+        for item in output:
+            if isinstance(item, torch.Tensor):
+                if _first_floating(item) is not None:
+                    return item
+            elif item is not None:
+                break  # not a tensor or None: the generic path below decides
+        else:
+            return None
     from ..leaves import flatten
 
     try:
@@ -85,20 +106,25 @@ def _sampled(key: str, tensor: torch.Tensor, samples: int, out: torch.Tensor | N
     those positions' storage offsets (``_offsets``, cached per layer, shape and strides) instead of
     being copied whole by ``reshape``: the same values, without a copy of the layer's output, and
     without ``torch.unravel_index``'s per-call work (0.26 ms a record, 20× the contiguous path)."""
-    tensor = tensor.detach()
+    if tensor.requires_grad:  # a training step's output; detaching any other tensor changes nothing
+        tensor = tensor.detach()
     numel = tensor.numel()
     if numel <= samples:
         values = tensor.reshape(-1)
         return values.clone() if out is None else out[:numel].copy_(values)
     if tensor.is_contiguous():
         flat = tensor.reshape(-1)
-        positions = _positions(key, numel, samples).to(tensor.device)
+        positions = _positions(key, numel, samples)
     else:
-        offsets, extent = _offsets(key, tuple(tensor.shape), tuple(tensor.stride()), samples)
+        positions, extent = _offsets(key, tuple(tensor.shape), tuple(tensor.stride()), samples)
         flat = tensor.as_strided((extent,), (1,))  # the storage from the tensor's first element on
-        positions = offsets.to(tensor.device)
-    return flat.index_select(0, positions) if out is None else torch.index_select(flat, 0, positions,
-                                                                                  out=out[:samples])
+    if not tensor.is_cpu:  # the cached positions live on the CPU
+        positions = positions.to(tensor.device)
+    if out is None:
+        return flat.index_select(0, positions)
+    if out.numel() != samples:  # a longer row: write its first ``samples`` values
+        out = out[:samples]
+    return torch.index_select(flat, 0, positions, out=out)
 
 
 class _Rows:

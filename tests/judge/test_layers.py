@@ -354,3 +354,74 @@ def test_records_written_into_preallocated_rows_are_each_layers_own_values():
     assert records["layer:low"].numel() == 4  # 2 x 2 values: all of them
     pointers = [r.untyped_storage().data_ptr() for r in records.values()]
     assert len(set(pointers)) == len(pointers)  # no record is a view of a shared buffer
+
+
+def _first_floating_by_flatten(output):
+    """The generic answer of ``_first_floating``: the first dense floating leaf in ``flatten`` order,
+    None when there is none or ``flatten`` refuses the output."""
+    from pytest_npu_parity.leaves import flatten
+    from pytest_npu_parity.runtime.layer_capture import _first_floating
+
+    try:
+        for _, leaf in flatten(output):
+            if isinstance(leaf, torch.Tensor) and _first_floating(leaf) is not None:  # the tensor branch
+                return leaf
+    except (TypeError, ValueError):
+        return None
+    return None
+
+
+def test_first_floating_of_a_plain_tuple_or_list_is_the_generic_paths_answer():
+    # A plain tuple or list of tensors and None is walked without flatten; anything else in it (a
+    # number, a string, a nested container) must leave the answer to flatten: a Python float before
+    # the first floating tensor is itself the answer there (a float64 0-d tensor).
+    import collections
+
+    from pytest_npu_parity.runtime.layer_capture import _first_floating
+
+    gen = torch.Generator().manual_seed(7)
+    x, y = torch.randn(2, 3, generator=gen), torch.randn(4, generator=gen)
+    low, scalar = y.to(torch.bfloat16), torch.tensor(0.5)
+    ints, empty, sparse = torch.arange(3), torch.empty(0, 5), torch.eye(3).to_sparse()
+    Pair = collections.namedtuple("Pair", "first second")
+
+    class Row(tuple):
+        pass
+
+    outputs = [
+        (x,), [x], (x, y), [y, x], (low, x), (scalar,), (ints, x), (empty, x), (sparse, y), [ints, empty, low],
+        (None, x), (x, None, 3), [None, None, y], (None,), (), [], (ints,), (ints, None, empty),
+        (1.5, x), [None, 2.0, y], (3, x), (True, x), (1 + 2j, x), ("text", x), (x, 2.5), (2 ** 70, x), (x, 2 ** 70),
+        ((y,), x), (ints, (y, 0.5)), [[None], [x]], (ints, [0.25], y), ({"a": y}, x), (object(), x), (x, object()),
+        Pair(ints, x), Pair(0.75, x), Row((ints, y)), Row((1.0, y)), {"a": ints, "b": x}, {"a": 1.0, "b": x},
+    ]
+    for output in outputs:
+        got, expected = _first_floating(output), _first_floating_by_flatten(output)
+        if expected is None or any(expected is leaf for leaf in (x, y, low, scalar)):
+            assert got is expected, output
+        else:  # a Python float of the output, as flatten makes it
+            assert got is not None and got.dtype == expected.dtype == torch.float64, output
+            assert got.shape == () and got.item() == expected.item(), output
+    assert _first_floating((1.5, x)).item() == 1.5 and _first_floating((2 ** 70, x)) is None
+
+
+def test_sampled_records_are_the_values_at_the_sample_positions_whatever_the_destination():
+    # The record is flat[sample_indices(...)] of the row-major flattening: into a new tensor, a row of
+    # exactly ``samples`` values, or the head of a longer row; for a tensor in an autograd graph too
+    # (with grad enabled, where writing into ``out`` needs the values detached).
+    from pytest_npu_parity.runtime.layer_capture import _sampled
+    from pytest_npu_parity.store.compact import sample_indices
+
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 96, 64, generator=gen)
+    weight = torch.randn(2, 96, 64, generator=gen, requires_grad=True)
+    graph = weight * 2  # a non-leaf with a grad_fn
+    for t in (x, x.to(torch.bfloat16), x.transpose(1, 2), weight, graph, graph.transpose(0, 2)):
+        expected = t.detach().contiguous().reshape(-1)[sample_indices("layer:p", t.numel(), 64)]
+        fresh = _sampled("layer:p", t, 64)
+        assert torch.equal(fresh, expected) and not fresh.requires_grad
+        for width in (64, 70):
+            row = torch.full((width,), float("nan"), dtype=t.dtype)
+            written = _sampled("layer:p", t, 64, out=row)
+            assert torch.equal(written, expected) and torch.equal(row[:64], expected)
+            assert written.data_ptr() == row.data_ptr() and row.shape == (width,) and row[64:].isnan().all()
