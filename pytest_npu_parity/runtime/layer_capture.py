@@ -58,13 +58,16 @@ def _first_floating(output: Any) -> torch.Tensor | None:
               and output.numel() > 0)
         return output if ok else None
     if type(output) is tuple or type(output) is list:  # not a named tuple or another subclass
-        for item in output:
-            if isinstance(item, torch.Tensor):
-                if _first_floating(item) is not None:
-                    return item
-            elif item is not None:
-                break  # not a tensor or None: the generic path below decides
-        else:
+        try:
+            for item in output:
+                if isinstance(item, torch.Tensor):
+                    if _first_floating(item) is not None:
+                        return item
+                elif item is not None:
+                    break  # not a tensor or None: the generic path below decides
+            else:
+                return None
+        except (TypeError, ValueError):  # a tensor subclass that refuses an op: as the generic path does
             return None
     from ..leaves import flatten
 

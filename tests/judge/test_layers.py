@@ -405,6 +405,23 @@ def test_first_floating_of_a_plain_tuple_or_list_is_the_generic_paths_answer():
     assert _first_floating((1.5, x)).item() == 1.5 and _first_floating((2 ** 70, x)) is None
 
 
+def test_a_tensor_subclass_that_refuses_numel_is_not_recorded_and_does_not_break_the_forward():
+    # The generic path gives up (None) when a leaf raises TypeError/ValueError; the tuple fast path
+    # must too, instead of raising out of the forward hook.
+    from pytest_npu_parity.runtime.layer_capture import _first_floating
+
+    class Refusing(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "numel":
+                return NotImplemented
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    refusing = torch.randn(3).as_subclass(Refusing)
+    assert _first_floating((refusing, torch.randn(2))) is None
+    assert _first_floating([refusing]) is _first_floating_by_flatten([refusing]) is None
+
+
 def test_sampled_records_are_the_values_at_the_sample_positions_whatever_the_destination():
     # The record is flat[sample_indices(...)] of the row-major flattening: into a new tensor, a row of
     # exactly ``samples`` values, or the head of a longer row; for a tensor in an autograd graph too
