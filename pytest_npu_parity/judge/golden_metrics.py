@@ -63,7 +63,7 @@ class _SideSums:
             rel = (x[normal] - g[normal]).abs_().div_(g[normal].abs())
             self.normal += k
             self.sum_rel += float(rel.sum())
-            self.max_rel = max(self.max_rel, float(rel.max()))
+            self._fold_max_rel(float(rel.max()))
         k = int(small.sum())
         if k:
             self.small += k
@@ -89,12 +89,19 @@ class _SideSums:
                 rel = err / g.abs()
             self.normal += n - k_small
             self.sum_rel += float(rel.sum())
-            self.max_rel = max(self.max_rel, float(rel.max()))
+            self._fold_max_rel(float(rel.max()))
         if k_small:
             self.small += k_small
             self.small_wrong += int((err[small] > small_atol).sum())
         self.above += int((diff > 0).sum())
         self.below += int((diff < 0).sum())
+
+    def _fold_max_rel(self, block_max: float) -> None:
+        """Fold a block's largest relative error. A NaN (a golden of exactly 0 counted as normal, under a
+        small-value threshold of 0, against an equal value: 0/0) stays NaN, as ``torch.amax`` keeps it
+        in ``segment_sums``: Python's ``max`` would drop it or keep it depending on the order."""
+        if math.isnan(block_max) or block_max > self.max_rel:
+            self.max_rel = block_max
 
     def result(self) -> SideMetrics:
         out = SideMetrics(small=self.small, normal=self.normal)

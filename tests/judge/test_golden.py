@@ -517,3 +517,18 @@ def test_only_leaves_larger_than_small_leaf_are_judged_one_by_one(monkeypatch):
     result = judge.judge_golden(actual, expected, golden, G.default_golden_for_recipe("fp32"))
     assert all(leaf.target is not None for leaf in result.leaves if not leaf.exact)
     assert alone == ["w9"]  # the one leaf of SMALL_LEAF + 1 elements
+
+
+@pytest.mark.parametrize("size", [3, G.SMALL_LEAF + 5])  # judged together, and alone
+def test_a_zero_golden_counted_as_normal_gives_nan_relative_errors_on_both_paths(size):
+    # small_value_threshold=0: a golden of exactly 0 is "normal", and an equal value's relative error
+    # is 0/0. max_rel is NaN leaf by leaf as together (it was 0 leaf by leaf: Python's max dropped the
+    # NaN), and the leaf fails: its ratios are NaN.
+    policy = G.parse_policy_spec("golden small_value_threshold=0 # zero golden", source="marker", recipe="fp32")
+    g = torch.linspace(0, 2, size, dtype=torch.float64)  # g[0] == 0
+    e = g.float()
+    together = G.judge_golden({"x": e.clone()}, {"x": e}, {"x": g}, policy).leaves[0]
+    alone = G.judge_golden_tensors(e.clone(), e, g, policy, path="x")
+    for leaf in (together, alone):
+        assert math.isnan(leaf.target.max_rel) and math.isnan(leaf.reference.max_rel)
+        assert not leaf.passed
