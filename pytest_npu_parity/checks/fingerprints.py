@@ -217,9 +217,11 @@ def module_attributes(module: torch.nn.Module, state_dict: Mapping[str, torch.Te
     if state_dict is None:
         state_dict = module.state_dict(keep_vars=True)
     state = {id(t) for t in state_dict.values()}
-    state |= {id(p) for p in module.parameters()}
+    modules = list(module.named_modules())
+    # every parameter, also one a state_dict hook leaves out (module.parameters(), without its second walk)
+    state |= {id(p) for _, sub in modules for p in sub._parameters.values() if p is not None}
     out: dict[str, Any] = {}
-    for path, sub in module.named_modules():
+    for path, sub in modules:
         prefix = f"{path}." if path else ""
         for name in sorted(getattr(sub, "_non_persistent_buffers_set", ())):
             buffer = sub._buffers.get(name)

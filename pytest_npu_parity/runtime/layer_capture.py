@@ -183,7 +183,7 @@ def layer_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         if isinstance(m, HOOK_SENSITIVE) or isinstance(m, torch.jit.ScriptModule):
             skipped.append(name)
             continue
-        if name and next(m.parameters(recurse=False), None) is not None:
+        if name and any(p is not None for p in m._parameters.values()):  # what parameters(recurse=False) yields
             found.append((name, m))
     return found
 

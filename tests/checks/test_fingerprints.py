@@ -376,3 +376,22 @@ def test_check_hashes_takes_the_modules_state_dict_once(monkeypatch):
     monkeypatch.setattr(torch.nn.Module, "state_dict", real)
     assert hashes["config_hash"] == check_hashes(Net(), (X,), {})["config_hash"]
     assert hashes["fingerprints"] == check_hashes(Net(), (X,), {})["fingerprints"]
+
+
+def test_module_attributes_leave_out_a_plain_tensor_in_a_parameter_slot_that_the_state_dict_drops():
+    # torch.func.functional_call and parametrizations put plain tensors into ``_parameters``; a state_dict
+    # hook may drop them from the state_dict. Such a tensor, also held as an attribute, is still a
+    # weight: not recorded as module state outside the state_dict.
+    net = Net()
+    plain = torch.ones(3, 4)
+    net.lin._parameters["weight"] = plain
+    net.alias = plain
+
+    def drop(module, state, prefix, meta):
+        del state[prefix + "weight"]
+
+    net.lin._register_state_dict_hook(drop)
+    assert "lin.weight" not in net.state_dict(keep_vars=True)
+    record = module_attributes(net)
+    assert "alias" not in record
+    assert sorted(record) == ["_scale", "mask", "shift"]

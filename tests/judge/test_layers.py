@@ -495,3 +495,24 @@ def test_a_faulted_layer_among_many_of_its_size_is_the_one_named(planted):
     assert verdict.judged == 140 and verdict.failing == [f"m{planted}"]
     assert verdict.errors[f"m{planted}"] == pytest.approx(1e-4, rel=1e-3)
     assert max(v for k, v in verdict.errors.items() if k != f"m{planted}") == 0.0
+
+
+def test_layer_modules_are_the_submodules_with_a_parameter_of_their_own():
+    # A parameter slot holding None (an nn.Linear built without bias registers "bias" as None), a module
+    # with buffers only, a container and a module sharing another's parameter: only modules whose own
+    # parameter table holds a tensor are layers, as ``parameters(recurse=False)`` yields them.
+    from pytest_npu_parity.runtime.layer_capture import layer_modules
+
+    class Slots(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_parameter("w", None)
+
+    shared = torch.nn.Linear(4, 4)
+    tied = torch.nn.Module()
+    tied.weight = shared.weight
+    root = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), Slots(), torch.nn.BatchNorm1d(4, affine=False),
+                               torch.nn.Sequential(shared, torch.nn.ReLU()), tied, torch.nn.LayerNorm(4))
+    found = [name for name, _ in layer_modules(root)]
+    assert found == ["0", "3.0", "4", "5"]
+    assert found == [n for n, m in root.named_modules() if n and next(m.parameters(recurse=False), None) is not None]
