@@ -218,7 +218,8 @@ def module_attributes(module: torch.nn.Module, state_dict: Mapping[str, torch.Te
         state_dict = module.state_dict(keep_vars=True)
     state = {id(t) for t in state_dict.values()}
     modules = list(module.named_modules())
-    # every parameter, also one a state_dict hook leaves out (module.parameters(), without its second walk)
+    # every registered parameter, also one a state_dict hook leaves out (what module.parameters() yields
+    # unless a module overrides it, without its second walk)
     state |= {id(p) for _, sub in modules for p in sub._parameters.values() if p is not None}
     out: dict[str, Any] = {}
     for path, sub in modules:

@@ -173,8 +173,9 @@ HOOK_SENSITIVE = (torch.nn.TransformerEncoderLayer,)
 
 
 def layer_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``(path, module)`` of every submodule of ``root`` with parameters of its own (not ``root``),
-    except ``HOOK_SENSITIVE`` modules and everything inside them, and script modules."""
+    """``(path, module)`` of every submodule of ``root`` with registered parameters of its own
+    (``_parameters``; not ``root``), except ``HOOK_SENSITIVE`` modules and everything inside them, and
+    script modules."""
     skipped: list[str] = []
     found = []
     for name, m in root.named_modules():
@@ -183,7 +184,8 @@ def layer_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         if isinstance(m, HOOK_SENSITIVE) or isinstance(m, torch.jit.ScriptModule):
             skipped.append(name)
             continue
-        if name and any(p is not None for p in m._parameters.values()):  # what parameters(recurse=False) yields
+        # a registered parameter of its own: what parameters(recurse=False) yields unless the module overrides it
+        if name and any(p is not None for p in m._parameters.values()):
             found.append((name, m))
     return found
 
