@@ -336,8 +336,8 @@ def _on_device(module: torch.nn.Module, device: torch.device, dtype: torch.dtype
     every floating one in ``dtype``). One walk of the module tree over each submodule's own
     ``_parameters`` and ``_buffers``: the registered tensors, those ``Module.to`` moves and casts, which
     are what ``parameters()`` and ``buffers()`` yield unless a module overrides them (a shared one seen
-    twice changes nothing). Those two methods build each tensor's dotted name: 2 ms for Aurora's 893
-    submodules against 0.9 ms."""
+    twice changes nothing). Those two methods walk the tree twice and build each tensor's dotted name:
+    2.1 ms for Aurora's 893 submodules, against 1.9 ms for this walk."""
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
             for t in table.values():
