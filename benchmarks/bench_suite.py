@@ -20,7 +20,8 @@ Measures on one machine, in one run:
 (c) ratio suite / bare, overall and per check group, on wall time and on CPU time (the CPU seconds
     of the process and its threads: on a shared machine wall time carries other users' load, CPU
     time much less): the fastest suite run against the fastest bare process, and the median of the
-    repetitions' paired ratios (repetition i's suite run against repetition i's bare process).
+    repetitions' paired ratios (repetition i's suite run against repetition i's bare process, run
+    back to back, the bare process first in even repetitions and second in odd ones).
 (d) comparison throughput: ``compare.compare`` on a large float32 tensor pair vs a plain
     ``clone`` of the pair (the bytes a comparison must read; a clone of one tensor is reported too); baseline load throughput (``BaselineStore.load`` of every committed Aurora
     baseline, including the checksum) vs reading the same bytes.
@@ -487,8 +488,12 @@ def plugin(names: list[str], recipes: list[str], reference: str, repeat: int, qu
            before_each: Callable[[], None] | None = None) -> dict[str, Any]:
     """(b), (f): pytest startup + collection (``--co``), then the suite run of each scenario, each
     ``repeat`` times, interleaved (green, fault, stale, green, …) so that a change of the machine's
-    load falls on every scenario alike; ``before_each()`` runs at the start of every repetition (the
-    bare compute's process, so that it is interleaved with the suite's runs too)."""
+    load falls on every scenario alike; ``before_each()`` (the bare compute's process, so that it is
+    interleaved with the suite's runs too) runs at the start of the even repetitions (0, 2, …) and at
+    the end of the odd ones: the order within a pair alternates, so that a machine that speeds up or
+    slows down through the benchmark favours neither side of the paired ratios (with a fixed order, the
+    side that always runs second gains whatever the drift gives; measured: one run's bare processes took
+    50.6, 45.7, 43.2, 39.8 and 40.4 s in turn)."""
     import tempfile
 
     node_ids = _node_ids(names, recipes, quick)
@@ -497,13 +502,15 @@ def plugin(names: list[str], recipes: list[str], reference: str, repeat: int, qu
     runs: dict[str, list] = {name: [] for name in scenarios}
     with tempfile.TemporaryDirectory(prefix="npu-parity-bench-") as plugin_dir:
         Path(plugin_dir, "npu_parity_bench_faults.py").write_text(FAULT_PLUGIN)
-        for _ in range(repeat):
-            if before_each is not None:
+        for i in range(repeat):
+            if before_each is not None and i % 2 == 0:
                 before_each()
             for name in scenarios:
                 runs[name].append(_pytest(["--durations=0", "--durations-min=0", *extra, *SCENARIO_ARGS.get(name, [])],
                                           node_ids, recipes,
                                           pytest_ref, fault=SCENARIOS[name], plugin_dir=plugin_dir))
+            if before_each is not None and i % 2 == 1:
+                before_each()
     return {"collect": collect, "runs": runs["green"], "scenarios": runs,
             "peak_rss_mib": _maxrss_mib(resource.RUSAGE_CHILDREN)}
 
@@ -656,7 +663,8 @@ def summarize(bare_res: dict, plugin_res: dict | None, recipes: list[str]) -> di
         out["ratio"] = {"wall": suite_wall / out["bare"]["total_wall"], "cpu": suite_cpu / out["bare"]["total_cpu"]}
         processes = bare_res.get("processes")
         if processes and len(processes) == len(plugin_res["runs"]):
-            # repetition i's suite run against repetition i's bare process (run back to back: the same load)
+            # repetition i's suite run against repetition i's bare process (run back to back: the same load;
+            # the bare process first in even repetitions, second in odd ones: ``plugin``)
             paired = [((r["wall"] - min(col_wall)) / b["total_wall"], (r["cpu"] - min(col_cpu)) / b["total_cpu"])
                       for r, b in zip(plugin_res["runs"], processes)]
             out["ratio"]["paired_wall"] = [w for w, _ in paired]
@@ -801,7 +809,12 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"machine": machine(), "load_before": list(os.getloadavg()), "quick": args.quick,
                               "recipes": args.recipes, "reference": args.reference, "repeat": args.repeat,
                               "n_checks": len(names) * len(args.recipes)}
-    result["bare_mode"] = "in-process, warm repetitions" if args.bare_in_process else "a fresh process per repetition"
+    if args.bare_in_process:
+        result["bare_mode"] = "in-process, warm repetitions"
+    elif args.skip_plugin:
+        result["bare_mode"] = "a fresh process per repetition"
+    else:
+        result["bare_mode"] = "a fresh process per repetition, before the pytest run in even repetitions, after it in odd ones"
     started = time.perf_counter()
     bare_runs: list[dict[str, Any]] = []
 
