@@ -21,7 +21,9 @@ Measures on one machine, in one run:
     of the process and its threads: on a shared machine wall time carries other users' load, CPU
     time much less): the fastest suite run against the fastest bare process, and the median of the
     repetitions' paired ratios (repetition i's suite run against repetition i's bare process, run
-    back to back, the bare process first in even repetitions and second in odd ones).
+    back to back, the bare process first in even repetitions and second in odd ones); the checks'
+    call times against the bare builds and runs, the same two ways (``calls_wall``,
+    ``calls_paired_wall``).
 (d) comparison throughput: ``compare.compare`` on a large float32 tensor pair vs a plain
     ``clone`` of the pair (the bytes a comparison must read; a clone of one tensor is reported too); baseline load throughput (``BaselineStore.load`` of every committed Aurora
     baseline, including the checksum) vs reading the same bytes.
@@ -699,6 +701,21 @@ def summarize(bare_res: dict, plugin_res: dict | None, recipes: list[str]) -> di
         for g in groups.values():
             bare_wall = g["build_wall"] + g["run_wall"] + g["reference_wall"]
             g["ratio_wall"] = g["plugin_call_wall"] / bare_wall if bare_wall and g["plugin_call_wall"] else None
+        if best is not None:  # one bare process per repetition: pair each pytest run's calls with it
+            # repetition i's call times (the checks the bare program ran) against bare process i's builds
+            # and runs: the per-check minima above compare each check's fastest call over every run with
+            # one process's values, which hides most of a cost that varies from run to run
+            keys = [k for k, e in bare_res["checks"].items()]
+            paired_calls = []
+            for i, r in enumerate(plugin_res["runs"]):
+                by_key = {_test_key(node): phases.get("call", 0.0) for node, phases in r["durations"].items()}
+                pytest_calls = sum(by_key.get(k, 0.0) for k in keys)
+                bare_calls_i = sum(bare_res["checks"][k][f][i] for k in keys
+                                   for f in ("build_wall", "run_wall", "reference_wall") if bare_res["checks"][k][f])
+                paired_calls.append(pytest_calls / bare_calls_i if bare_calls_i else None)
+            if None not in paired_calls:
+                out["ratio"]["calls_paired_wall"] = paired_calls
+                out["ratio"]["calls_paired_wall_median"] = statistics.median(paired_calls)
         calls_total = sum(g["plugin_call_wall"] for g in groups.values())
         bare_calls = total["build_wall"] + total["run_wall"] + total["reference_wall"]
         out["ratio"]["calls_wall"] = calls_total / bare_calls if bare_calls else None
@@ -761,6 +778,9 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"{name[:31]:32}{g['checks']:7d}{bare_wall:9.2f}{g['plugin_call_wall']:10.2f}{ratio}")
         lines.append(f"{'all (per-test call time)':32}{'':7}{'':9}{p['calls_wall']:10.2f}"
                      f"{s['ratio']['calls_wall']:8.2f}")
+        if "calls_paired_wall" in s["ratio"]:
+            lines.append(f"{'  the same, paired per repetition':32}{'':26}{s['ratio']['calls_paired_wall_median']:8.2f}"
+                         "  (" + ", ".join(f"{x:.3f}" for x in s["ratio"]["calls_paired_wall"]) + ")")
     if s.get("scenarios"):
         lines.append("")
         lines.append(f"{'scenario (suite = run - collection)':38}{'wall s':>8}{'CPU s':>8}{'/bare':>7}{'/green':>8}"
