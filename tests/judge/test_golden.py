@@ -341,13 +341,32 @@ def test_runner_shims_are_entered_with_the_golden_dtype():
 def test_runner_shares_one_copy_of_the_root_and_restores_the_default_dtype():
     root = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).eval()
     runner = G.GoldenRunner(root=root)
-    runner.run(root[1], (torch.ones(1, 4),), recipe="fp32")
+    runner.run(root, (torch.ones(1, 4),), recipe="fp32")
     first = runner._copy(root[1], torch.float64)
     assert first is runner._copy(root, torch.float64)[1]
     assert first.weight.dtype == torch.float64 and root[1].weight.dtype == torch.float32
     assert torch.get_default_dtype() == torch.float32
     root.train()  # training mode: BatchNorm statistics would change, so every run gets a fresh copy
     assert runner._copy(root[1], torch.float64) is not runner._copy(root[1], torch.float64)
+
+
+def test_runner_copies_a_submodule_alone_until_the_root_is_copied():
+    """A live golden of one small submodule copies that submodule, not the whole model; once the root
+    has its copy, submodules come from it and their own copies are dropped. The golden is the same
+    either way."""
+    root = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 64), torch.nn.Linear(64, 4)).eval()
+    runner = G.GoldenRunner(root=root)
+    x = torch.randn(3, 4)
+    alone = runner.run(root[0], (x,), recipe="fp32")[""]
+    assert torch.float64 not in runner._root_copies  # the model was not copied for it
+    own = runner._copy(root[0], torch.float64)
+    assert own is runner._copy(root[0], torch.float64)  # cached
+    assert own.weight.dtype == torch.float64 and own.weight is not root[0].weight
+    runner.run(root, (x,), recipe="fp32")  # a golden of the root itself: now the one shared copy
+    root_copy = runner._root_copies[torch.float64]
+    assert runner._copy(root[0], torch.float64) is root_copy[0]
+    assert torch.float64 not in runner._copies.get(root[0], {})  # the submodule's own copy is dropped
+    assert torch.equal(runner.run(root[0], (x,), recipe="fp32")[""], alone)
 
 
 def test_runner_dropout_masks_match_the_fp32_run():
