@@ -21,7 +21,8 @@ Measures on one machine, in one run:
     of the process and its threads: on a shared machine wall time carries other users' load, CPU
     time much less): the fastest suite run against the fastest bare process, and the median of the
     repetitions' paired ratios (repetition i's suite run against repetition i's bare process, run
-    back to back, the bare process first in even repetitions and second in odd ones); the checks'
+    back to back, the bare process first in even repetitions and second in odd ones, next to the
+    green run when there are red ones); the checks'
     call times against the bare builds and runs, the same two ways (``calls_wall``,
     ``calls_paired_wall``).
 (d) comparison throughput: ``compare.compare`` on a large float32 tensor pair vs a plain
@@ -491,8 +492,8 @@ def plugin(names: list[str], recipes: list[str], reference: str, repeat: int, qu
     """(b), (f): pytest startup + collection (``--co``), then the suite run of each scenario, each
     ``repeat`` times, interleaved (green, fault, stale, green, …) so that a change of the machine's
     load falls on every scenario alike; ``before_each()`` (the bare compute's process, so that it is
-    interleaved with the suite's runs too) runs at the start of the even repetitions (0, 2, …) and at
-    the end of the odd ones: the order within a pair alternates, so that a machine that speeds up or
+    interleaved with the suite's runs too) runs just before the green run in the even repetitions (0,
+    2, …) and just after it in the odd ones: the order within a pair alternates, so that a machine that speeds up or
     slows down through the benchmark favours neither side of the paired ratios (with a fixed order, the
     side that always runs second gains whatever the drift gives; measured: one run's bare processes took
     50.6, 45.7, 43.2, 39.8 and 40.4 s in turn)."""
@@ -505,14 +506,16 @@ def plugin(names: list[str], recipes: list[str], reference: str, repeat: int, qu
     with tempfile.TemporaryDirectory(prefix="npu-parity-bench-") as plugin_dir:
         Path(plugin_dir, "npu_parity_bench_faults.py").write_text(FAULT_PLUGIN)
         for i in range(repeat):
-            if before_each is not None and i % 2 == 0:
-                before_each()
             for name in scenarios:
+                # the bare process next to the green run it is paired with: just before it in even
+                # repetitions, just after it in odd ones (the red runs are not paired)
+                if before_each is not None and name == "green" and i % 2 == 0:
+                    before_each()
                 runs[name].append(_pytest(["--durations=0", "--durations-min=0", *extra, *SCENARIO_ARGS.get(name, [])],
                                           node_ids, recipes,
                                           pytest_ref, fault=SCENARIOS[name], plugin_dir=plugin_dir))
-            if before_each is not None and i % 2 == 1:
-                before_each()
+                if before_each is not None and name == "green" and i % 2 == 1:
+                    before_each()
     return {"collect": collect, "runs": runs["green"], "scenarios": runs,
             "peak_rss_mib": _maxrss_mib(resource.RUSAGE_CHILDREN)}
 
@@ -701,21 +704,27 @@ def summarize(bare_res: dict, plugin_res: dict | None, recipes: list[str]) -> di
         for g in groups.values():
             bare_wall = g["build_wall"] + g["run_wall"] + g["reference_wall"]
             g["ratio_wall"] = g["plugin_call_wall"] / bare_wall if bare_wall and g["plugin_call_wall"] else None
-        if best is not None:  # one bare process per repetition: pair each pytest run's calls with it
-            # repetition i's call times (the checks the bare program ran) against bare process i's builds
-            # and runs: the per-check minima above compare each check's fastest call over every run with
-            # one process's values, which hides most of a cost that varies from run to run
-            keys = [k for k, e in bare_res["checks"].items()]
-            paired_calls = []
+        processes = bare_res.get("processes")
+        if processes and len(processes) == len(plugin_res["runs"]):
+            # one bare process per repetition: repetition i's call times against bare process i's builds
+            # and runs, over the checks that both ran (a check without a call phase in that pytest run,
+            # as after a setup error or a deselection, is left out of both sides and counted in
+            # ``calls_paired_missing``); the per-check minima above compare each check's fastest call
+            # over every run with one process's values, which hides most of a cost that varies from
+            # run to run
+            paired_calls, missing = [], []
             for i, r in enumerate(plugin_res["runs"]):
-                by_key = {_test_key(node): phases.get("call", 0.0) for node, phases in r["durations"].items()}
-                pytest_calls = sum(by_key.get(k, 0.0) for k in keys)
+                by_key = {_test_key(node): phases["call"] for node, phases in r["durations"].items()
+                          if "call" in phases}
+                keys = [k for k in bare_res["checks"] if k in by_key]
                 bare_calls_i = sum(bare_res["checks"][k][f][i] for k in keys
                                    for f in ("build_wall", "run_wall", "reference_wall") if bare_res["checks"][k][f])
-                paired_calls.append(pytest_calls / bare_calls_i if bare_calls_i else None)
+                paired_calls.append(sum(by_key[k] for k in keys) / bare_calls_i if bare_calls_i else None)
+                missing.append(len(bare_res["checks"]) - len(keys))
             if None not in paired_calls:
                 out["ratio"]["calls_paired_wall"] = paired_calls
                 out["ratio"]["calls_paired_wall_median"] = statistics.median(paired_calls)
+                out["ratio"]["calls_paired_missing"] = missing
         calls_total = sum(g["plugin_call_wall"] for g in groups.values())
         bare_calls = total["build_wall"] + total["run_wall"] + total["reference_wall"]
         out["ratio"]["calls_wall"] = calls_total / bare_calls if bare_calls else None
@@ -834,7 +843,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.skip_plugin:
         result["bare_mode"] = "a fresh process per repetition"
     else:
-        result["bare_mode"] = "a fresh process per repetition, before the pytest run in even repetitions, after it in odd ones"
+        result["bare_mode"] = ("a fresh process per repetition, just before the green pytest run in even "
+                               "repetitions, just after it in odd ones")
     started = time.perf_counter()
     bare_runs: list[dict[str, Any]] = []
 
