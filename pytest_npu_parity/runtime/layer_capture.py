@@ -21,6 +21,7 @@ held the capture and the verdict; ``pytest_npu_parity.layers`` re-exports every 
 """
 from __future__ import annotations
 
+import array
 import contextlib
 import functools
 import math
@@ -82,23 +83,47 @@ def _first_floating(output: Any) -> torch.Tensor | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _positions(path: str, numel: int, samples: int) -> torch.Tensor:
+def _position_array(path: str, numel: int, samples: int) -> array.array:
+    """``compact.sample_indices(path, numel, samples)`` as a plain ``array.array`` of int64, cached.
+
+    Why not cache the tensor: the cache is filled during a forward, at each layer size's first record,
+    and what it keeps lives to the session's end. A tensor's bytes and its C++ objects come from the C
+    allocator, between the forward's large intermediates, and ~1,200 such small blocks kept alive there
+    stop the freed intermediates' memory from being reused: the full Aurora model's first fp32
+    forwards under the hooks took 72,000–82,000 and 63,000 fresh pages (minor page faults) against
+    2,000–5,000 without hooks, and 0.2–0.25 s more over five full-model checks. An array of up to 512
+    bytes (64 int64 samples) comes from Python's small-object allocator, outside that heap: 900–3,900
+    and 1,400–3,700 (measured on a 2-core AMD EPYC, glibc 2.36, torch 2.14.1; see
+    docs/explanation/performance.md)."""
     from ..store.compact import sample_indices
 
-    return sample_indices(path, numel, samples)
+    return array.array("q", sample_indices(path, numel, samples).tolist())
+
+
+def _positions(path: str, numel: int, samples: int) -> torch.Tensor:
+    """The sample positions of a layer record (int64, ``samples`` sorted flat positions in
+    ``[0, numel)``): a tensor over the cached ``_position_array``, sharing its memory (never written)."""
+    return torch.frombuffer(_position_array(path, numel, samples), dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=4096)
-def _offsets(path: str, shape: tuple[int, ...], stride: tuple[int, ...], samples: int) -> tuple[torch.Tensor, int]:
-    """``(offsets, extent)``: where ``_positions(path, numel, samples)`` lie in the storage of a tensor
-    of ``shape`` and ``stride``, counted from its ``storage_offset`` (each position unravelled in
-    row-major order and dotted with the strides), and one more than the largest offset."""
+def _offset_array(path: str, shape: tuple[int, ...], stride: tuple[int, ...], samples: int) -> tuple[array.array, int]:
+    """``_offsets``' values as a plain ``array.array`` of int64 and the extent, cached (why an array:
+    ``_position_array``)."""
     index = _positions(path, math.prod(shape), samples).clone()
     offsets = torch.zeros_like(index)
     for size, step in zip(reversed(shape), reversed(stride)):
         offsets += (index % size) * step
         index //= size
-    return offsets, int(offsets.max()) + 1
+    return array.array("q", offsets.tolist()), int(offsets.max()) + 1
+
+
+def _offsets(path: str, shape: tuple[int, ...], stride: tuple[int, ...], samples: int) -> tuple[torch.Tensor, int]:
+    """``(offsets, extent)``: where ``_positions(path, numel, samples)`` lie in the storage of a tensor
+    of ``shape`` and ``stride``, counted from its ``storage_offset`` (each position unravelled in
+    row-major order and dotted with the strides), and one more than the largest offset."""
+    offsets, extent = _offset_array(path, shape, stride, samples)
+    return torch.frombuffer(offsets, dtype=torch.int64), extent
 
 
 def _sampled(key: str, tensor: torch.Tensor, samples: int, out: torch.Tensor | None = None) -> torch.Tensor:

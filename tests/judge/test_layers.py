@@ -444,6 +444,35 @@ def test_sampled_records_are_the_values_at_the_sample_positions_whatever_the_des
             assert written.data_ptr() == row.data_ptr() and row.shape == (width,) and row[64:].isnan().all()
 
 
+def test_cached_sample_positions_are_plain_arrays_the_hooks_view_without_a_copy():
+    # The positions cache is filled during a forward and lives to the session's end: it keeps plain
+    # ``array.array`` objects (Python's small-object allocator), never tensors, whose C-allocated blocks
+    # between a forward's large intermediates kept their freed memory from being reused (tens of
+    # thousands of page faults per full-model forward); the tensors the hooks index with are views of
+    # those arrays, with the positions of ``sample_indices`` and the offsets of their unravelling.
+    import array
+
+    from pytest_npu_parity.runtime import layer_capture
+    from pytest_npu_parity.store.compact import sample_indices
+
+    layer_capture._position_array.cache_clear()
+    layer_capture._offset_array.cache_clear()
+    positions = layer_capture._positions("layer:cache", 10_000, 64)
+    cached = layer_capture._position_array("layer:cache", 10_000, 64)
+    assert isinstance(cached, array.array) and cached.typecode == "q"
+    assert positions.dtype == torch.int64 and positions.data_ptr() == cached.buffer_info()[0]
+    assert torch.equal(positions, sample_indices("layer:cache", 10_000, 64))
+    assert layer_capture._positions("layer:cache", 10_000, 64).data_ptr() == positions.data_ptr()
+
+    x = torch.randn(4, 50, 50, generator=torch.Generator().manual_seed(5)).transpose(0, 2)
+    offsets, extent = layer_capture._offsets("layer:cache", tuple(x.shape), tuple(x.stride()), 64)
+    stored, stored_extent = layer_capture._offset_array("layer:cache", tuple(x.shape), tuple(x.stride()), 64)
+    assert isinstance(stored, array.array) and offsets.data_ptr() == stored.buffer_info()[0] and extent == stored_extent
+    flat = x.as_strided((extent,), (1,))
+    assert torch.equal(flat[offsets], x.contiguous().reshape(-1)[positions])
+    assert all(not isinstance(v, torch.Tensor) for v in (cached, stored))
+
+
 def _naive_norms(a: torch.Tensor, e: torch.Tensor):
     """(‖a − e‖, ‖e‖, n) over the positions finite on both sides, one pair at a time."""
     a64, e64 = a.double(), e.double()
