@@ -28,7 +28,8 @@ Measures on one machine, in one run:
 (d) comparison throughput: ``compare.compare`` on a large float32 tensor pair vs a plain
     ``clone`` of the pair (the bytes a comparison must read; a clone of one tensor is reported too); baseline load throughput (``BaselineStore.load`` of every committed Aurora
     baseline, including the checksum) vs reading the same bytes.
-(e) peak resident memory of the bare process and of the pytest subprocess.
+(e) peak resident memory of the bare process and of the pytest subprocess, and the minor page faults of
+    each whole process (median): fresh pages mapped in, where the C allocator could not reuse freed memory.
 (f) red runs, in the same run as the green one: the suite with one fault everywhere (the first FFN
     weight of every decoder layer × (1 + 1e-3) on the target side only: every whole-model and
     decoder check fails and is diagnosed within the localization budget) and the suite with stale
@@ -391,6 +392,7 @@ def bare_process(quick: bool, recipes: list[str], reference: str) -> dict[str, A
         # the whole process, as the pytest run's is timed: interpreter start, imports, exit included
         result["process_wall"] = wall
         result["process_cpu"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        result["process_minflt"] = after.ru_minflt - before.ru_minflt
         return result
     finally:
         os.unlink(path)
@@ -418,10 +420,21 @@ def merge_bare(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     merged[k].extend(v)
     processes = [dict(zip(("total_wall", "total_cpu"), _bare_totals(run)), setup_wall=run["setup_wall"],
                       setup_cpu=run["setup_cpu"], process_wall=run.get("process_wall"),
-                      process_cpu=run.get("process_cpu")) for run in runs]
+                      process_cpu=run.get("process_cpu"), process_minflt=run.get("process_minflt")) for run in runs]
     best = min(range(len(runs)), key=lambda i: processes[i]["total_wall"])
     return {"setup_wall": runs[best]["setup_wall"], "setup_cpu": runs[best]["setup_cpu"], "checks": checks_,
             "peak_rss_mib": max(run["peak_rss_mib"] for run in runs), "processes": processes, "best": best}
+
+
+def _median_faults(result: dict[str, Any]) -> str | None:
+    """The table's line of minor page faults (fresh pages the kernel maps in: the cost of memory the C
+    allocator could not reuse), median per whole process of each side; None when either side lacks them."""
+    bare_ = [p.get("process_minflt") for p in (result.get("bare") or {}).get("processes", [])]
+    runs = [r.get("minflt") for r in ((result.get("plugin") or {}).get("runs") or [])]
+    if not bare_ or not runs or None in bare_ or None in runs:
+        return None
+    return (f"minor page faults per process, median: bare program {statistics.median(bare_):,.0f}, "
+            f"pytest run {statistics.median(runs):,.0f}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -468,6 +481,7 @@ def _pytest(extra: list[str], node_ids: list[str], recipes: list[str], reference
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    minflt = after.ru_minflt - before.ru_minflt
     durations: dict[str, dict[str, float]] = {}
     for line in proc.stdout.splitlines():
         m = _DURATION.match(line)
@@ -481,7 +495,7 @@ def _pytest(extra: list[str], node_ids: list[str], recipes: list[str], reference
     notes = [line for line in proc.stdout.splitlines()
              if line.startswith(("localization", "baselines not usable", "Fix it once", "npu-parity: every"))
              or "every baseline of suite" in line]
-    return {"cmd": " ".join(cmd[1:]), "wall": wall, "cpu": cpu, "rc": proc.returncode, "durations": durations,
+    return {"cmd": " ".join(cmd[1:]), "wall": wall, "cpu": cpu, "minflt": minflt, "rc": proc.returncode, "durations": durations,
             "tail": tail, "outcomes": outcomes, "notes": notes, "fault": fault,
             "stderr_tail": proc.stderr[-2000:] if proc.returncode not in (0, 1, 5) else ""}
 
@@ -813,6 +827,9 @@ def table(result: dict[str, Any]) -> str:
                      f"({t['compare_over_copy_one']:.2f}× a clone of one tensor)")
         lines.append(f"baseline load {t['baseline_files']} files, {t['baseline_mb']:.1f} MB: {t['load_gb_s']:.2f} GB/s "
                      f"vs read {t['read_gb_s']:.2f} GB/s ({t['load_over_read']:.2f}×)")
+    faults = _median_faults(result)
+    if faults:
+        lines.append(faults)
     lines.append(f"peak RSS: bare process {result['peak_rss_mib']['bare']:.0f} MiB"
                  + (f", pytest {result['peak_rss_mib']['pytest']:.0f} MiB" if result['peak_rss_mib'].get('pytest')
                     else ""))
