@@ -90,10 +90,10 @@ def _position_array(path: str, numel: int, samples: int) -> array.array:
     and what it keeps lives to the session's end. A tensor's bytes and its C++ objects come from the C
     allocator, between the forward's large intermediates, and ~1,200 such small blocks kept alive there
     stop the freed intermediates' memory from being reused: the full Aurora model's first fp32
-    forwards under the hooks took 72,000–82,000 and 63,000 fresh pages (minor page faults) against
+    forwards under the hooks took 72,000–84,000 and 62,000–64,000 fresh pages (minor page faults) against
     2,000–5,000 without hooks, and 0.2–0.25 s more over five full-model checks. An array of up to 512
-    bytes (64 int64 samples) comes from Python's small-object allocator, outside that heap: 900–3,900
-    and 1,400–3,700 (measured on a 2-core AMD EPYC, glibc 2.36, torch 2.14.1; see
+    bytes (64 int64 samples) comes from Python's small-object allocator, outside that heap: 400–700
+    and 800 (measured on a 2-core AMD EPYC, glibc 2.36, torch 2.14.1; see
     docs/explanation/performance.md)."""
     from ..store.compact import sample_indices
 
