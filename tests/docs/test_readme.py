@@ -23,7 +23,7 @@ def test_readme_keeps_the_two_set_up_commands() -> None:
     assert "## Set up on a fresh machine (Python 3.11)" in lines
     assert MAIN_JOB in lines and TESTS in lines
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    assert 'pip install -q -e ".[dev]"' in ci and "run_pytest_step tests 1800 pytest -p no:cacheprovider -n 2" in ci
+    assert 'pip_install -q -e ".[dev]"' in ci and "run_pytest_step tests 1800 pytest -p no:cacheprovider -n 2" in ci
     assert "--npu-parity parity_suites/aurora" in ci
 
 
