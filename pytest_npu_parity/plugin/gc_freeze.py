@@ -23,8 +23,8 @@ What it does not change: garbage made after a freeze is collected as before; an 
 reference count as before, frozen or not. A frozen object that later becomes part of an unreachable cycle
 is freed at the unfreeze instead of at the next full collection (for objects alive after the first test,
 which are meant to live for the session, there are few). Measured on the green main-job suite (112
-checks, 2-core AMD EPYC, Python 3.11.7): generation-2 collection time 1.19-1.26 s -> 0.58-0.62 s per run,
-the last test's teardown to exit 0.59-0.62 s -> 0.31-0.39 s, peak RSS unchanged (2.12 GB)
+checks, 2-core AMD EPYC, Python 3.11.7): generation-2 collection time 1.08-1.26 s -> 0.58-0.70 s per run,
+the last test's teardown to exit 0.59-0.62 s -> 0.30-0.39 s, peak RSS unchanged (2.12 GB)
 (``docs/explanation/performance.md``). A session with the collector disabled (``gc.disable()``) is left as
 it is.
 """
