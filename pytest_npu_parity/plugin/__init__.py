@@ -3,8 +3,7 @@
 pytest collects hooks and fixtures from this module object, so every one is imported here:
 ``options`` (the one table of options and ini keys), ``config`` (``ParityConfig``: every value parsed
 once), ``hooks``, ``fixtures``, ``markers``, ``header``, ``summary`` (the terminal summary), ``paths``
-(path checks and re-run commands), ``state`` (the ``config.stash`` keys), ``xdist``, ``gc_freeze`` (a parity
-session's long-lived objects kept out of full garbage collections).
+(path checks and re-run commands), ``state`` (the ``config.stash`` keys), ``xdist``.
 Everything that judges numbers lives in the engine (``runner``, ``checks``, ``compare``, ``policy``,
 ``baselines`` …); this package only adapts it to pytest.
 """

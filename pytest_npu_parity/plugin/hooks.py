@@ -16,7 +16,6 @@ from typing import Any, Iterator
 import pytest
 
 from . import header, summary
-from .gc_freeze import LongLivedObjects
 from ..report import columns as col
 from .markers import MARKER_HELP, NIGHTLY_MARKER_HELP, marker_recipes, skip_nightly_unless_selected, validate_markers
 from .config import ParityConfig, recipe_names
@@ -97,7 +96,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION_KEY] = _make_session(cfg)
     _lint_deepspeed_config(config, cfg)
     config.pluginmanager.register(summary.StaleSuiteReport(), "npu-parity-stale-suites")
-    config.pluginmanager.register(LongLivedObjects(), "npu-parity-long-lived-objects")
 
 
 def _import_torch() -> None:
