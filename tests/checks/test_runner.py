@@ -874,3 +874,43 @@ def test_stale_cause_names_the_config_and_suites_share_it():
 
     (suite,) = stale_suites([row("model", "config"), row("layer", "config+input")])
     assert suite.cause == "config"
+
+
+class Spike(torch.nn.Module):
+    """``x @ w``; with ``Spike.spike`` set (the target's patch set), one output element is off by 1000
+    (a kernel that writes one wrong element, e.g. at a tile's edge)."""
+
+    spike = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(256, 64, generator=torch.Generator().manual_seed(0)) / 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.w
+        if Spike.spike:
+            y = y.clone()
+            y.view(-1)[0] += 1000.0
+        return y
+
+
+@contextlib.contextmanager
+def _spike(device: torch.device):
+    Spike.spike = True
+    try:
+        yield
+    finally:
+        Spike.spike = False
+
+
+def test_allclose_floor_does_not_pass_an_element_the_budget_would_excuse():
+    # bf16 (default policy golden floor): 2,048 output elements, budget 1e-3 lets 2 fall outside the allclose
+    # bound by any amount; one element 1000 off must be judged by the ratio test, which fails it
+    with pytest.raises(ParityError, match="golden policy") as info:
+        case("bf16", _spike).check("spike", Spike(), X)
+    assert "rmse" in str(info.value)
+    # the budget still applies to the allclose verdict itself, as documented (torch_npu's assertRtolEqual)
+    assert case("bf16", _spike, recipe_policies={"bf16": "allclose"}).check("spike", Spike(), X).status == "pass"
+    # and an untouched target passes the floor
+    assert case("bf16").check("spike", Spike(), X).status == "pass"
+
