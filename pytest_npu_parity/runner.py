@@ -43,6 +43,7 @@ from typing import Any, Callable, ContextManager, Mapping
 import torch
 
 from .store.format import BaselineError
+from .checks.fingerprints import META_KEY as FINGERPRINTS_KEY
 from .checks.hooks import check_hook_problems, failure_diagnosis
 from .checks.plan import CaseFacts, CheckPlan, check_name
 from .checks.replay import REPLAY_LIMIT_BYTES, plan_replay, recorded_extras, replayed  # noqa: F401
@@ -84,6 +85,15 @@ from .runtime.training import (MAX_SCALE_BACKOFFS, ROUNDING_LEVEL_EPS, TrainChec
 # DEFAULT_POLICIES and TRAINING_DEFAULT_POLICIES live with the settings resolver (checks/settings.py).
 #: What an audited check does with events beyond its audit budget (``ParitySession(audit_mode=...)``).
 AUDIT_JUDGEMENTS = ("off", "record", "warn", "fail")
+
+
+def _modeless(structure: dict | None) -> Any:
+    """A ``structure.module_structure`` record without the submodules' ``training`` flags."""
+    if not structure:
+        return structure
+    modules = {path: [entry[0], {k: v for k, v in entry[1].items() if k != "training"}]
+               for path, entry in structure.get("modules", {}).items()}
+    return dict(structure, modules=modules)
 
 
 class ParitySession:
@@ -205,6 +215,8 @@ class ParitySession:
         self.not_written: dict[str, str] = {}  # test_id -> why not (failed, skipped, interrupted)
         self.baselines_used: set = set()
         self._copies: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+        #: each checked module's state at its last check (``note_state``)
+        self._states: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
         self._reference_memo: dict[tuple, dict] = {}
         self.patches_applied: set[str] = set()
         self.reference_patches_applied: set[str] = set()
@@ -278,10 +290,35 @@ class ParitySession:
 
     def forget(self, module: torch.nn.Module) -> None:
         """Drop cached device copies of ``module`` and every cached golden copy and result (after
-        editing its weights)."""
+        editing its weights). A check notices such an edit itself (``note_state``); this is for an
+        edit it cannot see (through ``p.data``, which bypasses the version counter)."""
         self._copies.pop(module, None)
         self.golden_runner.forget()
         self._golden_memo.clear()
+
+    def note_state(self, module: torch.nn.Module, hashes: dict[str, Any]) -> bool:
+        """Called by every check of ``module`` with its fingerprints (``checks.reference.check_hashes``):
+        when the module's weights, structure or attributes differ from those of its last check, every
+        cached copy of the session (device and dtype copies, golden copies) and every memoized golden
+        is dropped, since each was made from the earlier state; the training modes alone do not count
+        (copies follow the module's modes). Returns True when it dropped them.
+
+        Without it, a model checked, then edited (a checkpoint loaded, a mask attribute changed), then
+        checked again was judged against a golden of its old weights (a false pass) and, under a
+        dtype or device copy, run with its old weights (a false failure against a baseline)."""
+        fingerprints = hashes.get(FINGERPRINTS_KEY) or {}
+        state = (hashes.get("config_hash"), hashes.get("structure_hash"), hashes.get("structure"),
+                 fingerprints.get("attributes"))
+        last = self._states.get(module)
+        self._states[module] = state
+        if last is None or (last[0], last[1], last[3]) == (state[0], state[1], state[3]):
+            return False
+        if last[0] == state[0] and last[3] == state[3] and _modeless(last[2]) == _modeless(state[2]):
+            return False  # a check and a training step of one module: structure with and without modes
+        self._copies = weakref.WeakKeyDictionary()
+        self.golden_runner.forget()
+        self._golden_memo.clear()
+        return True
 
     def verdict_policy(self, recipe: str, check: str, marker: str | None = None,
                        explicit: str | None = None, *, training: bool = False) -> Any:
@@ -714,6 +751,9 @@ class ParityCase:
         check's own, else ``checks.verdict.verdict_for``'s). ``given``:
         the check's inputs as the caller passed them (recorded for replay, ``checks.replay``)."""
         __tracebackhide__ = True
+        module = call.module
+        if module is not None:
+            self.session.note_state(module, hashes)
         if self.session.update_baselines:
             return self._record(plan, run, hashes, call, given, golden_run)
         weights = hashes["config_hash"] if call.module is not None else None

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pytest_npu_parity import golden as G
+from pytest_npu_parity.checks.reference import check_hashes
 from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.runner import DEFAULT_POLICIES, ParityCase, ParitySession
 
@@ -914,3 +915,66 @@ def test_allclose_floor_does_not_pass_an_element_the_budget_would_excuse():
     # and an untouched target passes the floor
     assert case("bf16").check("spike", Spike(), X).status == "pass"
 
+
+class Edited(torch.nn.Module):
+    """``x @ w``; with ``Edited.fault`` set (the target's patch set) a batch of 8 rows is computed with the
+    weight × 1.02 (a fault that the first check, on 4 rows, does not reach)."""
+
+    fault = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(256, 64, generator=torch.Generator().manual_seed(0)) / 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.w * 1.02 if Edited.fault and x.shape[0] == 8 else self.w
+        return x @ w
+
+
+@contextlib.contextmanager
+def _edited_fault(device: torch.device):
+    Edited.fault = True
+    try:
+        yield
+    finally:
+        Edited.fault = False
+
+
+def _load_new_weights(module: torch.nn.Module) -> None:
+    with torch.no_grad():  # e.g. a checkpoint loaded into the checked model
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) / 16)
+
+
+def test_a_module_edited_between_checks_is_judged_by_a_golden_of_its_new_weights():
+    # bf16 (golden floor): the first check caches the float64 golden copy; the weights change; the second
+    # check's fault must be judged against the new weights' golden, not the old one's (a false pass before)
+    c = ParityCase(ParitySession(CPU, reference="cpu"), "tests/test_runner.py::t", "bf16", patches=_edited_fault)
+    model = Edited().eval()
+    assert c.check("before", model, X[:4]).status == "pass"
+    _load_new_weights(model)
+    with pytest.raises(ParityError, match="golden policy"):
+        c.check("after", model, X[:8])
+
+
+def test_a_module_edited_between_checks_gets_fresh_dtype_and_golden_copies():
+    session = ParitySession(CPU, reference="cpu")
+    c = ParityCase(session, "tests/test_runner.py::t", "bf16")
+    model = Edited().eval()
+    c.check("before", model, X[:4])
+    old = session.place(model, CPU, torch.bfloat16)
+    assert session.golden_runner._copy(model, torch.float64) is session.golden_runner._copy(model, torch.float64)
+    _load_new_weights(model)
+    c.check("after", model, X[:4])
+    assert torch.equal(session.place(model, CPU, torch.bfloat16).w, model.w.detach().to(torch.bfloat16))
+    assert not torch.equal(old.w, model.w.detach().to(torch.bfloat16))
+    assert torch.equal(session.golden_runner._copy(model, torch.float64).w, model.w.detach().double())
+    # an attribute the module's fingerprints record counts too; the training mode alone does not
+    kept = session.place(model, CPU, torch.bfloat16)
+    model.train()
+    assert not session.note_state(model, check_hashes(model, (X[:4],), {}))
+    model.eval()
+    assert session.place(model, CPU, torch.bfloat16) is kept
+    model._scale = 2.0
+    c.check("attribute", model, X[:4])
+    assert session.place(model, CPU, torch.bfloat16) is not kept
