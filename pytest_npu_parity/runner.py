@@ -775,8 +775,8 @@ class ParityCase:
                                 expected.rng)
         if judge is LEAVES:  # samples judged as distributions are compared as they are
             replay = optimizer_replay(call, sides.actual, sides.expected.leaves, plan.tolerance, expected.compact)
-            golden = golden_for(self.session.golden, memo_key(plan.name, self.recipe.name, hashes, call), plan,
-                                call.fn, golden_run, source)
+            key = memo_key(self.test_id, plan.name, self.recipe.name, hashes, call)
+            golden = golden_for(self.session.golden, key, plan, call.fn, golden_run, source)
             if self.session.store_goldens:  # --parity-store-goldens: keep it for the baseline (finish)
                 found = addable(expected.entry, source, golden)
                 if found is not None:
@@ -794,8 +794,8 @@ class ParityCase:
         extras, replay_meta = recorded_extras(call.fn, given, self.session.replay_limit)
         leaves, _ = run(self.target, patched=False)
         rng = "device" if call.sample_dim is not None and self.session.rng == "device" else "shared"
-        golden = recorded_golden_run(self.session.golden, memo_key(plan.name, self.recipe.name, hashes, call), plan,
-                                     call.fn, golden_run, rng)
+        key = memo_key(self.test_id, plan.name, self.recipe.name, hashes, call)
+        golden = recorded_golden_run(self.session.golden, key, plan, call.fn, golden_run, rng)
         self._pending[plan.name], record = recording(self._facts(), plan, leaves, hashes, call, rng,
                                                      extras=extras, replay_meta=replay_meta, golden=golden,
                                                      reference_patches=sorted(self.reference_patches_applied))

@@ -145,16 +145,22 @@ def train_hashes(module: Any, given: tuple) -> dict[str, Any]:
     return check_hashes(module, given[0], given[1], modes=False, labels=given[2])
 
 
-def memo_key(name: str, recipe: str, hashes: dict[str, Any], call: CheckCall) -> tuple:
-    """What makes two runs of a check the same computation: name, recipe, seed, autograd, kind,
-    the very function or module object, the input and the weights, the structure, the
+def memo_key(test_id: str, name: str, recipe: str, hashes: dict[str, Any], call: CheckCall) -> tuple:
+    """What makes two runs of a check the same computation: the test, name, recipe, seed, autograd,
+    kind, the very function or module object, the input and the weights, the structure, the
     ``fingerprints`` record (a module's attributes, a function's closure: one module whose mask
     was edited between two checks of it is another computation), and ``call.memo`` (the layer
     records; a train step's optimizer, loss and clipping): two tests of one module, input and
     check name with another optimizer, or one with ``layers=False`` before one with layer
-    records, must not share a reference."""
+    records, must not share a reference.
+
+    The test's node id is part of it because what a computation reads is not all in its
+    fingerprints: a class attribute or a module-level global the forward reads (``is_causal=
+    type(self).causal``, set per parametrized test) is in no record, and a reference or golden
+    memoized by another test would judge this test's target against that test's computation
+    (a causal-mask fault passed when its test ran after the non-causal one, and failed alone)."""
     fingerprints = hashes.get(FINGERPRINTS_KEY)
-    return (name, recipe, call.seed, call.grad, call.kind, id(call.fn),
+    return (test_id, name, recipe, call.seed, call.grad, call.kind, id(call.fn),
             hashes["input_hash"], hashes["config_hash"], hashes.get("structure_hash"),
             json.dumps(fingerprints, sort_keys=True, default=str) if fingerprints is not None else None) \
         + tuple(call.memo)
@@ -181,7 +187,7 @@ def expected_for(source: ReferenceSource, baseline: Any, name: str, run: Callabl
                  call: CheckCall) -> Expected:
     """The ``Expected`` leaves of check ``name``: ``baseline``'s entry (the test's loaded baseline
     file, or None) when the mode is ``baseline`` or the file holds the check, else ``run`` on the
-    CPU (unpatched), memoized per session by ``memo_key``.
+    CPU (unpatched), memoized per session by ``memo_key`` (which holds the test id).
 
     Raises:
         baselines.MissingBaselineError: mode ``baseline`` and no file.
@@ -197,7 +203,8 @@ def expected_for(source: ReferenceSource, baseline: Any, name: str, run: Callabl
             return _baseline_entry(source, baseline, name, hashes, call)
     live_rng = source.rng if call.sample_dim is not None else "shared"
     # a reference run under other reference patches (the suite's parity_reference_patches) is another run
-    key = memo_key(name, source.recipe, hashes, call) + (live_rng,) + reference_patches_key(source.reference_patches)
+    key = memo_key(source.test_id, name, source.recipe, hashes, call) + (live_rng,) \
+        + reference_patches_key(source.reference_patches)
     memo = source.memo
     if key not in memo:  # the function/module and the patch factory are kept with the result: their ids stay unique
         memo[key] = (call.fn, run(torch.device("cpu"), patched=False)[0], source.reference_patches)

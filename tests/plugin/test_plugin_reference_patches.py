@@ -91,8 +91,8 @@ def test_a_live_reference_is_not_shared_across_reference_patches(pytester: pytes
 
 
 def test_one_factory_definition_over_the_same_values_is_one_memo_key() -> None:
-    """The suite's fixture returns a fresh ``lambda device: ...`` per test: those share live references; a factory
-    over other values does not."""
+    """The suite's fixture returns a fresh ``lambda device: ...`` per test: those are one patch set in the memo
+    key; a factory over other values is another."""
     from pytest_npu_parity.checks.reference import reference_patches_key
 
     def fixture(value):
