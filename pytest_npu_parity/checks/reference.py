@@ -249,6 +249,11 @@ def baseline_error_record(facts: CaseFacts, plan: CheckPlan, exc: BaselineError,
                         baseline_problem=problem)
 
 
+#: The baseline entry's meta key for the inputs the reference run changed in place (a sorted list of
+#: argument paths, ``args[0]``, ``mask``; older entries have none: unknown).
+INPUT_CHANGES_META_KEY = "input_changes"
+
+
 def recording(facts: CaseFacts, plan: CheckPlan, leaves: dict, hashes: dict[str, Any], call: CheckCall,
               rng: str, extras: dict | None = None, replay_meta: dict | None = None,
               golden: tuple[dict | None, str | None] | None = None,
@@ -259,13 +264,17 @@ def recording(facts: CaseFacts, plan: CheckPlan, leaves: dict, hashes: dict[str,
     by a golden verdict, ``golden``: ``(golden leaves or None, why it is unavailable or None)``, stored
     as ``checks.stored_golden.recorded_golden`` says (reduced like the leaves of a compact step).
     ``reference_patches``: the names of the patches the reference ran under (the suite's
-    ``parity_reference_patches``), stored as the entry's ``reference_patches`` meta when there are any."""
+    ``parity_reference_patches``), stored as the entry's ``reference_patches`` meta when there are any.
+    The inputs the reference run changed in place are stored as ``INPUT_CHANGES_META_KEY``."""
 
 
     __tracebackhide__ = True
     extra_meta: dict[str, Any] = {"replay": replay_meta} if replay_meta else {}
     if reference_patches:
         extra_meta["reference_patches"] = list(reference_patches)
+    # the inputs the reference changed in place (none: []), so that a compare run can tell a target that
+    # changes its arguments otherwise (``checks.verdict.input_change_verdict``)
+    extra_meta[INPUT_CHANGES_META_KEY] = sorted((call.input_changes or {}).get("reference") or ())
     compact = None
     if plan.train_store is not None and plan.train_store.mode != "full":
         leaves, compact = compact_leaves(leaves, plan.train_store)

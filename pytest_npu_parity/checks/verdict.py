@@ -36,7 +36,7 @@ from ..runtime.training import _without, rounding_level_params
 from ..diagnose.selfcheck import ParityVacuityWarning, below_tolerance, vacuity_problem
 from .plan import CaseFacts, CheckPlan
 from .record import CheckRecord
-from .reference import Expected, thread_count_mismatch, torch_version_mismatch
+from .reference import INPUT_CHANGES_META_KEY, Expected, thread_count_mismatch, torch_version_mismatch
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,11 @@ def check_problems(facts: CaseFacts, plan: CheckPlan, sides: Sides, record: Chec
 
     __tracebackhide__ = True
     problems = vacuity_problems(plan.name, sides.expected.leaves, record, vacuous_ok)
-    change_note, change_problem = input_change_verdict(sides.input_changes, live_reference=record.reference == "cpu")
+    changes, known = sides.input_changes, record.reference == "cpu"
+    recorded = recorded_input_changes(sides.expected.entry)
+    if recorded is not None and record.reference == "baseline":  # what the reference changed, as recorded
+        changes, known = dict(changes or {}, reference=recorded), True
+    change_note, change_problem = input_change_verdict(changes, live_reference=known)
     if change_note:
         record.notes.policy_note = _joined(record.notes.policy_note, change_note)
     if change_problem:
@@ -304,6 +308,15 @@ def judge_audit(facts: CaseFacts, record: CheckRecord, budget: Any) -> str | Non
     return None
 
 
+def recorded_input_changes(entry: Any) -> set[str] | None:
+    """The inputs a baseline entry's reference run changed in place (``checks.reference.INPUT_CHANGES_META_KEY``),
+    or None when the entry does not say (recorded before it was stored, or no entry)."""
+    found = getattr(entry, "meta", {}).get(INPUT_CHANGES_META_KEY) if entry is not None else None
+    if not isinstance(found, list) or not all(isinstance(x, str) for x in found):
+        return None
+    return set(found)
+
+
 def input_change_verdict(changes: dict[str, set[str]] | None, *,
                          live_reference: bool) -> tuple[str | None, str | None]:
     """``(note, problem)`` for the inputs a check's runs changed in place (``runtime.side._changed_inputs``).
@@ -311,7 +324,8 @@ def input_change_verdict(changes: dict[str, set[str]] | None, *,
     The note says which inputs changed (each side ran on its own copy of the caller's inputs, so
     the comparison is unaffected). The problem, when a live reference ran in this check: the two
     sides changed different inputs — a port that drops (or adds) an in-place update of its argument
-    computes something else, even where the outputs agree."""
+    computes something else, even where the outputs agree. ``live_reference``: the reference's changes are
+    known (a live run, or a baseline entry that recorded them, ``recorded_input_changes``)."""
     if not changes:
         return None, None
     ref, tgt = changes.get("reference"), changes.get("target")

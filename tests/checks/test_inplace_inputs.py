@@ -120,3 +120,57 @@ def test_a_train_step_on_an_in_place_model_passes_and_fails_a_fault():
     with pytest.raises(ParityError):
         ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, "fp32", patches=target(std_scale=1.01)).train_step(
             "step", Standardize(), inputs(), loss_fn=lambda out: out.square().mean())
+
+
+class Project(torch.nn.Module):
+    """``x @ w``; with ``Project.clobber`` set (the target's patch set) the kernel also zeroes its input, as a
+    device kernel that reuses the caller's buffer as workspace would."""
+
+    clobber = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.w
+        if Project.clobber:
+            x.mul_(0.0)
+        return y
+
+
+@contextlib.contextmanager
+def _clobbers(device: torch.device):
+    Project.clobber = True
+    try:
+        yield
+    finally:
+        Project.clobber = False
+
+
+def test_a_target_that_changes_its_input_fails_against_a_baseline_that_recorded_none(tmp_path):
+    store = SuiteStores(tmp_path)
+    recording = ParityCase(ParitySession(CPU, update_baselines=True, store=store), TEST_ID, "fp32")
+    recording.check("project", Project(), inputs()[0])
+    assert recording.finish() == "created"
+    assert store.load(TEST_ID).checks["project"].meta["input_changes"] == []
+    assert ParityCase(ParitySession(CPU, store=store), TEST_ID, "fp32").check(
+        "project", Project(), inputs()[0]).status == "pass"
+    # the outputs agree; the target alone clobbers its argument (it passed before: the baseline did not say)
+    with pytest.raises(ParityError, match=r"args\[0\] on the target only"):
+        ParityCase(ParitySession(CPU, store=store), TEST_ID, "fp32", patches=_clobbers).check(
+            "project", Project(), inputs()[0])
+
+
+def test_an_in_place_model_recorded_with_its_changes_compares_clean_and_fails_a_target_that_drops_them(tmp_path):
+    store = SuiteStores(tmp_path)
+    x, mask = inputs()
+    recording = ParityCase(ParitySession(CPU, update_baselines=True, store=store), TEST_ID, "fp32")
+    recording.check("std", Standardize(), x, mask)
+    assert recording.finish() == "created"
+    assert store.load(TEST_ID).checks["std"].meta["input_changes"] == ["args[0]", "args[1]"]
+    record = ParityCase(ParitySession(CPU, store=store), TEST_ID, "fp32").check("std", Standardize(), *inputs())
+    assert record.status == "pass" and "changes its input(s) args[0], args[1] in place" in record.extra["policy_note"]
+    with pytest.raises(ParityError, match=r"args\[0\], args\[1\] on the reference only"):
+        ParityCase(ParitySession(CPU, store=store), TEST_ID, "fp32", patches=target(in_place=False)).check(
+            "std", Standardize(), *inputs())
