@@ -71,9 +71,10 @@ class GoldenPolicy:
             then unused, see the ``judge.golden`` module docstring).
         op: with ``limit_set="msprobe"``, the op class msprobe names the API by (``"matmul"``,
             ``"layer_norm"``, ``"embedding"`` …), which picks its limits (``msprobe_level``); None: L0.
-        allclose_floor: when True (spec word ``floor``: ``"golden floor"``), a leaf whose every
-            element is within the check's allclose bound of the reference passes without the ratio
-            test (the tolerance's budget of elements outside the bound does not count here). Ours, not
+        allclose_floor: when True (spec word ``floor``: ``"golden floor"``), a leaf that is within
+            the check's allclose tolerance of the reference, with no element further than
+            ``judge.golden.FLOOR_OUTLIER_ERR_RATIO`` times outside the bound, passes without the ratio
+            test. Ours, not
             msprobe's: the ratio test divides by the reference's own error, which is near zero where
             the reference happens to round like the golden (a training step's loss, parameters
             after AdamW, whose first step moves every element by about ±lr whatever the gradient's

@@ -173,8 +173,8 @@ def _default_budget() -> float:
 _POLICY_HELP = (
     "verdict policy of every recipe and check: allclose (rtol/atol/budget), golden (target and "
     "reference errors against a higher-precision CPU golden run, ratio limits 2/10/2/2) or "
-    "golden-floor (golden, a leaf within allclose passes; the default of bf16 and of fp32 "
-    "training checks; fp32 eval checks default to allclose; "
+    "golden-floor (golden, a leaf within allclose passes, no element over 100x its bound; the default of bf16 "
+    "and of fp32 training checks; fp32 eval checks default to allclose; "
     "'golden msprobe op=…' in ini or the marker for msprobe 26.2.0's standard); replaces ini parity_<recipe>_policy, "
     "while ini parity_policies lines, the marker's policy= and parity.check(policy=...) still choose per check")
 
