@@ -163,6 +163,23 @@ def test_baseline_reference_is_localized_against_a_live_cpu_run(net, x, tmp_path
     assert "Localized against a live CPU run (the check's reference was baseline" in message
     assert _first(extra)["submodule"] == "blocks.0.a"
     assert all("baseline" in row["reference"] for row in extra["localization"])
+    assert "agrees with a live CPU run" not in message  # the target's fault: the live run disagrees with it too
+
+
+def test_code_changed_since_the_baseline_is_named_as_the_baselines_difference(net, x, tmp_path, monkeypatch):
+    store = BaselineStore(tmp_path, "toy")
+    case = ParityCase(ParitySession(torch.device("cpu"), reference="cpu", update_baselines=True, store=store),
+                      "tests/test_toy.py::test_net")
+    case.check("net", net, x)
+    assert case.finish() == "created"
+    # the model's code changes after recording (no fingerprint covers a forward): both sides compute the new code
+    original = Block.forward
+    monkeypatch.setattr(Block, "forward", lambda self, x: original(self, x) * 1.01)
+    session = ParitySession(torch.device("cpu"), reference="baseline", store=store, failure_hooks=[failure_hook])
+    message, _ = _fail(ParityCase(session, "tests/test_toy.py::test_net"), "net", net, x)
+    assert "The target agrees with a live CPU run of the same computation" in message
+    assert "it is the baseline that differs" in message
+    assert "re-record: pytest --update-baselines tests/test_toy.py::test_net" in message
 
 
 def test_train_step_orders_gradients_by_backward_order(net, x):

@@ -106,6 +106,8 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
         for index, key in shared:
             cache.put(key, _Answer.of(origin, levels[index:], loc.stopped))
     _conclude(loc, levels, root_name, context_rows)
+    if record.reference == "baseline" and call.kind == "check" and loc.root_outputs is not None:
+        _live_agrees(loc, case, record, tol)
     if ended is not None and loc.stopped is None and (loc.first is not None or call.kind == "check"):
         _trace_culprit(loc, case, ref, tgt, ended, prefix, deadline)
         if loc.op_stream is not None and record.reference == "baseline":
@@ -121,6 +123,20 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
         backward_table(loc, case, call, tol, prefix, deadline)
     _conversion_notes(loc, ref.notes, tgt.notes, prefix=prefix)
     return loc
+
+
+def _live_agrees(loc: Localization, case: Any, record: Any, tol: Tolerance) -> None:
+    """Against a baseline: when the target's output agrees with the live CPU run's (``tol``, every leaf), the
+    difference is between this machine's computation and the recording, not in the target: set
+    ``loc.live_agrees`` to the command that re-records the test (or ``""`` without a store)."""
+    ref_out, tgt_out = loc.root_outputs
+    try:
+        live = compare(tgt_out, ref_out, tol)
+    except Exception:  # noqa: BLE001 - outputs this cannot compare: no claim either way
+        return
+    if live.leaves and live.passed:
+        store = getattr(case.session, "store", None)
+        loc.live_agrees = store.command(record.test_id) if store is not None else ""
 
 
 def _reference(record: Any) -> str:
@@ -260,6 +276,8 @@ def _pass(loc: Localization, ref: _Side, tgt: _Side, scope_pair: tuple[_Call, _C
     tgt_rec, tgt_out = tgt.record(scope_pair[1] if scope_pair else None, scope_key)
     ref_rec, ref_out = ref.record(scope_pair[0] if scope_pair else None, scope_key)
     loc.passes += 1
+    if scope_pair is None:  # the check's own call: the live reference's output and the target's
+        loc.root_outputs = (ref_out, tgt_out)
     if scope_pair is not None:
         for side, out, rec in (("reference", ref_out, scope_pair[0]), ("target", tgt_out, scope_pair[1])):
             if not _same(out, rec.output):

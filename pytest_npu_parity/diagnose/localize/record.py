@@ -105,6 +105,11 @@ class Localization:
             (param grads, grad_input) and local error, and the verdict.
         first_backward: ``"<path> (<type>)"`` of the first call in backward order whose own backward
             (local) is out of tolerance, or None.
+        live_agrees: a check judged against a baseline whose target output agrees with the live CPU
+            run's (the check's tolerance): the command that re-records the test (``""`` when there is
+            none); the message then says the baseline, not the target, differs. None otherwise.
+        root_outputs: ``(live reference's, target's)`` outputs of the check's own call in the first
+            pass (kept for ``live_agrees``), or None.
     """
 
     check: str
@@ -130,6 +135,8 @@ class Localization:
     op_stream: Any = None
     backward: list[dict[str, Any]] = field(default_factory=list)
     first_backward: str | None = None
+    live_agrees: str | None = None
+    root_outputs: Any = field(default=None, repr=False)
 
     def to_rows(self) -> list[dict[str, Any]]:
         """The table as JSON-able dicts (``record.localized.localization``): activation rows, then
@@ -189,6 +196,13 @@ class Localization:
         else:
             how = "nothing re-run (answered by an earlier localization, see the note)"
         lines = [self.summary()]
+        if self.live_agrees is not None:
+            rerecord = f": {self.live_agrees}" if self.live_agrees else ""
+            lines.insert(0, "The target agrees with a live CPU run of the same computation on this machine (within the "
+                            "check's tolerance); it is the baseline that differs. The computation changed since it was "
+                            "recorded (code its fingerprints do not cover, such as a forward or a function it calls; an "
+                            "input within the summary rule), or the recording machine computes it otherwise. If the "
+                            f"change is intended, re-record{rerecord}")
         if self.first_backward is not None:
             row = next(r for r in self.backward if r.get("first_divergence"))
             lines.append(f"Backward: {self.first_backward} computes its own gradients differently (local err/tol "
