@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import time
 import weakref
 from functools import partial
@@ -85,6 +86,12 @@ from .runtime.training import (MAX_SCALE_BACKOFFS, ROUNDING_LEVEL_EPS, TrainChec
 # DEFAULT_POLICIES and TRAINING_DEFAULT_POLICIES live with the settings resolver (checks/settings.py).
 #: What an audited check does with events beyond its audit budget (``ParitySession(audit_mode=...)``).
 AUDIT_JUDGEMENTS = ("off", "record", "warn", "fail")
+
+
+def _plain_json(record: Any) -> str:
+    """``record`` as canonical JSON text (NaN as ``NaN``: a summary of a ``-inf`` mask holds NaN, which is not
+    equal to itself in a dict comparison)."""
+    return json.dumps(record, sort_keys=True, default=str)
 
 
 def _modeless(structure: dict | None) -> Any:
@@ -311,10 +318,12 @@ class ParitySession:
                  fingerprints.get("attributes"))
         last = self._states.get(module)
         self._states[module] = state
-        if last is None or (last[0], last[1], last[3]) == (state[0], state[1], state[3]):
+        if last is None:
             return False
-        if last[0] == state[0] and last[3] == state[3] and _modeless(last[2]) == _modeless(state[2]):
-            return False  # a check and a training step of one module: structure with and without modes
+        same_attributes = last[3] == state[3] or _plain_json(last[3]) == _plain_json(state[3])  # NaN != NaN
+        if last[0] == state[0] and same_attributes and (
+                last[1] == state[1] or _modeless(last[2]) == _modeless(state[2])):
+            return False  # (a check and a training step of one module: structure with and without modes)
         self._copies = weakref.WeakKeyDictionary()
         self.golden_runner.forget()
         self._golden_memo.clear()

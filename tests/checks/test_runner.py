@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -1030,3 +1031,16 @@ def test_allclose_floor_keeps_a_rounding_flip_the_budget_excuses():
     assert record.status == "pass"
     floored = [leaf for leaf in record.result.leaves if leaf.mismatched and leaf.over_limit]  # the floor passes them
     assert floored and all(leaf.within_floor and 1 < leaf.err_ratio <= G.FLOOR_OUTLIER_ERR_RATIO for leaf in floored)
+
+
+def test_a_module_with_an_inf_mask_keeps_its_copies_between_checks():
+    # a causal mask of -inf (a non-persistent buffer): its fingerprint summary holds a NaN, which a dict comparison
+    # finds unequal to itself; every check dropped the session's copies and goldens
+    model = Proj().eval()
+    model.register_buffer("mask", torch.full((8, 8), -math.inf).triu(1), persistent=False)
+    session = ParitySession(CPU, reference="cpu")
+    assert not session.note_state(model, check_hashes(model, (X,), {}))
+    assert not session.note_state(model, check_hashes(model, (X,), {}))
+    with torch.no_grad():
+        model.mask[0, 0] = 1.0
+    assert session.note_state(model, check_hashes(model, (X,), {}))
