@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import weakref
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -95,6 +96,18 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def _tensor_versions(module: torch.nn.Module) -> dict[int, tuple[int, int]]:
+    """``{id(tensor): (version counter, storage address)}`` of ``module``'s parameters and buffers."""
+    return {id(t): (t._version, t.data_ptr()) for t in itertools.chain(module.parameters(), module.buffers())}
+
+
+def _unchanged(module: torch.nn.Module, versions: dict[int, tuple[int, int]]) -> bool:
+    """Whether every parameter and buffer of ``module`` is in ``versions`` (``_tensor_versions`` of a module
+    that holds it) as it was: the same tensor, storage and version counter."""
+    return all(versions.get(id(t)) == (t._version, t.data_ptr())
+               for t in itertools.chain(module.parameters(), module.buffers()))
+
+
 class GoldenRunner:
     """Runs computations on the CPU in a golden dtype, with the same seeded randomness as the sides.
 
@@ -108,8 +121,11 @@ class GoldenRunner:
             hard-codes float32 follow the golden dtype (see the module docstring), or None.
 
     A module with any submodule in training mode is copied afresh for every run (BatchNorm
-    running statistics change in training). Copies are made at the first run: call ``forget()``
-    after editing weights.
+    running statistics change in training). Copies are made at the first run; a submodule taken from
+    the root's copy is first checked against the root's tensors as they were copied (each tensor's
+    identity, storage and version counter, ``_tensor_versions``): after a weight edit the root's copies
+    are dropped and made again. ``forget()`` drops every copy (after an edit no version counter sees,
+    through ``p.data``; ``ParitySession.note_state`` calls it when a checked module changed).
     """
 
     def __init__(self, root: torch.nn.Module | None = None,
@@ -117,12 +133,14 @@ class GoldenRunner:
         self.root = root
         self.shims = shims
         self._root_copies: dict[torch.dtype, torch.nn.Module] = {}
+        self._root_versions: dict[torch.dtype, dict[int, tuple[int, int]]] = {}  # the root's tensors when copied
         self._names: dict[int, str] | None = None
         self._copies: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
     def forget(self) -> None:
         """Drop every cached golden copy (after editing weights)."""
         self._root_copies.clear()
+        self._root_versions.clear()
         self._copies = weakref.WeakKeyDictionary()
         self._names = None
 
@@ -138,9 +156,15 @@ class GoldenRunner:
             name = self._names.get(id(module))
             if name is not None:
                 root_copy = self._root_copies.get(dtype)
+                if root_copy is not None and not _unchanged(module, self._root_versions[dtype]):
+                    # its weights were edited since the root was copied (a checkpoint loaded): copy again
+                    self._root_copies.clear()
+                    self._root_versions.clear()
+                    root_copy = None
                 if root_copy is not None:
                     return root_copy.get_submodule(name) if name else root_copy
                 if not name:  # the root itself: copied once; later submodules are taken from it
+                    self._root_versions[dtype] = _tensor_versions(self.root)
                     root_copy = self._root_copies[dtype] = copy.deepcopy(self.root).to(dtype)
                     for copied in list(self._copies.keys()):  # its submodules' own copies are not needed now
                         if id(copied) in self._names:

@@ -1044,3 +1044,28 @@ def test_a_module_with_an_inf_mask_keeps_its_copies_between_checks():
     with torch.no_grad():
         model.mask[0, 0] = 1.0
     assert session.note_state(model, check_hashes(model, (X,), {}))
+
+
+class Wrapped(torch.nn.Module):
+    """A model whose one submodule (``inner``, an ``Edited``) holds its weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Edited()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).relu()
+
+
+def test_a_submodule_checked_first_after_an_edit_gets_a_golden_of_its_new_weights():
+    # the golden runner takes submodules from its float64 copy of the root (as the Aurora suite sets it up): the
+    # root is checked, a checkpoint is loaded, then a submodule is checked for the first time (note_state has no
+    # earlier state of it): its golden must come from the new weights
+    model = Wrapped().eval()
+    session = ParitySession(CPU, reference="cpu", golden_runner=G.GoldenRunner(root=model))
+    case = ParityCase(session, "tests/test_runner.py::t", "bf16", patches=_edited_fault)
+    assert case.check("whole", model, X[:4]).status == "pass"
+    _load_new_weights(model)
+    with pytest.raises(ParityError, match="golden policy"):
+        case.check("inner", model.inner, X[:8])
+    assert torch.equal(session.golden_runner._copy(model.inner, torch.float64).w, model.inner.w.detach().double())
