@@ -778,7 +778,8 @@ class ParityCase:
             raise
         actual, audit = run(self.target, patched=True, audited=self._settings().audit_mode() != "off")
         sides = split_layer_records(Sides(actual, expected, audit, weights, notes=plan.notes,
-                                          input_changes=call.input_changes), plan.layer_policy)
+                                          input_changes=call.input_changes, input_hash=hashes.get("input_hash")),
+                                    plan.layer_policy)
         if judge is None:
             judge = verdict_for(call.sample_dim, call.sample_dim is not None and self.session.rng == "device",
                                 expected.rng)

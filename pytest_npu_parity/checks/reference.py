@@ -2,7 +2,7 @@
 
 ``expected_for`` gives a check's ``Expected`` leaves: the baseline's entry when the session's
 reference mode and the test's baseline file say so (checked fresh against the check's fingerprints,
-``check_hashes``), else the reference computation run live on the CPU once per session
+``check_hashes``), else the reference computation run live on the CPU once per test and computation
 (``memo_key``). In record mode ``pending_entry`` turns the reference run into the entry the test's
 baseline file will hold (``recording_provenance`` describes the recording). A baseline that cannot
 be used becomes an ``error`` record (``baseline_error_record``); a stale one says what changed
@@ -250,7 +250,7 @@ def baseline_error_record(facts: CaseFacts, plan: CheckPlan, exc: BaselineError,
 
 
 #: The baseline entry's meta key for the inputs the reference run changed in place (a sorted list of
-#: argument paths, ``args[0]``, ``mask``; older entries have none: unknown).
+#: argument paths, ``args[0]``, ``kwargs['mask']``; older entries have none: unknown).
 INPUT_CHANGES_META_KEY = "input_changes"
 
 

@@ -174,3 +174,35 @@ def test_an_in_place_model_recorded_with_its_changes_compares_clean_and_fails_a_
     with pytest.raises(ParityError, match=r"args\[0\], args\[1\] on the reference only"):
         ParityCase(ParitySession(CPU, store=store), TEST_ID, "fp32", patches=target(in_place=False)).check(
             "std", Standardize(), *inputs())
+
+
+class Clamp6(torch.nn.Module):
+    """An in-place clamp of its input at [0, 6] (``hardtanh(inplace=True)``, ReLU6's pattern), then a linear: whether
+    it changes the input depends on the values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.nn.functional.hardtanh(x, 0.0, 6.0, inplace=True))
+
+
+def test_recorded_input_changes_apply_only_to_the_recorded_input_bitwise(tmp_path):
+    # recorded from an input 1 ulp under the clamp (nothing changed); compared on one 1 ulp over it, which the summary
+    # rule accepts as the same input (another machine's last bits), too large to be recorded for replay: the clamp
+    # changes it on this side only, and that is no fault of the target's
+    x = torch.rand(16, 64, generator=torch.Generator().manual_seed(1)) * 5
+    x[3, 7] = torch.nextafter(torch.tensor(6.0), torch.tensor(0.0))
+    store = SuiteStores(tmp_path)
+    session = ParitySession(CPU, update_baselines=True, store=store)
+    session.replay_limit = 0
+    recording = ParityCase(session, TEST_ID, "fp32")
+    recording.check("clamp", Clamp6(), x.clone())
+    assert recording.finish() == "created"
+    assert store.load(TEST_ID).checks["clamp"].meta["input_changes"] == []
+    y = x.clone()
+    y[3, 7] = torch.nextafter(torch.tensor(6.0), torch.tensor(7.0))
+    record = ParityCase(ParitySession(CPU, store=store), TEST_ID, "fp32").check("clamp", Clamp6(), y)
+    assert record.status == "pass" and "changes its input(s) args[0] in place" in record.extra["policy_note"]
