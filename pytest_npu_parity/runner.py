@@ -19,7 +19,8 @@ reference comes from, the recipes, tolerance overrides and the baseline store, a
 ``case.compare(name, actual, expected)``
     judges outputs the user computed.
 
-Modules are moved to the target once per session (a cached deep copy keyed by the module object);
+Modules are moved to the target once per session and state (a cached deep copy keyed by the module
+object, dropped when a check finds the module changed: ``ParitySession.note_state``);
 a module with any submodule in training mode gets a fresh copy for every run so that BatchNorm
 running statistics or other state changed by one side never leak into the other (``fresh_copy``:
 buffers and module objects are copied, parameters — which a forward does not change — are shared
@@ -240,8 +241,9 @@ class ParitySession:
         """``module`` on ``device`` (floating tensors in ``dtype`` if given), copied at most once per session.
 
         A module already there is returned as is. Modules in training mode get a fresh copy each
-        call (see module doc). Weights edited after the first placement are not seen by the cached
-        copy: call ``forget(module)`` after editing.
+        call (see module doc). The cached copy is dropped when a check finds the module's weights,
+        structure or attributes changed (``note_state``); after an edit no fingerprint sees (through
+        ``p.data``) call ``forget(module)``.
         """
         if _any_training(module):
             if _on_device(module, device, dtype):
