@@ -881,6 +881,19 @@ def test_stale_cause_names_the_config_and_suites_share_it():
     assert suite.cause == "config"
 
 
+def _switched(cls: type, switch: str):
+    """A patch set (``(device) -> context manager``) that sets the class switch ``cls.<switch>`` on the target
+    side only."""
+    @contextlib.contextmanager
+    def patches(device: torch.device):
+        setattr(cls, switch, True)
+        try:
+            yield
+        finally:
+            setattr(cls, switch, False)
+    return patches
+
+
 class Spike(torch.nn.Module):
     """``x @ w``; with ``Spike.spike`` set (the target's patch set), one output element is off by 1000
     (a kernel that writes one wrong element, e.g. at a tile's edge)."""
@@ -899,13 +912,7 @@ class Spike(torch.nn.Module):
         return y
 
 
-@contextlib.contextmanager
-def _spike(device: torch.device):
-    Spike.spike = True
-    try:
-        yield
-    finally:
-        Spike.spike = False
+_spike = _switched(Spike, "spike")
 
 
 def test_allclose_floor_does_not_pass_an_element_the_budget_would_excuse():
@@ -935,13 +942,7 @@ class Edited(torch.nn.Module):
         return x @ w
 
 
-@contextlib.contextmanager
-def _edited_fault(device: torch.device):
-    Edited.fault = True
-    try:
-        yield
-    finally:
-        Edited.fault = False
+_edited_fault = _switched(Edited, "fault")
 
 
 def _load_new_weights(module: torch.nn.Module) -> None:
@@ -1012,13 +1013,7 @@ def _one_adamw_step(module, batch, recipe):
     return {**out, **{f"param.{n}": p.detach().clone() for n, p in module.named_parameters()}}
 
 
-@contextlib.contextmanager
-def _split_k(device: torch.device):
-    SplitNet.split = True
-    try:
-        yield
-    finally:
-        SplitNet.split = False
+_split_k = _switched(SplitNet, "split")
 
 
 def test_allclose_floor_keeps_a_rounding_flip_the_budget_excuses():
