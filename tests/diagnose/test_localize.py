@@ -731,3 +731,42 @@ def test_recorded_snapshots_share_unchanged_tensors_and_reruns_never_change_them
     fresh.seen.append(x)
     fresh.seen[0].add_(1.0)
     assert len(states[2].copy.seen) == 2 and not torch.equal(states[2].copy.seen[0], fresh.seen[0])
+
+
+class _Logged(torch.nn.Module):
+    """A linear that also returns a statistic as a Python float; ``_Logged.fault`` (the target) scales it."""
+
+    fault = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor):
+        y = self.lin(x)
+        mean = y.mean().item()
+        return y, mean * 1.5 if _Logged.fault else mean
+
+
+def test_a_fault_in_a_number_output_is_not_blamed_on_the_baseline(x, tmp_path):
+    # the localization compares tensors only: the target's tensors agree with the live run, its failing number is
+    # not among them, so no claim that the baseline differs (nor a re-record command that would store the fault)
+    store = BaselineStore(tmp_path, "toy")
+    model = _Logged().eval()
+    case = ParityCase(ParitySession(torch.device("cpu"), reference="cpu", update_baselines=True, store=store),
+                      "tests/test_toy.py::test_logged")
+    case.check("logged", model, x)
+    assert case.finish() == "created"
+
+    @contextlib.contextmanager
+    def fault(device):
+        _Logged.fault = True
+        try:
+            yield
+        finally:
+            _Logged.fault = False
+
+    session = ParitySession(torch.device("cpu"), reference="baseline", store=store, failure_hooks=[failure_hook])
+    message, _ = _fail(ParityCase(session, "tests/test_toy.py::test_logged", patches=fault), "logged", model, x)
+    assert "[1]" in message and "baseline that differs" not in message

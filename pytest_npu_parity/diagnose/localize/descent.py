@@ -107,7 +107,7 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
             cache.put(key, _Answer.of(origin, levels[index:], loc.stopped))
     _conclude(loc, levels, root_name, context_rows)
     if record.reference == "baseline" and call.kind == "check" and loc.root_outputs is not None:
-        _live_agrees(loc, case, record, tol)
+        _live_agrees(loc, case, record, result, tol)
     if ended is not None and loc.stopped is None and (loc.first is not None or call.kind == "check"):
         _trace_culprit(loc, case, ref, tgt, ended, prefix, deadline)
         if loc.op_stream is not None and record.reference == "baseline":
@@ -125,18 +125,32 @@ def localize(case: Any, record: Any, call: Any, result: CompareResult, *,
     return loc
 
 
-def _live_agrees(loc: Localization, case: Any, record: Any, tol: Tolerance) -> None:
-    """Against a baseline: when the target's output agrees with the live CPU run's (``tol``, every leaf), the
-    difference is between this machine's computation and the recording, not in the target: set
-    ``loc.live_agrees`` to the command that re-records the test (or ``""`` without a store)."""
+#: How far (worst err/tol) the target must be from the baseline for ``_live_agrees`` to say the baseline
+#: differs: with the target within tolerance of the live run (err/tol ≤ 1), the live run is then at least
+#: about 2 from the baseline, out of tolerance too (|l − b| ≥ |t − b| − |t − l|, elementwise).
+LIVE_AGREES_MIN_ERR = 3.0
+
+
+def _live_agrees(loc: Localization, case: Any, record: Any, result: CompareResult, tol: Tolerance) -> None:
+    """Against a baseline: when the target's output agrees with the live CPU run's (``tol``) on every leaf the
+    check failed, and the target is at least ``LIVE_AGREES_MIN_ERR`` from the baseline there (so the live run
+    is out of tolerance of it too), the difference is between this machine's computation and the recording,
+    not in the target: set ``loc.live_agrees`` to the command that re-records the test (``""`` without a
+    store). A failing leaf the live comparison does not hold (a number or string output: the localization
+    compares tensors) makes no claim."""
     ref_out, tgt_out = loc.root_outputs
     try:
         live = compare(tgt_out, ref_out, tol)
     except Exception:  # noqa: BLE001 - outputs this cannot compare: no claim either way
         return
-    if live.leaves and live.passed:
-        store = getattr(case.session, "store", None)
-        loc.live_agrees = store.command(record.test_id) if store is not None else ""
+    failing = result.failures
+    compared = {leaf.path for leaf in live.leaves}
+    if not (live.leaves and live.passed and failing and all(leaf.path in compared for leaf in failing)):
+        return
+    if not all(leaf.err_ratio >= LIVE_AGREES_MIN_ERR for leaf in failing):
+        return
+    store = getattr(case.session, "store", None)
+    loc.live_agrees = store.command(record.test_id) if store is not None else ""
 
 
 def _reference(record: Any) -> str:
