@@ -310,7 +310,9 @@ class ParitySession:
         when the module's weights, structure or attributes differ from those of its last check, every
         cached copy of the session (device and dtype copies, golden copies) and every memoized golden
         is dropped, since each was made from the earlier state; the training modes alone do not count
-        (copies follow the module's modes). Returns True when it dropped them.
+        (copies follow the module's modes). A module checked for the first time while the golden runner
+        holds a copy of its root (``GoldenRunner.root``, from which submodules' goldens are taken) has the
+        root's state checked instead. Returns True when it dropped them.
 
         Without it, a model checked, then edited (a checkpoint loaded, a mask attribute changed), then
         checked again was judged against a golden of its old weights (a false pass) and, under a
@@ -321,6 +323,13 @@ class ParitySession:
         last = self._states.get(module)
         self._states[module] = state
         if last is None:
+            # A module not checked before may be taken from the golden runner's copy of its model (the root):
+            # that copy is as the root was at its own check, so the root's state is checked now (only while
+            # such a copy exists: in a run against stored goldens there is none, and this costs nothing).
+            root = getattr(self.golden_runner, "root", None)
+            if (root is not None and root is not module and getattr(self.golden_runner, "_root_copies", None)
+                    and root in self._states):
+                return self.note_state(root, check_hashes(root, (), {}))
             return False
         same_attributes = last[3] == state[3] or _plain_json(last[3]) == _plain_json(state[3])  # NaN != NaN
         if last[0] == state[0] and same_attributes and (

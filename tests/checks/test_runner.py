@@ -1064,3 +1064,30 @@ def test_a_submodule_checked_first_after_an_edit_gets_a_golden_of_its_new_weight
     with pytest.raises(ParityError, match="golden policy"):
         case.check("inner", model.inner, X[:8])
     assert torch.equal(session.golden_runner._copy(model.inner, torch.float64).w, model.inner.w.detach().double())
+
+
+class ScaledEdited(Edited):
+    """An ``Edited`` whose output is scaled by its attribute ``_scale`` (private) times ``scale`` (public)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._scale = 1.0
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (self._scale * self.scale)
+
+
+@pytest.mark.parametrize("edit", ["_scale", "scale"])
+def test_a_submodule_checked_first_after_an_attribute_edit_gets_a_golden_of_its_new_state(edit):
+    # as above, with an attribute edited instead of the weights: no version counter sees it, the root's
+    # fingerprints do (before, both sides scaled by 3 were as far from the stale golden: the fault passed)
+    model = Wrapped().eval()
+    model.inner = ScaledEdited().eval()
+    session = ParitySession(CPU, reference="cpu", golden_runner=G.GoldenRunner(root=model))
+    case = ParityCase(session, "tests/test_runner.py::t", "bf16", patches=_edited_fault)
+    assert case.check("whole", model, X[:4]).status == "pass"
+    assert session.golden_runner._root_copies
+    setattr(model.inner, edit, 3.0)
+    with pytest.raises(ParityError, match="golden policy"):
+        case.check("inner", model.inner, X[:8])
