@@ -223,10 +223,17 @@ def check_problems(facts: CaseFacts, plan: CheckPlan, sides: Sides, record: Chec
     # What the reference changed, as recorded, where the target ran on the recorded input bitwise: a value-dependent
     # in-place op (hardtanh(inplace=True) at its clip value) changes an input the summary rule lets through as the
     # same, differing in last bits, otherwise.
-    if recorded is not None and record.reference == "baseline" and sides.input_hash is not None \
-            and sides.expected.entry.meta.get("input_hash") == sides.input_hash:
-        changes, known = dict(changes or {}, reference=recorded), True
+    unheld = None
+    if recorded is not None and record.reference == "baseline":
+        if sides.input_hash is not None and sides.expected.entry.meta.get("input_hash") == sides.input_hash:
+            changes, known = dict(changes or {}, reference=recorded), True
+        elif (changes or {}).get("target") != recorded:
+            unheld = (f"the baseline's reference changed {', '.join(sorted(recorded)) or 'no input'} in place, the "
+                      f"target {', '.join(sorted((changes or {}).get('target') or ())) or 'no input'}: not judged, "
+                      "since this input differs from the recorded one in its last bits (re-record, or record its "
+                      "inputs for replay, to judge it)")
     change_note, change_problem = input_change_verdict(changes, live_reference=known)
+    change_note = _joined(change_note, unheld)
     if change_note:
         record.notes.policy_note = _joined(record.notes.policy_note, change_note)
     if change_problem:

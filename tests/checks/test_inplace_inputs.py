@@ -206,3 +206,6 @@ def test_recorded_input_changes_apply_only_to_the_recorded_input_bitwise(tmp_pat
     y[3, 7] = torch.nextafter(torch.tensor(6.0), torch.tensor(7.0))
     record = ParityCase(ParitySession(CPU, store=store), TEST_ID, "fp32").check("clamp", Clamp6(), y)
     assert record.status == "pass" and "changes its input(s) args[0] in place" in record.extra["policy_note"]
+    # the note says what was not judged, and why
+    assert ("the baseline's reference changed no input in place, the target args[0]: not judged, since this "
+            "input differs from the recorded one in its last bits") in record.extra["policy_note"]
