@@ -30,6 +30,7 @@ import torch
 
 from ..leaves import flatten
 from ..modules import owner_module
+from .module_state import kept_state
 from .recipes import strict_fp32_flags
 from .rng import same_randomness
 
@@ -70,11 +71,14 @@ class GoldenUnavailableError(RuntimeError):
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     """Every floating tensor in a nested structure cast to ``dtype`` on the CPU (others moved only);
-    always copies, so a computation that changes an input in place never changes the caller's."""
+    always copies, so a computation that changes an input in place never changes the caller's (nor
+    draws from the caller's ``torch.Generator``: it gets a copy in the same state)."""
     if isinstance(obj, torch.Tensor):
         cast = obj.detach().to("cpu")
         cast = cast.to(dtype) if cast.is_floating_point() else cast
         return cast.clone() if cast.data_ptr() == obj.data_ptr() else cast
+    if isinstance(obj, torch.Generator):  # drawn from in the caller's state, which does not advance
+        return copy.deepcopy(obj)
     if isinstance(obj, dict):
         return {k: _cast_floats(v, dtype) for k, v in obj.items()}
     if isinstance(obj, tuple):
@@ -221,6 +225,7 @@ class GoldenRunner:
                     stack.enter_context(self.shims(dtype))
                 stack.enter_context(same_randomness(seed))
                 stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
+                stack.enter_context(kept_state(owner_module(call)))  # a cached copy: the next golden starts alike
                 output = call(*args_g, **kwargs_g)
         except Exception as exc:  # noqa: BLE001 - whatever the golden dtype breaks, the check falls back
             raise GoldenUnavailableError(f"the {str(dtype).removeprefix('torch.')} golden run failed: "

@@ -37,6 +37,7 @@ from ..modules import owner_module
 from .recipes import RECIPES, Recipe, RecipeUnsupportedError, strict_fp32_flags
 from .rng import randomness, target_seed
 from .layer_capture import DEFAULT_SAMPLES, capture_layers
+from .module_state import kept_state
 
 PatchFactory = Callable[[torch.device], ContextManager[Any]]
 
@@ -274,7 +275,8 @@ def _move(obj: Any, device: torch.device, float_dtype: torch.dtype | None = None
     tensor that requires grad stays connected to it, as a copy to another device is. A Hugging
     Face key/value cache (``compare.is_cache``) is copied too (``copy_state``, its tensors moved
     this way): a forward given ``past_key_values`` adds to the cache, and each side must start from
-    the caller's.
+    the caller's. A ``torch.Generator`` is copied in its state (each side draws the same numbers; the
+    caller's generator does not advance).
     """
     if is_cache(obj):
         return copy_state(obj, lambda t: _move(t, device, float_dtype), device)
@@ -287,6 +289,8 @@ def _move(obj: Any, device: torch.device, float_dtype: torch.dtype | None = None
     if isinstance(obj, dict) or hasattr(obj, "items") and hasattr(obj, "keys"):
         return type(obj)({k: _move(v, device, float_dtype) for k, v in obj.items()}) if isinstance(obj, dict) \
             else {k: _move(v, device, float_dtype) for k, v in obj.items()}
+    if isinstance(obj, torch.Generator):  # each side draws from its own copy, in the caller's state
+        return copy.deepcopy(obj)
     if isinstance(obj, tuple):
         return tuple(_move(v, device, float_dtype) for v in obj)
     if isinstance(obj, list):
@@ -561,12 +565,15 @@ def _call(side: Side, spec: RunSpec, device: torch.device, patched: bool, audit:
         mode, stream_seed = spec.stream or ("shared", spec.seed)
         stack.enter_context(randomness(mode, stream_seed))
         stack.enter_context(torch.enable_grad() if spec.grad else torch.no_grad())
+        if audit is not None and hasattr(audit, "to_target"):
+            owner = owner_module(call)
+            if owner is not None:
+                audit.to_target(owner)
+            args_d, kwargs_d = audit.to_target(args_d), audit.to_target(kwargs_d)
+        # A module the next run is given again (not a fresh copy) starts it from the same buffers and
+        # generators; restored after the audit has ended (the plugin's work, not the computation's).
+        stack.enter_context(kept_state(owner_module(call)))
         if audit is not None:
-            if hasattr(audit, "to_target"):
-                owner = owner_module(call)
-                if owner is not None:
-                    audit.to_target(owner)
-                args_d, kwargs_d = audit.to_target(args_d), audit.to_target(kwargs_d)
             audit = stack.enter_context(audit)
         if layers is not None:
             root = owner_module(call) or next((a for a in args_d if isinstance(a, torch.nn.Module)), None)

@@ -40,7 +40,7 @@ def fingerprint_tensors(obj: Any) -> str:
     Leaves may be tensors (any device; hashed as dtype, shape and the raw bytes of a contiguous
     CPU copy — so ``-0.0`` and ``0.0``, or two NaN payloads, differ), numpy arrays (as tensors),
     ``None``, ``bool``/``int``/``float`` (floats exactly, via ``float.hex``), ``str``, ``bytes``,
-    ``torch.dtype``, ``torch.device`` and Hugging Face configs (a ``GenerationConfig`` passed to
+    ``torch.dtype``, ``torch.device``, ``torch.Generator`` (its state: the numbers it will draw) and Hugging Face configs (a ``GenerationConfig`` passed to
     ``generate``: its ``structure.config_dict``, with the class name) and Hugging Face key/value
     caches (``past_key_values``: their ``compare.cache_fields``, with the class name). Containers are mappings (keys sorted by their string
     form, so insertion order does not matter), tuples and lists; every leaf's path
@@ -85,6 +85,8 @@ def _feed(hasher: Any, obj: Any, path: str) -> None:
         _put(hasher, tag, b"dtype", str(obj).encode())
     elif isinstance(obj, torch.device):
         _put(hasher, tag, b"device", str(obj).encode())
+    elif isinstance(obj, torch.Generator):  # a generator the computation draws from: its state decides the draws
+        _put(hasher, tag, b"generator", obj.get_state().numpy().tobytes())
     elif type(obj).__module__ == "numpy" and hasattr(obj, "dtype") and hasattr(obj, "shape"):
         _feed_tensor(hasher, tag, torch.as_tensor(obj), path)
     elif isinstance(obj, Mapping):
