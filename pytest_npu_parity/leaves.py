@@ -67,6 +67,13 @@ def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         )
 
 
+def cpu_leaf(tensor: torch.Tensor) -> torch.Tensor:
+    """An output leaf as the judges take it: detached, on the CPU, dense (a sparse tensor becomes its
+    values at every position, so that it is compared, stored and measured like any other leaf)."""
+    tensor = tensor.detach().cpu()
+    return tensor.to_dense() if tensor.layout != torch.strided else tensor
+
+
 def _named_fields(obj: Any) -> list[tuple[str, Any]] | None:
     """``[(field name, value)]`` of a named tuple (``collections.namedtuple``, ``typing.NamedTuple``)
     or a dataclass instance, in declaration order; None for anything else."""

@@ -463,9 +463,12 @@ class _Accumulator:
 
 
 def _flat_cpu(t: torch.Tensor) -> torch.Tensor:
-    """``t`` detached, on the CPU in its own dtype (never converted on the device: NPUs have no
-    float64), conjugation resolved, flattened (a copy only when ``t`` is not contiguous)."""
+    """``t`` detached, dense (a sparse tensor's values at every position), on the CPU in its own dtype
+    (never converted on the device: NPUs have no float64), conjugation resolved, flattened (a copy
+    only when ``t`` is dense and not contiguous)."""
     t = t.detach()
+    if t.layout != torch.strided:  # a sparse tensor is compared by its values, as its dense form
+        t = t.to_dense()
     if t.is_complex():
         t = t.resolve_conj()
     return t.to("cpu").reshape(-1)
@@ -530,6 +533,10 @@ def compare_tensors(actual: torch.Tensor, expected: torch.Tensor, tolerance: Tol
         return leaf
     if actual.dtype != expected.dtype:
         leaf.problem = f"dtype mismatch: actual {leaf.dtype} vs expected {leaf.expected_dtype}"
+        return leaf
+    if actual.layout != expected.layout:
+        leaf.problem = (f"layout mismatch: actual {str(actual.layout).removeprefix('torch.')} vs expected "
+                        f"{str(expected.layout).removeprefix('torch.')}")
         return leaf
     a, e = _flat_cpu(actual), _flat_cpu(expected)
     rel_dtype = msprobe_rel_dtype(a.dtype)

@@ -28,7 +28,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from ..leaves import flatten
+from ..leaves import cpu_leaf, flatten
 from ..modules import owner_module
 from .module_state import kept_state
 from .recipes import strict_fp32_flags
@@ -230,7 +230,7 @@ class GoldenRunner:
         except Exception as exc:  # noqa: BLE001 - whatever the golden dtype breaks, the check falls back
             raise GoldenUnavailableError(f"the {str(dtype).removeprefix('torch.')} golden run failed: "
                                          f"{type(exc).__name__}: {exc}") from exc
-        leaves = {p: (t.detach().to("cpu") if t is not None else None) for p, t in flatten(output)}
+        leaves = {p: (cpu_leaf(t) if t is not None else None) for p, t in flatten(output)}
         lower = [p for p, t in leaves.items() if t is not None and t.is_floating_point()
                  and torch.finfo(t.dtype).bits < torch.finfo(dtype).bits]
         if lower:

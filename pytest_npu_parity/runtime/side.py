@@ -32,7 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .audit import DEFAULT_LOGICAL_TARGET, DeviceAudit
-from ..leaves import flatten, is_cache
+from ..leaves import cpu_leaf, flatten, is_cache
 from ..modules import owner_module
 from .recipes import RECIPES, Recipe, RecipeUnsupportedError, strict_fp32_flags
 from .rng import randomness, target_seed
@@ -323,7 +323,7 @@ def _changed(given: Any, ran: Any, path: str) -> list[str]:
 
 
 def _to_cpu_leaves(output: Any) -> dict[str, torch.Tensor | None]:
-    return {path: (t.detach().cpu() if t is not None else None) for path, t in flatten(output)}
+    return {path: (cpu_leaf(t) if t is not None else None) for path, t in flatten(output)}
 
 
 def _any_training(module: torch.nn.Module) -> bool:

@@ -186,9 +186,14 @@ def uninitialized(tensor: Any) -> bool:
 def _tensor_key(tensor: torch.Tensor) -> tuple:
     """What tells a tensor's bytes changed, cheaply: its storage pointer, autograd version counter,
     shape, strides, dtype and device (the torch objects themselves: ``Size``, ``dtype`` and ``device``
-    compare by value, and building the key is a quarter cheaper than with their strings)."""
+    compare by value, and building the key is a quarter cheaper than with their strings). A sparse
+    tensor or an inference tensor gets a key equal to no other (it is hashed at every use)."""
     if uninitialized(tensor):
         return ("uninitialized", tensor.dtype)
+    if tensor.layout != torch.strided or tensor.is_inference():
+        # No storage pointer (sparse) or no version counter (made under torch.inference_mode): nothing
+        # cheap tells its bytes changed, so a key equal to no other and the tensor hashed every time.
+        return ("uncached", object())
     device = tensor.device
     return (tensor.data_ptr() if device.type != "meta" else 0, getattr(tensor, "_version", 0),
             tensor.shape, tensor.stride(), tensor.dtype, device)
