@@ -197,6 +197,9 @@ class RecipeUnsupportedError(RuntimeError):
     The message is one sentence: the op (the ATen op when a re-run under a dispatch mode saw it
     raise, else the call on the innermost source line), the module it ran in, the recipe, the
     device and how to restrict the test's recipes. The backend's own error is ``__cause__``.
+    When the run was the target's (under the patch set) and the same computation runs under the
+    recipe without the patch set on the CPU (``reference_runs``), the sentence says the gap is the
+    target's kernel's or the patch set's, not the model's, and what to change first.
 
     Attributes:
         recipe: the recipe name (``bf16``).
@@ -204,11 +207,13 @@ class RecipeUnsupportedError(RuntimeError):
         op: the ATen op (``aten::index_add_``) or the call on the innermost line, or None.
         module: ``"layers.0 (TransformerEncoderLayer)"``, or None when no module was running.
         where: ``"torch/nn/modules/transformer.py:921"``, the innermost source line of the error.
+        reference_runs: the reference (no patch set, on the CPU) runs the computation under the recipe.
     """
 
     def __init__(self, recipe: str, device: Any, error: BaseException, *, op: str | None = None,
-                 module: str | None = None, where: str | None = None):
+                 module: str | None = None, where: str | None = None, reference_runs: bool = False):
         self.recipe, self.device, self.op, self.module, self.where = recipe, str(device), op, module, where
+        self.reference_runs = reference_runs
         first = (str(error).strip().splitlines() or [""])[0]
         if len(first) > 160:
             first = first[:157] + "..."
@@ -217,11 +222,19 @@ class RecipeUnsupportedError(RuntimeError):
             what += f" in {module}"
         if where:
             what += f" (at {where})"
+        restrict = (f"@pytest.mark.parity(recipes=[\"fp32\"]) on it, or select them for the session with "
+                    "--parity-dtypes fp32.")
+        if reference_runs:
+            super().__init__(
+                f"{what} cannot run on {self.device} under recipe {recipe} with the patch set, though the reference "
+                f"(no patch set, on the CPU) runs it under {recipe} and the target runs it under fp32 "
+                f"({type(error).__name__}: {first}); this is a gap of the target's kernel or of the patch set, "
+                f"not of the model: make the patch set run the op in a dtype the target supports and cast back, "
+                f"or, to leave {recipe} unchecked, run the test only under fp32 with " + restrict)
+            return
         super().__init__(
             f"{what} cannot run on {self.device} under recipe {recipe} — the same computation runs under fp32 — "
-            f"({type(error).__name__}: {first}); run the test only under the recipes that work with "
-            f"@pytest.mark.parity(recipes=[\"fp32\"]) on it, or select them for the session with "
-            "--parity-dtypes fp32.")
+            f"({type(error).__name__}: {first}); run the test only under the recipes that work with " + restrict)
 
 
 RecipeUnsupportedError.__module__ = "pytest_npu_parity.recipes"  # printed as before the move

@@ -490,6 +490,8 @@ def _recipe_error(side: Side, spec: RunSpec, exc: BaseException, device: torch.d
     a dispatch mode that names the ATen op that raised (when the error is raised below PyTorch's
     Python dispatch key; a run under a dispatch mode may also take another path and pass, or the
     error may come from before dispatch: then the op is the call on the error's innermost line).
+    A target's run (``patched``, with a patch set) costs a third: the run without the patch set on the
+    CPU under the recipe, which tells a gap of the target's kernel or patch set from one of the recipe's.
     """
     try:
         fp32 = dataclasses.replace(side, recipe=RECIPES["fp32"])
@@ -502,7 +504,15 @@ def _recipe_error(side: Side, spec: RunSpec, exc: BaseException, device: torch.d
     except Exception:  # noqa: BLE001 - expected: it raises again
         pass
     module, where, call = _error_site(exc)
-    return RecipeUnsupportedError(side.recipe.name, device, exc, op=recorder.op or call, module=module, where=where)
+    reference_runs = False
+    if patched and side.patches is not None:  # the target's run: does the reference run it under the recipe?
+        try:
+            _call(side, dataclasses.replace(spec, args=_fresh_args(spec.args)), torch.device("cpu"), False)
+            reference_runs = True
+        except Exception:  # noqa: BLE001 - it does not: the recipe's gap, as said below
+            pass
+    return RecipeUnsupportedError(side.recipe.name, device, exc, op=recorder.op or call, module=module, where=where,
+                                  reference_runs=reference_runs)
 
 
 def _run_once(side: Side, spec: RunSpec, device: torch.device, patched: bool, audited: bool):

@@ -604,6 +604,41 @@ def test_an_op_the_recipe_breaks_is_one_sentence_with_the_backend_error_as_cause
     assert case("fp32").check("spectrum", Spectrum(), torch.randn(2, 16)).status == "pass"
 
 
+class Spectral(torch.nn.Module):
+    """Doubles its input; under ``Spectral.fft`` (the target's patch set) through an FFT, which has no
+    bfloat16 kernel on the CPU."""
+
+    fft = False
+
+    def forward(self, x):
+        if Spectral.fft:
+            return torch.fft.irfft(torch.fft.rfft(x * 2), n=x.shape[-1])
+        return x * 2
+
+
+@contextlib.contextmanager
+def _fft_patches(device):
+    Spectral.fft = True
+    try:
+        yield
+    finally:
+        Spectral.fft = False
+
+
+def test_a_target_that_cannot_run_what_the_reference_runs_under_the_recipe_is_named_as_the_gap():
+    with pytest.raises(RuntimeError) as info:
+        case("bf16-weights", patches=_fft_patches).check("spectral", Spectral(), torch.randn(2, 16))
+    from pytest_npu_parity.recipes import RecipeUnsupportedError
+
+    error = info.value
+    assert isinstance(error, RecipeUnsupportedError) and error.reference_runs
+    text = str(error)
+    assert "with the patch set, though the reference (no patch set, on the CPU) runs it under bf16-weights" in text
+    assert "a gap of the target's kernel or of the patch set, not of the model" in text
+    assert text.count(". ") == 0 and "Unsupported dtype BFloat16" in text
+    assert case("fp32", patches=_fft_patches).check("spectral", Spectral(), torch.randn(2, 16)).status == "pass"
+
+
 def test_an_error_under_fp32_too_is_not_blamed_on_the_recipe():
     class Broken(torch.nn.Module):
         def forward(self, x):
