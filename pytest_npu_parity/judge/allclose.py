@@ -18,7 +18,9 @@ measures every pair in float64 on the CPU:
 * ``err_ratio`` — max over elements of |a − e| / (atol + rtol·|e|): > 1 means out of tolerance
   (``inf`` when a NaN/Inf position differs, 0/0 counts as 0)
 
-A leaf passes when shapes and dtypes agree and ``mismatched <= floor(budget · numel)``. That NaN/Inf
+A leaf passes when shapes and dtypes agree and ``mismatched <= floor(budget · numel)``; under a
+built-in budget (not one the user set) those elements must also sit within
+``tolerance.BUDGET_OUTLIER_ERR_RATIO`` (100) times the bound: the budget is for rounding. That NaN/Inf
 rule is ours and stricter than msprobe's dump compare, which treats −Inf against +Inf at one place as
 equal (``core/compare/npy_compare.py::handle_inf_nan`` compares only the Inf and NaN masks) and
 gives no numbers at all when the masks differ.
@@ -51,7 +53,7 @@ from .msprobe import (
     MSPROBE_FIVE_THOUSANDTHS, MSPROBE_THOUSANDTH, MSPROBE_UNSUPPORTED, MsprobeView, _msprobe_scalar, _msprobe_view,
     msprobe_rel_dtype,
 )
-from .tolerance import Tolerance, default_for_dtype
+from .tolerance import BUDGET_OUTLIER_ERR_RATIO, Tolerance, budget_takes, default_for_dtype
 
 
 #: Guard in the denominator of our relative error ``max_rel`` = max |a − e| / (|e| + REL_EPS), the
@@ -124,8 +126,11 @@ class LeafResult:
 
     @property
     def passed(self) -> bool:
-        """The verdict: no structural problem and no more mismatches than the budget allows."""
-        return self.problem is None and self.mismatched <= self.allowed
+        """The verdict: no structural problem, no more mismatches than the budget allows, and, for a
+        built-in budget, none of them more than ``BUDGET_OUTLIER_ERR_RATIO`` times outside the bound
+        (``tolerance.budget_takes``)."""
+        return (self.problem is None and self.mismatched <= self.allowed
+                and budget_takes(self.tolerance, self.mismatched, self.err_ratio))
 
     def to_row(self) -> dict[str, Any]:
         """A flat, JSON-able dict of this leaf (for reports and tables)."""
@@ -218,9 +223,13 @@ def _assert_close_header(leaf: LeafResult) -> list[str]:
     if leaf.problem is not None:
         return [f"{where}{leaf.problem}"]
     tol = leaf.tolerance
+    outliers = ""
+    if leaf.mismatched <= leaf.allowed and not budget_takes(tol, leaf.mismatched, leaf.err_ratio):
+        outliers = (f", each within {BUDGET_OUTLIER_ERR_RATIO:g}x the bound: the worst is {leaf.err_ratio:.3g}x"
+                    " outside it, beyond rounding; set budget= with a reason to take any amount")
     lines = [
         f"{where}Mismatched elements: {leaf.mismatched} / {leaf.numel} ({_fmt_pct(leaf.mismatched_frac)})"
-        f" (up to {leaf.allowed} allowed by budget {tol.budget:g})",
+        f" (up to {leaf.allowed} allowed by budget {tol.budget:g}{outliers})",
     ]
     if leaf.nonfinite_mismatched:
         n = leaf.nonfinite_mismatched

@@ -389,6 +389,19 @@ def test_budget_allows_k_mismatches_and_fails_at_k_plus_1(k):
         assert leaf.passed is verdict
 
 
+def test_the_built_in_budget_takes_elements_within_100x_the_bound_and_a_users_any_amount():
+    e = torch.randn(2048, generator=torch.Generator().manual_seed(0)) * 1e-3
+    for offset, verdict in ((0.05, True), (1000.0, False)):  # err/tol about 50 and 1e6
+        a = e.clone()
+        a[5] += offset
+        leaf = compare_tensors(a, e, LOW_PRECISION)
+        assert leaf.mismatched == 1 <= leaf.allowed
+        assert leaf.passed is verdict
+    assert compare_tensors(a, e, LOW_PRECISION.replace(source="ini", reason="a known outlier")).passed
+    with pytest.raises(ParityError, match=r"each within 100x the bound: the worst is 9.99e\+05x outside it"):
+        compare(a, e, LOW_PRECISION, name="spike").raise_if_failed()
+
+
 def test_budget_rounds_down_but_survives_binary_rounding():
     assert Tolerance(rtol=0, atol=0, budget=0.29).allowed_mismatches(100) == 29  # 0.29*100 = 28.999…
     assert Tolerance(rtol=0, atol=0, budget=1e-3).allowed_mismatches(1999) == 1
