@@ -959,6 +959,9 @@ def test_allclose_floor_does_not_pass_an_element_the_budget_would_excuse():
     # the allclose verdict's built-in budget holds the element to 100x the bound too (tolerance.budget_takes)...
     with pytest.raises(ParityError, match=r"each within 100x the bound: the worst is .*x outside it"):
         case("bf16", _spike, recipe_policies={"bf16": "allclose"}).check("spike", Spike(), X)
+    # also under an rtol of the user's (the budget is still the built-in one)...
+    with pytest.raises(ParityError, match=r"each within 100x the bound"):
+        case("bf16", _spike, recipe_policies={"bf16": "allclose"}).check("spike", Spike(), X, rtol=2e-3, reason="r")
     # ...while a budget the user sets takes any amount, as torch_npu's assertRtolEqual does
     assert case("bf16", _spike, recipe_policies={"bf16": "allclose"}).check(
         "spike", Spike(), X, budget=1e-3, reason="one known outlier").status == "pass"

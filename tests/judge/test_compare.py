@@ -397,7 +397,12 @@ def test_the_built_in_budget_takes_elements_within_100x_the_bound_and_a_users_an
         leaf = compare_tensors(a, e, LOW_PRECISION)
         assert leaf.mismatched == 1 <= leaf.allowed
         assert leaf.passed is verdict
-    assert compare_tensors(a, e, LOW_PRECISION.replace(source="ini", reason="a known outlier")).passed
+    # an rtol or atol of the user's keeps the built-in budget, and its bound (a written-out default too)...
+    for override in ({"rtol": 2e-3}, {"atol": 5e-4}, {"rtol": 1e-3}, {"reason": "r"}):
+        assert not compare_tensors(a, e, LOW_PRECISION.replace(source="ini", **override)).passed, override
+    # ...while a budget of the user's is taken as written, as is a Tolerance built with one
+    assert compare_tensors(a, e, LOW_PRECISION.replace(source="ini", budget=1e-3, reason="a known outlier")).passed
+    assert compare_tensors(a, e, Tolerance(rtol=1e-3, atol=1e-3, budget=1e-3)).passed
     with pytest.raises(ParityError, match=r"each within 100x the bound: the worst is 9.99e\+05x outside it"):
         compare(a, e, LOW_PRECISION, name="spike").raise_if_failed()
 
