@@ -30,7 +30,7 @@ import torch
 
 from ..leaves import cpu_leaf, flatten
 from ..modules import owner_module
-from .module_state import kept_state
+from .module_state import kept_state, state_owners
 from .recipes import strict_fp32_flags
 from .rng import same_randomness
 
@@ -225,7 +225,7 @@ class GoldenRunner:
                     stack.enter_context(self.shims(dtype))
                 stack.enter_context(same_randomness(seed))
                 stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
-                stack.enter_context(kept_state(owner_module(call)))  # a cached copy: the next golden starts alike
+                stack.enter_context(kept_state(*state_owners(call)))  # a cached copy: the next golden starts alike
                 output = call(*args_g, **kwargs_g)
         except Exception as exc:  # noqa: BLE001 - whatever the golden dtype breaks, the check falls back
             raise GoldenUnavailableError(f"the {str(dtype).removeprefix('torch.')} golden run failed: "

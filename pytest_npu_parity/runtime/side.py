@@ -37,7 +37,7 @@ from ..modules import owner_module
 from .recipes import RECIPES, Recipe, RecipeUnsupportedError, strict_fp32_flags
 from .rng import randomness, target_seed
 from .layer_capture import DEFAULT_SAMPLES, capture_layers
-from .module_state import kept_state
+from .module_state import kept_state, state_owners
 
 PatchFactory = Callable[[torch.device], ContextManager[Any]]
 
@@ -582,7 +582,7 @@ def _call(side: Side, spec: RunSpec, device: torch.device, patched: bool, audit:
             args_d, kwargs_d = audit.to_target(args_d), audit.to_target(kwargs_d)
         # A module the next run is given again (not a fresh copy) starts it from the same buffers and
         # generators; restored after the audit has ended (the plugin's work, not the computation's).
-        stack.enter_context(kept_state(owner_module(call)))
+        stack.enter_context(kept_state(*state_owners(call)))
         if audit is not None:
             audit = stack.enter_context(audit)
         if layers is not None:
