@@ -27,13 +27,14 @@ tensor, by its path (``scale``, ``args[1]``, ``opts['mode']``, ``cfg.lr`` for a 
 Face config (a ``GenerationConfig``) by its ``structure.config_dict`` keys; a tensor, numpy array,
 key/value cache or other object by its kind only (tensors are the input hash's and summary's business).
 A ``torch.device`` or a device string (``"npu:0"``) counts as ``<device>``: the target's differs from the
-reference's by design. Every path of either record is compared (an argument added or removed is a
+reference's by design. A ``torch.Generator`` counts as ``<generator …>`` with a 64-bit digest of its
+state (the numbers it will draw). Every path of either record is compared (an argument added or removed is a
 change), except a config's keys, compared where both have them (a newer transformers adds keys).
 
 Module attributes, for every submodule (``named_modules``): each non-persistent buffer and each tensor
 in its ``__dict__`` (also in a list, tuple or dict there) that is not one of the model's parameters or
 persistent buffers, as dtype, shape, a 64-bit digest of its bytes and its ``provenance.summarize_tensors``
-row; and, of submodules whose class is the model's own (not defined by torch, transformers or another
+row; each ``torch.Generator`` in its ``__dict__``, as ``<generator …>`` (above); and, of submodules whose class is the model's own (not defined by torch, transformers or another
 of ``LIBRARY_PACKAGES``), the private (``_``) int/float/bool/str/None attributes, minus those every
 ``torch.nn.Module`` has and the bookkeeping marks libraries set (``LIBRARY_ATTRIBUTES``,
 ``_is_hf_initialized``; names starting ``_npu_parity``, ``_hf_``, ``_ds_``). A tensor whose bytes differ but whose summary
@@ -111,7 +112,16 @@ def _library_class(obj: Any) -> bool:
 
 # -- arguments ---------------------------------------------------------------------------------
 
+def _generator(generator: torch.Generator) -> str:
+    """``<generator 0123456789abcdef>``: a 64-bit digest of the generator's state."""
+    state = generator.get_state().numpy().tobytes()
+    return f"<generator {hashlib.blake2b(state, digest_size=8, person=b'npu-parity-gen').hexdigest()}>"
+
+
 def _argument_value(value: Any, path: str, out: dict[str, Any], depth: int) -> None:
+    if isinstance(value, torch.Generator):
+        out[path] = _generator(value)
+        return
     if isinstance(value, torch.Tensor) or (type(value).__module__ == "numpy" and hasattr(value, "shape")
                                            and getattr(value, "ndim", 0) > 0):
         out[path] = "<tensor>"
@@ -231,6 +241,9 @@ def module_attributes(module: torch.nn.Module, state_dict: Mapping[str, torch.Te
         own = not _library_class(sub)
         for name, value in vars(sub).items():
             if name in _MODULE_INTERNALS or name == "training":
+                continue
+            if type(value) is torch.Generator:
+                out[prefix + name] = _generator(value)
                 continue
             for suffix, tensor in _attribute_tensors(value):
                 if id(tensor) not in state and not isinstance(tensor, torch.nn.Parameter):

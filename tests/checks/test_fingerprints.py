@@ -395,3 +395,20 @@ def test_module_attributes_leave_out_a_plain_tensor_in_a_parameter_slot_that_the
     record = module_attributes(net)
     assert "alias" not in record
     assert sorted(record) == ["_scale", "mask", "shift"]
+
+
+def test_a_generator_argument_or_attribute_is_recorded_by_its_state():
+    def gen(seed: int) -> torch.Generator:
+        return torch.Generator().manual_seed(seed)
+
+    record = argument_record(((X,), {"generator": gen(3)}))
+    assert record == argument_record(((X,), {"generator": gen(3)}))
+    lines = [line for _, line in fingerprint_changes({"format": 1, "arguments": record},
+                                                     {"format": 1, "arguments": argument_record(((X,), {"generator": gen(4)}))})]
+    assert len(lines) == 1 and lines[0].startswith("argument 'generator' changed ('<generator ")
+    net = torch.nn.Linear(2, 2)
+    net.gen = gen(3)
+    attributes = module_attributes(net)
+    assert attributes["gen"].startswith("<generator ")
+    net.gen = gen(4)
+    assert module_attributes(net)["gen"] != attributes["gen"]
