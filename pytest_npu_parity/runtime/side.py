@@ -310,6 +310,8 @@ def _changed(given: Any, ran: Any, path: str) -> list[str]:
         if ran.shape != given.shape:
             return [path]
         before, after = given.detach().to(device=ran.device, dtype=ran.dtype), ran.detach()
+        if after.layout != torch.strided or before.layout != torch.strided:  # a sparse input: by its values
+            before, after = before.to_dense(), after.to_dense()
         if after.is_floating_point() or after.is_complex():
             same = bool(torch.eq(after, before).logical_or_(after.isnan() & before.isnan()).all())
         else:

@@ -95,3 +95,17 @@ def test_compare_tensors_takes_a_sparse_tensor_by_its_values_and_names_a_layout_
     assert compare_tensors(dense.to_sparse(), dense.to_sparse(), tol).passed
     assert not compare_tensors((dense * 1.1).to_sparse(), dense.to_sparse(), tol).passed
     assert compare_tensors(dense.to_sparse(), dense, tol).problem == "layout mismatch: actual sparse_coo vs expected strided"
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_a_sparse_input_is_run_and_compared(layout):
+    class SparseMatmul(torch.nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.sparse.mm(a, b) * Tabled.scale
+
+    dense = torch.eye(4) * torch.arange(1.0, 5.0)
+    a = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    b = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))
+    assert ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, "fp32").check("mm", SparseMatmul(), a, b).status == "pass"
+    with pytest.raises(ParityError):
+        ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, "fp32", patches=target(1.01)).check("mm", SparseMatmul(), a, b)
