@@ -3,8 +3,6 @@ sparse buffer and a sparse output are fingerprinted, run and compared (they rais
 from the fingerprinting or the judge), and a planted fault in such a model still fails."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -12,6 +10,7 @@ from pytest_npu_parity.compare import ParityError, compare_tensors
 from pytest_npu_parity.judge.tolerance import Tolerance
 from pytest_npu_parity.runner import ParityCase, ParitySession
 from pytest_npu_parity.store.digests import fingerprint_module
+from switches import switched
 
 CPU = torch.device("cpu")
 TEST_ID = "parity_suites/demo/test_m.py::t"
@@ -44,14 +43,7 @@ class Tabled(torch.nn.Module):
 
 
 def target(scale: float):
-    @contextlib.contextmanager
-    def patches(device: torch.device):
-        Tabled.scale = scale
-        try:
-            yield
-        finally:
-            Tabled.scale = 1.0
-    return patches
+    return switched(Tabled, "scale", scale)
 
 
 KINDS = ["inference", "sparse_buffer", "sparse_output"]

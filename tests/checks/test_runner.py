@@ -11,6 +11,7 @@ from pytest_npu_parity import golden as G
 from pytest_npu_parity.checks.reference import check_hashes
 from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.runner import DEFAULT_POLICIES, ParityCase, ParitySession
+from switches import switched
 
 CPU = torch.device("cpu")
 
@@ -917,16 +918,8 @@ def test_stale_cause_names_the_config_and_suites_share_it():
 
 
 def _switched(cls: type, switch: str):
-    """A patch set (``(device) -> context manager``) that sets the class switch ``cls.<switch>`` on the target
-    side only."""
-    @contextlib.contextmanager
-    def patches(device: torch.device):
-        setattr(cls, switch, True)
-        try:
-            yield
-        finally:
-            setattr(cls, switch, False)
-    return patches
+    """A patch set that sets the class switch ``cls.<switch>`` on the target side only."""
+    return switched(cls, switch, True)
 
 
 class Spike(torch.nn.Module):

@@ -4,13 +4,12 @@ the caller's state (the target no longer sees what the reference changed), the c
 generator are left as they were, and a planted fault still fails."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.runner import ParityCase, ParitySession
+from switches import switched
 
 CPU = torch.device("cpu")
 TEST_ID = "parity_suites/demo/test_m.py::t"
@@ -60,15 +59,7 @@ class Noisy(torch.nn.Module):
 
 
 def target(cls: type, fault: float):
-    @contextlib.contextmanager
-    def patches(device: torch.device):
-        before = cls.fault
-        cls.fault = fault
-        try:
-            yield
-        finally:
-            cls.fault = before
-    return patches
+    return switched(cls, "fault", fault)
 
 
 def case(recipe: str, patches=None) -> ParityCase:
@@ -171,24 +162,13 @@ def test_an_output_that_is_a_buffer_the_forward_changed_is_judged_on_the_runs_va
     assert torch.equal(model.total, Total().total)
 
 
-def _switched_offset(offset: float):
-    @contextlib.contextmanager
-    def patches(device: torch.device):
-        Cached.offset = offset
-        try:
-            yield
-        finally:
-            Cached.offset = 0.0
-    return patches
-
-
 @pytest.mark.parametrize("as_buffer", [True, False], ids=["none_buffer", "attribute"])
 def test_a_cache_filled_on_first_use_is_filled_by_each_side(as_buffer):
     # the target reused the cache the reference had filled: a fault in the target's fill passed
     model = Cached(as_buffer).eval()
     assert case("fp32").check("cached", model, x()).status == "pass"
     with pytest.raises(ParityError):
-        case("fp32", patches=_switched_offset(1.0)).check("cached", model, x())
+        case("fp32", patches=switched(Cached, "offset", 1.0)).check("cached", model, x())
     assert model.table is None
 
 

@@ -7,7 +7,6 @@ wrong kernel (a dispatch mode below the recorder) that changes values but not wh
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -23,6 +22,7 @@ from pytest_npu_parity.localize import failure_hook
 from pytest_npu_parity.recipes import RECIPES
 from pytest_npu_parity.rng import same_randomness
 from pytest_npu_parity.runner import ParityCase, ParitySession
+from switches import attribute_set
 
 aten = torch.ops.aten
 HERE = "tests/diagnose/test_op_stream.py:"
@@ -87,16 +87,6 @@ def _stream_rows(extra: dict) -> list[dict]:
     return [r for r in extra.get("localization_ops") or [] if r["kind"] == "op_stream"]
 
 
-@contextlib.contextmanager
-def _patched(owner, name, value):
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 class _Kernel(TorchDispatchMode):
     """A wrong kernel on the target: ``wrong`` computes the ops in ``ops`` with the modes off."""
 
@@ -120,7 +110,7 @@ def test_a_cast_inserted_before_the_softmax_is_named_with_its_line(net, x):
     def half_softmax(self, scores):
         return torch.softmax(scores.half(), dim=-1).float()
 
-    case = ParityCase(_session(), "t::cast", patches=lambda device: _patched(Attention, "softmax", half_softmax))
+    case = ParityCase(_session(), "t::cast", patches=lambda device: attribute_set(Attention, "softmax", half_softmax))
     message, extra = _fail(case, "net", net, x)
     assert "First divergence: attn (Attention), in its own code outside its submodules" in message
     rows = _stream_rows(extra)
@@ -143,7 +133,7 @@ def test_a_layer_norm_computed_by_hand_is_named_as_replaced(net, x):
         return (t - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
 
     case = ParityCase(_session(), "t::hand-norm",
-                      patches=lambda device: _patched(torch.nn.LayerNorm, "forward", by_hand))
+                      patches=lambda device: attribute_set(torch.nn.LayerNorm, "forward", by_hand))
     message, extra = _fail(case, "net", net, x)
     assert "First divergence: norm (LayerNorm)" in message
     rows = _stream_rows(extra)
@@ -164,7 +154,7 @@ def test_a_scale_multiplication_left_out_is_named_as_removed_with_the_references
         q, k, v = self.q(t), self.k(t), self.v(t)
         return self.softmax(q @ k.transpose(-1, -2)) @ v  # the port forgot the scale
 
-    case = ParityCase(_session(), "t::no-scale", patches=lambda device: _patched(Attention, "forward", unscaled))
+    case = ParityCase(_session(), "t::no-scale", patches=lambda device: attribute_set(Attention, "forward", unscaled))
     message, extra = _fail(case, "net", net, x)
     assert "First divergence: attn (Attention)" in message
     rows = _stream_rows(extra)
@@ -202,7 +192,7 @@ def test_against_a_baseline_the_reference_stream_is_the_live_cpu_runs(net, x, tm
         return self.softmax(q @ k.transpose(-1, -2)) @ v
 
     case = ParityCase(session, "tests/test_toy.py::test_net",
-                      patches=lambda device: _patched(Attention, "forward", unscaled))
+                      patches=lambda device: attribute_set(Attention, "forward", unscaled))
     message, extra = _fail(case, "net", net, x)
     assert "removed aten.mul float32->float32 (in attn" in message
     assert ("the program difference compares the target's op stream with that of the live CPU run this localization "

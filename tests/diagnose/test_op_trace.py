@@ -24,6 +24,7 @@ from pytest_npu_parity.op_trace import op_budget, relative_error, trace_ops
 from pytest_npu_parity.recipes import RECIPES
 from pytest_npu_parity.rng import same_randomness
 from pytest_npu_parity.runner import ParityCase, ParitySession
+from switches import attribute_set
 
 aten = torch.ops.aten
 
@@ -126,16 +127,6 @@ def _off_by_1e4(func, args, kwargs):
     return func(*args, **kwargs) * (1 + 1e-4)
 
 
-@contextlib.contextmanager
-def _patched(owner, name, value):
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 # --------------------------------------------------------------------------------------------
 # planted faults are named: op, module path, source line
 
@@ -187,7 +178,7 @@ def test_a_softmax_the_code_computes_in_half_is_named_as_a_precision_loss(x):
 
     torch.manual_seed(0)
     model = Attention().eval()
-    case = ParityCase(_session(), "t::half", patches=lambda device: _patched(Attention, "softmax", half_softmax))
+    case = ParityCase(_session(), "t::half", patches=lambda device: attribute_set(Attention, "softmax", half_softmax))
     message, extra = _fail(case, "attn", model, x)
     assert "starts in <Attention> itself" in message  # the check's own module: its code
     first = _first_op(extra)
