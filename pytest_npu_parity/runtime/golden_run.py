@@ -225,12 +225,13 @@ class GoldenRunner:
                     stack.enter_context(self.shims(dtype))
                 stack.enter_context(same_randomness(seed))
                 stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
-                stack.enter_context(kept_state(*state_owners(call)))  # a cached copy: the next golden starts alike
+                kept = stack.enter_context(kept_state(*state_owners(call)))  # a cached copy: the next golden starts alike
                 output = call(*args_g, **kwargs_g)
+                # taken before the state is put back (a leaf may be a buffer the run changed)
+                leaves = {p: (kept.detach_output(cpu_leaf(t)) if t is not None else None) for p, t in flatten(output)}
         except Exception as exc:  # noqa: BLE001 - whatever the golden dtype breaks, the check falls back
             raise GoldenUnavailableError(f"the {str(dtype).removeprefix('torch.')} golden run failed: "
                                          f"{type(exc).__name__}: {exc}") from exc
-        leaves = {p: (cpu_leaf(t) if t is not None else None) for p, t in flatten(output)}
         lower = [p for p, t in leaves.items() if t is not None and t.is_floating_point()
                  and torch.finfo(t.dtype).bits < torch.finfo(dtype).bits]
         if lower:

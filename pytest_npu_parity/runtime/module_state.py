@@ -9,40 +9,49 @@ then start from the state the run before it left: the target sees the reference'
 the cache the reference filled (a fault in the target's fill passes), or draws the numbers after
 the reference's; and the user's module is changed by the check.
 
-``kept_state(module)`` puts back, when the block ends (also on error), for ``module`` and each of
-its submodules:
+``kept_state(*modules)`` puts back, when the block ends (also on error), for each module and each of
+its submodules (each once, also when the modules share submodules or tensors):
 
 * every buffer: its registered tensor (a buffer replaced, set to ``None``, deleted, or registered
-  during the run is undone); a buffer whose values the run changed in place (also through ``.data``,
-  which no version counter sees) is replaced by the copy of its values taken on entry, in every slot
-  that held it — the changed tensor itself is left to the run's output, which may be that very
-  buffer (``return self.total`` after ``self.total.add_(x)``) and must keep what the run computed;
+  during the run is undone) and its values (a tensor changed in place, also through ``.data``,
+  which no version counter sees, gets the values of a copy taken on entry, copied into it: the same
+  tensor object, so a buffer shared by two modules stays shared and views of it stay views);
 * every instance attribute (``__dict__``): one added during the run is removed, one rebound gets its
-  old value back, a tensor attribute changed in place is replaced like a buffer;
+  old value back, a tensor attribute changed in place gets its old values back (as a buffer);
 * every ``torch.Generator`` attribute: its state.
 
-So after a run that changed a buffer, the module holds a new tensor object with the old values. A
-module with a submodule in training mode is left alone: the session runs such a module on a fresh
-copy each time (``side.fresh_copy``).
+The run's output may be one of those tensors (``self.total.add_(x); return self.total``): the
+caller takes the output's leaves before the block ends and passes each through
+``KeptState.detach_output``, which copies a leaf that shares memory with a tensor about to be put
+back, so the output keeps what the run computed. Modules in training mode are put back too (the
+session runs a module it is given in training mode on a fresh copy each time, ``side.fresh_copy``,
+but not one a function closes over).
 
-Not covered: containers changed in place (a list attribute appended to), generators or tensors
-inside containers or on other objects, module-level globals, a buffer made under
-``torch.inference_mode`` and changed inside an inference-mode forward (it has no version counter and
-cannot be copied back outside inference mode), parameters (a forward does not change them; a
-training step runs on its own copy, ``side.trainable_copy``).
+``state_owners(fn)`` finds the modules of a call: the module, a bound method's module, the modules a
+``functools.partial`` binds and those in a function's closure cells and default arguments.
 
-Cost: one walk of the module tree, a shallow copy of each submodule's attribute dict and a copy of
-each buffer per run, and a comparison of each buffer with its copy at the end (Aurora, 893
-submodules, 89 buffers of 68 KB: 121 runs in the main job took 0.05 s in all). A module with large
-buffers pays a copy of them per run (host memory for host tensors, device memory for device ones).
+Not covered: containers and numpy arrays changed in place (a list appended to), generators or tensors
+inside containers or on other objects, module-level globals (a lambda that reads a global model),
+hooks registered during the run, a buffer made under ``torch.inference_mode`` and changed inside an
+inference-mode forward (it has no version counter and cannot be copied back outside inference mode),
+parameters (a forward does not change them; a training step runs on its own copy,
+``side.trainable_copy``).
+
+Cost: one walk of the module tree, a shallow copy of each submodule's attribute and buffer dicts and
+a copy of each buffer per run, and a comparison of each buffer with its copy at the end (Aurora, 893
+submodules, 89 buffers of 68 KB: about 3 ms for the whole model; 121 runs in the main job took 0.1 s
+in all). A module with large buffers pays a copy of them per run (host memory for host tensors,
+device memory for device ones) and a comparison.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
+import itertools
+import operator
 import types
-import weakref
+from collections import OrderedDict
 from typing import Any, Iterator
 
 import torch
@@ -74,65 +83,59 @@ def _walk(module: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def _same(current: dict[str, Any], saved: dict[str, Any]) -> bool:
-    """Whether a submodule's ``__dict__`` or ``_buffers`` (``current``) still holds what ``saved``, its
-    shallow copy, holds. CPython's dict comparison takes identical values as equal without calling
-    their ``__eq__``, so this is one C-level pass when nothing was rebound; a rebound value is compared
-    with ``==`` (an equal number counts as unchanged), and one whose ``==`` is not a plain bool (a
-    tensor of several elements) counts as changed."""
-    try:
-        return bool(current == saved)
-    except Exception:  # noqa: BLE001 - e.g. "Boolean value of Tensor with more than one value is ambiguous"
-        return False
+#: Attribute value types that are no tensor and no generator (a module's hook and parameter dicts
+#: among them): skipped without an ``isinstance`` test (``torch.Generator``'s takes a Python-level
+#: ``__instancecheck__``: a third of a millisecond per thousand values).
+_PLAIN = frozenset({bool, int, float, complex, str, bytes, type(None), dict, OrderedDict, set, frozenset, tuple, list})
 
 
-#: Per root module: its submodules' attribute dicts (shallow copies, ``_walk`` order) when last
-#: scanned, and where the tensors (not parameters) and generators among them are. A model whose
-#: attributes are the same objects is not scanned again (the scan is most of ``kept_state``'s cost on
-#: a model of many submodules).
-_SCANS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[list[dict[str, Any]], list[tuple[int, str]]]]" = \
-    weakref.WeakKeyDictionary()
+def _values(dicts: list[dict[str, Any]]) -> list[Any]:
+    return list(itertools.chain.from_iterable(map(dict.values, dicts)))
 
 
-def _stateful(module: torch.nn.Module, attributes: list[dict[str, Any]]) -> list[tuple[int, str]]:
-    """``(submodule index, key)`` of the attributes (``attributes[i]``: a copy of submodule i's
-    ``__dict__``) that hold a tensor that is not a parameter, or a ``torch.Generator``."""
-    scanned = _SCANS.get(module)
-    if scanned is not None and len(scanned[0]) == len(attributes) and all(map(_same, attributes, scanned[0])):
-        return scanned[1]
-    found = [(i, key) for i, state in enumerate(attributes) for key, value in state.items()
-             if (isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter))
-             or type(value) is torch.Generator]
-    _SCANS[module] = (attributes, found)
-    return found
+def _keys(dicts: list[dict[str, Any]]) -> list[str]:
+    return list(itertools.chain.from_iterable(dicts))
+
+
+def _unchanged(dicts: list[dict[str, Any]], keys: list[str], values: list[Any]) -> bool:
+    """Whether ``dicts`` hold the same keys, in order, bound to the very objects ``values`` (identity)."""
+    now = _values(dicts)
+    return len(now) == len(values) and all(map(operator.is_, now, values)) and _keys(dicts) == keys
 
 
 class KeptState:
-    """What ``kept_state`` saved of a module on entry, and puts back on exit."""
+    """What ``kept_state`` saved of some modules on entry, and puts back on exit."""
 
-    def __init__(self, module: torch.nn.Module | None) -> None:
-        self._subs: list[torch.nn.Module] = []
-        self._attributes: list[dict[str, Any]] = []  # each submodule's __dict__ on entry (shallow copies)
-        self._buffers: list[dict[str, Any]] = []  # and its _buffers
+    def __init__(self, modules: tuple[torch.nn.Module | None, ...]) -> None:
+        subs: list[torch.nn.Module] = []
+        seen: set[int] = set()
+        for module in modules:
+            if module is not None:
+                for sub in _walk(module):
+                    if id(sub) not in seen:
+                        seen.add(id(sub))
+                        subs.append(sub)
+        self._subs = subs
+        self._dicts = [sub.__dict__ for sub in subs]
+        self._buffer_dicts = [sub._buffers for sub in subs]
+        # on entry: shallow copies, and their keys and values in one flat list each (identity checks)
+        self._attributes = [d.copy() for d in self._dicts]
+        self._buffers = [d.copy() for d in self._buffer_dicts]
+        self._keys, self._values = _keys(self._attributes), _values(self._attributes)
+        self._buffer_keys, self._buffer_values = _keys(self._buffers), _values(self._buffers)
         self._tensors: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id -> (tensor, version, copy)
         self._generators: list[tuple[torch.Generator, torch.Tensor]] = []
-        if module is None:
-            return
-        subs = _walk(module)
-        if any(sub.training for sub in subs):
-            return
-        self._subs = subs
-        self._attributes = [sub.__dict__.copy() for sub in subs]
-        self._buffers = [sub._buffers.copy() for sub in subs]
-        for buffers in self._buffers:
-            for value in buffers.values():
-                if value is not None:
-                    self._save(value)
-        for i, key in _stateful(module, self._attributes):
-            value = self._attributes[i][key]
-            if type(value) is torch.Generator:
+        self._changed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        for value in self._buffer_values:
+            if value is not None:
+                self._save(value)
+        for value in self._values:
+            kind = type(value)
+            if kind in _PLAIN:
+                continue
+            if kind is torch.Generator:
                 self._generators.append((value, value.get_state()))
-            else:
+            elif isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
                 self._save(value)
 
     def _save(self, tensor: torch.Tensor) -> None:
@@ -143,25 +146,44 @@ class KeptState:
             return
         self._tensors[id(tensor)] = (tensor, tensor._version, tensor.detach().clone())
 
+    def changed(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(tensor, its values on entry)`` of the saved tensors the run changed in place (found once:
+        by version counter, and by value for a change through ``.data``)."""
+        if self._changed is None:
+            self._changed = [(tensor, copy) for tensor, version, copy in self._tensors.values()
+                             if tensor._version != version or not _equal(tensor.detach(), copy)]
+        return self._changed
+
+    def detach_output(self, leaf: torch.Tensor) -> torch.Tensor:
+        """``leaf`` (an output leaf taken inside the block), copied when it shares memory with a tensor
+        the run changed, which ``restore`` is about to put back."""
+        if leaf.layout != torch.strided or not self._tensors or not self.changed():
+            return leaf
+        storage = leaf.untyped_storage().data_ptr()
+        for tensor, _ in self.changed():
+            if tensor.layout == torch.strided and tensor.untyped_storage().data_ptr() == storage:
+                return leaf.clone()
+        return leaf
+
     def restore(self) -> None:
         """Put back what was saved (see the module docstring)."""
-        changed = {ident: copy for ident, (tensor, version, copy) in self._tensors.items()
-                   if tensor._version != version or not _equal(tensor.detach(), copy)}
-        for sub, attributes, buffers in zip(self._subs, self._attributes, self._buffers):
-            if changed:  # the copies take the changed tensors' places
-                for saved in (buffers, attributes):
-                    for key, value in saved.items():
-                        if id(value) in changed:
-                            saved[key] = changed[id(value)]
-            current = sub._buffers
-            if (current or buffers) and (changed or not _same(current, buffers)):
-                current.clear()
-                current.update(buffers)
-            state = sub.__dict__
-            if changed or not _same(state, attributes):
-                for key in [k for k in state if k not in attributes]:
-                    del state[key]
-                state.update(attributes)
+        with torch.no_grad():
+            for tensor, copy in self.changed():
+                if tensor.shape == copy.shape and tensor.dtype == copy.dtype and tensor.layout == copy.layout:
+                    tensor.copy_(copy)
+                else:  # resized in place, or its .data rebound
+                    tensor.data = copy
+        if not _unchanged(self._buffer_dicts, self._buffer_keys, self._buffer_values):
+            for current, saved in zip(self._buffer_dicts, self._buffers):
+                if current.keys() != saved.keys() or any(current[k] is not v for k, v in saved.items()):
+                    current.clear()
+                    current.update(saved)
+        if not _unchanged(self._dicts, self._keys, self._values):
+            for state, saved in zip(self._dicts, self._attributes):
+                if state.keys() != saved.keys() or any(state[k] is not v for k, v in saved.items()):
+                    for key in [k for k in state if k not in saved]:
+                        del state[key]
+                    state.update(saved)
         for generator, state in self._generators:
             generator.set_state(state)
 
@@ -195,17 +217,16 @@ def state_owners(fn: Any) -> list[torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def kept_state(*modules: torch.nn.Module | None) -> Iterator[None]:
+def kept_state(*modules: torch.nn.Module | None) -> Iterator[KeptState]:
     """Inside the block, ``modules`` may change their buffers, attributes and generators; on exit they
-    are as they were on entry (see the module docstring). ``None``, or a module with any submodule
-    in training mode: nothing is saved or put back for it.
+    are as they were on entry (see the module docstring). Yields the ``KeptState``: pass each output
+    leaf taken inside the block through its ``detach_output``. ``None`` entries are skipped.
 
     Raises:
         Nothing of its own; an error of the block propagates after the state is put back.
     """
-    kept = [KeptState(module) for module in modules]
+    kept = KeptState(modules)
     try:
-        yield
+        yield kept
     finally:
-        for state in kept:
-            state.restore()
+        kept.restore()

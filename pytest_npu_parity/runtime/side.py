@@ -37,7 +37,7 @@ from ..modules import owner_module
 from .recipes import RECIPES, Recipe, RecipeUnsupportedError, strict_fp32_flags
 from .rng import randomness, target_seed
 from .layer_capture import DEFAULT_SAMPLES, capture_layers
-from .module_state import kept_state, state_owners
+from .module_state import KeptState, kept_state, state_owners
 
 PatchFactory = Callable[[torch.device], ContextManager[Any]]
 
@@ -324,8 +324,12 @@ def _changed(given: Any, ran: Any, path: str) -> list[str]:
     return []
 
 
-def _to_cpu_leaves(output: Any) -> dict[str, torch.Tensor | None]:
-    return {path: (cpu_leaf(t) if t is not None else None) for path, t in flatten(output)}
+def _to_cpu_leaves(output: Any, kept: KeptState | None = None) -> dict[str, torch.Tensor | None]:
+    """``output``'s leaves by path, on the CPU (``leaves.cpu_leaf``); with ``kept`` (inside its block),
+    a leaf that shares memory with a tensor ``kept`` is about to put back is copied."""
+    if kept is None:
+        return {path: (cpu_leaf(t) if t is not None else None) for path, t in flatten(output)}
+    return {path: (kept.detach_output(cpu_leaf(t)) if t is not None else None) for path, t in flatten(output)}
 
 
 def _any_training(module: torch.nn.Module) -> bool:
@@ -526,8 +530,7 @@ def _run_once(side: Side, spec: RunSpec, device: torch.device, patched: bool, au
         _call(side, dataclasses.replace(spec, args=_fresh_args(spec.args)), device, patched, audit=audit)
         return leaves, audit.to_dict()
     records: dict[str, torch.Tensor] | None = {} if spec.layers is not None else None
-    output, entered = _call(side, spec, device, patched, audit=audit, layers=records)
-    leaves = _to_cpu_leaves(output)
+    leaves, entered = _call(side, spec, device, patched, audit=audit, layers=records, to_leaves=True)
     if records:
         leaves.update(records)
     return leaves, (entered.to_dict() if entered is not None and hasattr(entered, "to_dict") else None)
@@ -545,12 +548,13 @@ def _placed_call(side: Side, fn: Callable[..., Any], device: torch.device) -> Ca
 
 
 def _call(side: Side, spec: RunSpec, device: torch.device, patched: bool, audit: Any = None,
-          layers: dict | None = None) -> tuple[Any, Any]:
+          layers: dict | None = None, to_leaves: bool = False) -> tuple[Any, Any]:
     """Run ``spec.fn`` once on ``device`` under the recipe, the run's randomness and (if given)
     ``audit``; an audit with ``to_target`` (``audit.DeviceAudit``) places the module and inputs
     first. ``layers``: a dict that receives the run's layer records (``layers.capture_layers`` on
     the placed module, or on the first module among the arguments: a train step's copy).
-    Returns ``(output, the entered audit or None)``."""
+    Returns ``(output, the entered audit or None)``; with ``to_leaves`` the output as CPU leaves by
+    path (``_to_cpu_leaves``), taken before the modules' state is put back (``module_state.kept_state``)."""
     __tracebackhide__ = True
     weights_dtype = side.recipe.weights_dtype
     with contextlib.ExitStack() as stack:
@@ -582,16 +586,20 @@ def _call(side: Side, spec: RunSpec, device: torch.device, patched: bool, audit:
             if owner is not None:
                 audit.to_target(owner)
             args_d, kwargs_d = audit.to_target(args_d), audit.to_target(kwargs_d)
-        # A module the next run is given again (not a fresh copy) starts it from the same buffers and
-        # generators; restored after the audit has ended (the plugin's work, not the computation's).
-        stack.enter_context(kept_state(*state_owners(call)))
-        if audit is not None:
-            audit = stack.enter_context(audit)
-        if layers is not None:
-            root = owner_module(call) or next((a for a in args_d if isinstance(a, torch.nn.Module)), None)
-            samples = getattr(spec.layers, "samples", None) or DEFAULT_SAMPLES
-            captured = stack.enter_context(capture_layers(root, samples))
-        output = call(*args_d, **kwargs_d)
+        # A module the next run is given again (not a fresh copy) starts it from the same buffers,
+        # attributes and generators: put back after the audit has ended (the plugin's work, not the
+        # computation's), and after the output's leaves are taken (a leaf may be a buffer the run changed).
+        kept = stack.enter_context(kept_state(*state_owners(call)))
+        with contextlib.ExitStack() as watched:
+            if audit is not None:
+                audit = watched.enter_context(audit)
+            if layers is not None:
+                root = owner_module(call) or next((a for a in args_d if isinstance(a, torch.nn.Module)), None)
+                samples = getattr(spec.layers, "samples", None) or DEFAULT_SAMPLES
+                captured = watched.enter_context(capture_layers(root, samples))
+            output = call(*args_d, **kwargs_d)
+        if to_leaves:
+            output = _to_cpu_leaves(output, kept)
     if layers is not None:
         layers.update(captured)  # on the CPU once the capture has ended
     # after the audit: the comparison is not the computation's

@@ -39,7 +39,7 @@ def test_buffers_attributes_and_generators_are_put_back_also_on_error():
         out = m(torch.zeros(1))
         m.register_buffer("extra", torch.ones(1))
         1 / 0
-    assert torch.equal(m.inner.count, torch.zeros(2)) and torch.equal(count, torch.ones(2))  # a copy took its place
+    assert m.inner.count is count and torch.equal(count, torch.zeros(2))  # the same tensor, its values copied back
     assert torch.equal(m.cache, torch.arange(4.0)) and torch.equal(m.acc, torch.zeros(1))
     assert m.n == 0 and m.lazy is None and not hasattr(m, "filled") and "extra" not in m._buffers
     assert torch.equal(m.inner.gen.get_state(), state)
@@ -57,9 +57,12 @@ def test_an_output_that_is_a_buffer_keeps_the_runs_values():
             return self.total
 
     m = Total().eval()
-    with kept_state(m):
+    with kept_state(m) as kept:
         out = m(torch.full((3,), 2.0))
-    assert torch.equal(out, torch.full((3,), 3.0)) and torch.equal(m.total, torch.ones(3))
+        leaf = kept.detach_output(out)
+        view = kept.detach_output(out[:2])
+    assert torch.equal(leaf, torch.full((3,), 3.0)) and torch.equal(view, torch.full((2,), 3.0))
+    assert torch.equal(m.total, torch.ones(3))
 
 
 def test_a_buffer_shared_by_two_submodules_stays_shared():
@@ -72,11 +75,49 @@ def test_a_buffer_shared_by_two_submodules_stays_shared():
     assert m[0].t is m[1].t and torch.equal(m[1].t, torch.zeros(2))
 
 
-def test_a_module_in_training_mode_is_left_alone():
-    m = Stateful().train()
+def test_a_module_in_training_mode_is_put_back_too():
+    m = Stateful().train()  # (a module the session is given in training mode runs on a fresh copy; one a function closes over does not)
     with kept_state(m):
         m(torch.zeros(1))
-    assert torch.equal(m.inner.count, torch.ones(2)) and m.n == 1  # the session gives such modules fresh copies
+    assert torch.equal(m.inner.count, torch.zeros(2)) and m.n == 0
+
+
+def test_views_and_buffers_shared_between_modules_stay_views_and_shared():
+    class Cache(torch.nn.Module):
+        def __init__(self, acc: torch.Tensor) -> None:
+            super().__init__()
+            self.register_buffer("acc", acc)
+            self.head = self.acc[:2]  # a plain attribute viewing the buffer
+            self.register_buffer("tail", self.acc[2:])
+
+    shared = torch.zeros(4)
+    enc, dec = Cache(shared), Cache(shared)
+    with kept_state(enc, dec):
+        enc.acc.add_(1)
+    assert enc.acc is dec.acc is shared and torch.equal(shared, torch.zeros(4))
+    shared.add_(5)  # still views of the one storage
+    assert torch.equal(enc.head, torch.full((2,), 5.0)) and torch.equal(dec.tail, torch.full((2,), 5.0))
+
+
+def test_an_attribute_that_became_a_tensor_between_runs_is_put_back():
+    class Pos(torch.nn.Module):
+        def forward(self, x):
+            self.pos += 1
+            return x + self.pos
+
+    m = Pos().eval()
+    m.pos = 0
+    with kept_state(m):
+        m(torch.zeros(1))
+    assert m.pos == 0
+    m.pos = torch.tensor(0.0)  # equal to the int before, but a tensor changed in place
+    with kept_state(m):
+        m(torch.zeros(1))
+    assert float(m.pos) == 0.0
+    m.pos = 1.0
+    with kept_state(m):
+        m(torch.zeros(1))
+    assert m.pos == 1.0
 
 
 def test_inference_tensor_buffers_are_skipped():
