@@ -10,6 +10,7 @@ import torch
 from pytest_npu_parity.baselines import SuiteStores
 from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.runner import ParityCase, ParitySession
+from switches import switched
 
 CPU = torch.device("cpu")
 TEST_ID = "parity_suites/demo/test_m.py::t"
@@ -139,13 +140,7 @@ class Project(torch.nn.Module):
         return y
 
 
-@contextlib.contextmanager
-def _clobbers(device: torch.device):
-    Project.clobber = True
-    try:
-        yield
-    finally:
-        Project.clobber = False
+_clobbers = switched(Project, "clobber", True)
 
 
 def test_a_target_that_changes_its_input_fails_against_a_baseline_that_recorded_none(tmp_path):

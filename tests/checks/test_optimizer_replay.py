@@ -9,6 +9,7 @@ import torch
 
 from pytest_npu_parity.compare import ParityError
 from pytest_npu_parity.runner import ParityCase, ParitySession, default_optimizer, replay_optimizer_step
+from switches import switched
 from pytester_helpers import edited_weight
 
 CPU = torch.device("cpu")
@@ -53,14 +54,7 @@ X = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
 
 
 def nudge(delta: float = 1e-8):
-    @contextlib.contextmanager
-    def patches(device: torch.device):
-        Nudge.delta = delta
-        try:
-            yield
-        finally:
-            Nudge.delta = 0.0
-    return patches
+    return switched(Nudge, "delta", delta)
 
 
 def case(patches=None, **session_kwargs) -> ParityCase:
@@ -157,14 +151,7 @@ IMG = torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(2))
 
 
 def scaled_weight(factor: float):
-    @contextlib.contextmanager
-    def patches(device: torch.device):
-        WeightScaled.fault = factor
-        try:
-            yield
-        finally:
-            WeightScaled.fault = 1.0
-    return patches
+    return switched(WeightScaled, "fault", factor)
 
 
 @pytest.mark.parametrize("policy", ["allclose", None])
