@@ -40,6 +40,11 @@ Measures on one machine, in one run:
     scenario ``fault-undiagnosed`` is the same fault with ``--parity-localize-budget 0``: the red run
     without any diagnosis, so the diagnosis's own cost is the difference of the two.
 
+Before anything is timed, the caches a user's second run finds are filled (``warm_caches``: Python's
+bytecode of the project's sources, pytest's rewritten copies of this package, of hypothesis and of the
+suite's test modules); ``--cold-caches`` skips that, to time a first run, or every run where Python may
+not write bytecode and nothing filled the caches before.
+
 Results are printed as a table and written as JSON (``benchmarks/results/bench_suite.json``;
 ``bench_suite_quick.json`` with ``--quick``). No timing is asserted anywhere.
 
@@ -179,6 +184,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run every repetition of the bare compute in this process, before the pytest runs "
                              "(later repetitions run warm; the minimum per check is reported). Default: each "
                              "repetition in a fresh process, cold like a pytest run, interleaved with the pytest runs")
+    parser.add_argument("--cold-caches", action="store_true",
+                        help="skip the warm-up that fills Python's bytecode cache and pytest's rewritten copies "
+                             "before anything is timed (with PYTHONDONTWRITEBYTECODE=1 every pytest run then "
+                             "rewrites this package and hypothesis again)")
     parser.add_argument("--bare-child", default=None, metavar="JSON", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args(argv)
@@ -498,6 +507,59 @@ def _pytest(extra: list[str], node_ids: list[str], recipes: list[str], reference
     return {"cmd": " ".join(cmd[1:]), "wall": wall, "cpu": cpu, "minflt": minflt, "rc": proc.returncode, "durations": durations,
             "tail": tail, "outcomes": outcomes, "notes": notes, "fault": fault,
             "stderr_tail": proc.stderr[-2000:] if proc.returncode not in (0, 1, 5) else ""}
+
+
+#: The plugin of the cache warm-up: imports every module of the package inside a pytest process, where
+#: pytest's assertion rewriter handles them (a ``pytest11`` plugin's package is rewritten).
+WARM_PLUGIN = '''"""Benchmark cache warm-up (written by benchmarks/bench_suite.py)."""
+import importlib
+import pkgutil
+
+
+def pytest_configure(config):
+    import pytest_npu_parity
+
+    for info in pkgutil.walk_packages(pytest_npu_parity.__path__, "pytest_npu_parity."):
+        try:
+            importlib.import_module(info.name)
+        except Exception:  # an optional dependency missing: that module is never imported here either
+            pass
+'''
+
+
+def _rewritten_copies() -> int:
+    """Cached copies that pytest's assertion rewriter wrote (``*-pytest-<version>.pyc``) for this project
+    and for hypothesis (both ``pytest11`` plugins, so pytest rewrites their whole packages)."""
+    import hypothesis
+
+    roots = [ROOT / "pytest_npu_parity", ROOT / "parity_suites", Path(hypothesis.__file__).parent]
+    return sum(1 for root in roots for _ in root.rglob("*-pytest-*.pyc"))
+
+
+def warm_caches(recipes: list[str], reference: str) -> dict[str, Any]:
+    """Fill the caches a user's second run finds, before anything is timed: Python's bytecode of the
+    project's sources (``compileall``) and pytest's rewritten copies of this package, of hypothesis and
+    of the suite's test modules (one ``pytest --co`` of the suite that imports every module, with bytecode
+    writing allowed). Without them, where Python may not write bytecode (``PYTHONDONTWRITEBYTECODE=1``),
+    every pytest run rewrites and compiles them again, about 2 s more a run on a 2-core machine, which
+    the bare program does not pay: see docs/explanation/performance.md."""
+    import compileall
+    import tempfile
+
+    before = _rewritten_copies()
+    for folder in ("pytest_npu_parity", "parity_suites", "benchmarks"):
+        compileall.compile_dir(ROOT / folder, quiet=1)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    with tempfile.TemporaryDirectory(prefix="npu-parity-bench-warm-") as warm_dir:
+        Path(warm_dir, "npu_parity_bench_warm.py").write_text(WARM_PLUGIN)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [warm_dir, env.get("PYTHONPATH")]))
+        cmd = [sys.executable, "-m", "pytest", "--npu-parity", "-p", "no:cacheprovider", "-p", "npu_parity_bench_warm",
+               "-q", "--co", "--parity-dtypes", ",".join(recipes),
+               "--parity-reference", "cpu" if reference == "cpu" else "auto", *SUITE_FILES]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"cache warm-up failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return {"rewritten_copies_before": before, "rewritten_copies_after": _rewritten_copies()}
 
 
 def plugin(names: list[str], recipes: list[str], reference: str, repeat: int, quick: bool,
@@ -862,6 +924,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result["bare_mode"] = ("a fresh process per repetition, just before the green pytest run in even "
                                "repetitions, just after it in odd ones")
+    result["caches"] = {"warmed": False} if args.cold_caches else \
+        {"warmed": True, **warm_caches(args.recipes, args.reference)}
     started = time.perf_counter()
     bare_runs: list[dict[str, Any]] = []
 
