@@ -41,14 +41,8 @@ def _hypothesis_profiles(config: pytest.Config) -> None:
 
     Runs before hypothesis' own ``pytest_configure`` (``tryfirst`` below), which loads
     ``--hypothesis-profile``: so ``--hypothesis-profile nightly`` finds the profile, and an explicit
-    choice is never overridden. A session that runs no parity check and names no profile leaves
-    hypothesis unimported (importing it costs a project that does not use the plugin 0.1 s or more
-    a run: pytest rewrites the asserts of all of hypothesis, a ``pytest11`` plugin's package, where no
-    rewritten copy is cached).
+    choice is never overridden.
     """
-    if not (parity_enabled(config) or config.getoption("hypothesis_profile", default=None)
-            or "hypothesis" in sys.modules):
-        return
     try:
         from hypothesis import settings
 
@@ -65,10 +59,7 @@ def _hypothesis_profiles(config: pytest.Config) -> None:
 
 
 def _nightly_profile() -> bool:
-    """The loaded hypothesis profile is the nightly one (False without hypothesis, or where nothing
-    imported it: then no profile was loaded)."""
-    if "hypothesis" not in sys.modules:
-        return False
+    """The loaded hypothesis profile is the nightly one (False without hypothesis)."""
     try:
         from ..hypothesis_profiles import NIGHTLY_PROFILE, current_profile_name
     except ImportError:

@@ -14,11 +14,6 @@ import json
 import sys
 
 
-def pytest_sessionfinish(session):  # before hypothesis' own terminal summary imports it
-    with open({path!r} + ".tests", "w", encoding="utf-8") as fh:
-        json.dump(sorted(sys.modules), fh)
-
-
 def pytest_unconfigure(config):
     with open({path!r}, "w", encoding="utf-8") as fh:
         json.dump(sorted(sys.modules), fh)
@@ -42,19 +37,3 @@ def test_a_project_without_parity_checks_imports_no_torch(pytester, monkeypatch,
     assert "pytest_npu_parity.plugin" in loaded  # the plugin was loaded
     assert [m for m in loaded if m == "torch" or m.startswith("torch.")] == []
     assert "pytest_npu_parity.runner" not in loaded and "pytest_npu_parity.localize" not in loaded
-    if not args:  # the tests ran without hypothesis (a pytest11 plugin: pytest rewrites all of it on import)
-        assert "hypothesis" not in json.loads(modules_file.with_name("modules.json.tests").read_text(encoding="utf-8"))
-
-
-def test_the_nightly_profile_is_found_in_a_session_without_parity_checks(pytester):
-    """Naming a profile still registers the project's profiles first, parity session or not."""
-    pytester.makepyfile(test_profile="""
-from hypothesis import settings
-
-
-def test_profile():
-    assert settings.default.max_examples == 300
-    assert settings.get_current_profile_name() == "nightly"
-""")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--hypothesis-profile", "nightly")
-    assert result.ret == 0, result.stdout.str()
