@@ -37,3 +37,19 @@ def test_a_project_without_parity_checks_imports_no_torch(pytester, monkeypatch,
     assert "pytest_npu_parity.plugin" in loaded  # the plugin was loaded
     assert [m for m in loaded if m == "torch" or m.startswith("torch.")] == []
     assert "pytest_npu_parity.runner" not in loaded and "pytest_npu_parity.localize" not in loaded
+
+
+def test_the_projects_profiles_are_registered_in_a_session_without_parity_checks(pytester):
+    """A test module may name the project's profiles whatever the session: they are registered at
+    configure time, before any test module is imported (nothing else need import hypothesis first)."""
+    pytester.makepyfile(test_profile="""
+from hypothesis import given, settings, strategies as st
+
+
+@settings(settings.get_profile("npu-parity-ci"))
+@given(st.integers())
+def test_profile(x):
+    assert settings.get_profile("nightly").max_examples == 300
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
