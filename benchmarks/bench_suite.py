@@ -472,12 +472,17 @@ def _node_ids(names: list[str], recipes: list[str], quick: bool) -> list[str]:
     return ids
 
 
+def _pytest_command(extra: list[str], node_ids: list[str], recipes: list[str], reference: str) -> list[str]:
+    """The benchmark's ``pytest --npu-parity`` command line (``sys.executable -m pytest``)."""
+    return [sys.executable, "-m", "pytest", "--npu-parity", "-p", "no:cacheprovider", "-q",
+            "--parity-dtypes", ",".join(recipes), "--parity-reference", reference, *extra, *node_ids]
+
+
 def _pytest(extra: list[str], node_ids: list[str], recipes: list[str], reference: str,
             fault: str | None = None, plugin_dir: str | None = None) -> dict[str, Any]:
     """One pytest subprocess: wall and CPU seconds (children's user+system), exit code, durations;
     ``fault``: the ``NPU_PARITY_BENCH_FAULT`` mode of the plugin in ``plugin_dir`` (red runs)."""
-    cmd = [sys.executable, "-m", "pytest", "--npu-parity", "-p", "no:cacheprovider", "-q",
-           "--parity-dtypes", ",".join(recipes), "--parity-reference", reference, *extra, *node_ids]
+    cmd = _pytest_command(extra, node_ids, recipes, reference)
     env = dict(os.environ)
     if fault:
         cmd[3:3] = ["-p", "npu_parity_bench_faults"]
@@ -553,9 +558,7 @@ def warm_caches(recipes: list[str], reference: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="npu-parity-bench-warm-") as warm_dir:
         Path(warm_dir, "npu_parity_bench_warm.py").write_text(WARM_PLUGIN)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [warm_dir, env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", "pytest", "--npu-parity", "-p", "no:cacheprovider", "-p", "npu_parity_bench_warm",
-               "-q", "--co", "--parity-dtypes", ",".join(recipes),
-               "--parity-reference", "cpu" if reference == "cpu" else "auto", *SUITE_FILES]
+        cmd = _pytest_command(["-p", "npu_parity_bench_warm", "--co"], SUITE_FILES, recipes, reference)
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"cache warm-up failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
