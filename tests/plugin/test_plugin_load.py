@@ -53,3 +53,18 @@ def test_profile(x):
 """)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+def test_the_nightly_profile_can_be_chosen_in_a_session_without_parity_checks(pytester):
+    """``--hypothesis-profile nightly`` finds the project's profile without ``--npu-parity``: it is
+    registered before hypothesis' own ``pytest_configure`` loads the chosen profile."""
+    pytester.makepyfile(test_profile="""
+from hypothesis import settings
+
+
+def test_profile():
+    assert settings.default.max_examples == 300
+    assert settings.get_current_profile_name() == "nightly"
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--hypothesis-profile", "nightly")
+    result.assert_outcomes(passed=1)
