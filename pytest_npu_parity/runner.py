@@ -49,7 +49,7 @@ from .checks.fingerprints import META_KEY as FINGERPRINTS_KEY
 from .checks.hooks import check_hook_problems, failure_diagnosis
 from .checks.plan import CaseFacts, CheckPlan, check_name
 from .checks.replay import REPLAY_LIMIT_BYTES, plan_replay, recorded_extras, replayed  # noqa: F401
-from .checks.stored_golden import add_goldens, addable, golden_source  # noqa: F401
+from .checks.stored_golden import NOT_ADDED, add_goldens, addable, golden_source, reference_mismatch  # noqa: F401
 # Moved to the checks package; re-exported here, where tests, scripts and other modules import them.
 from .checks.record import _LOCALIZATION_COLUMNS, CheckRecord  # noqa: F401
 from .checks.reference import (STALE_CAUSES, Expected, ReferenceSource, StaleSuite,  # noqa: F401
@@ -63,7 +63,9 @@ from .checks.verdict import vacuity_problems as _vacuity_problems  # the name ru
 from .judge.allclose import CompareResult, ParityError, compare  # noqa: F401  (also runner.compare, as before)
 from .leaves import flatten  # noqa: F401  (also runner.flatten, as before)
 from .runtime.layer_capture import compiled_modules  # noqa: F401
+from .runtime.layer_capture import split_layers
 from .modules import owner_module  # noqa: F401  (also runner.owner_module, as before)
+from .judge.golden_policy import WORK_DTYPES
 from .judge.tolerance import Tolerance
 from .judge.trajectory import TrajectoryPolicy
 from .judge.trajectory import default_policy as default_trajectory_policy
@@ -800,6 +802,20 @@ class ParityCase:
             golden = golden_for(self.session.golden, key, plan, call.fn, golden_run, source)
             if self.session.store_goldens:  # --parity-store-goldens: keep it for the baseline (finish)
                 found = addable(expected.entry, source, golden)
+                if found is not None and found[0] is not None:
+                    # only beside a reference of the computation the golden came from (checks.stored_golden)
+                    try:
+                        live = split_layers(run(torch.device("cpu"), patched=False)[0])[0]
+                    except Exception as exc:  # noqa: BLE001 - then nothing tells the reference is of this computation
+                        live, why = None, (f"{NOT_ADDED}: the live CPU run to check the stored reference against "
+                                           f"raised {type(exc).__name__}: {exc}")
+                    if live is not None:
+                        why = reference_mismatch(sides.expected.leaves, live, found[0], sides.expected.compact,
+                                                 plan.golden_policy, plan.tolerance, plan.name,
+                                                 WORK_DTYPES.get(self.recipe.name))
+                    if why is not None:
+                        found = None
+                        sides = dataclasses.replace(sides, notes=(*sides.notes, why))
                 if found is not None:
                     self._golden_additions[plan.name] = (*found, plan.golden_policy)
             call.rejudge = partial(rejudged, self._facts(), plan, sides, dataclasses.replace(call), golden)

@@ -34,6 +34,11 @@ inputs and the target runs on the current ones: a live golden of the current inp
 measured in docs/explanation/verdict-accuracy.md). A live CPU reference runs the live golden, no note. A
 stored golden that lacks a leaf its meta names, or holds a non-tensor, is a ``CorruptBaselineError``
 (the check is an error, never a silent pass).
+
+``--parity-store-goldens`` adds a compare run's live golden to an entry that stores none (:func:`addable`,
+:func:`add_goldens`) only beside a reference of the computation the golden came from: the stored reference
+must not be far beyond the check's golden verdict's limits when judged against a live CPU run of the
+check (:func:`reference_mismatch`).
 """
 from __future__ import annotations
 
@@ -45,8 +50,8 @@ import torch
 from ..store.format import BaselineError, CorruptBaselineError
 from ..store.compact import apply_recorded
 
-__all__ = ["GOLDEN_PREFIX", "META_KEY", "GoldenSource", "recorded_golden", "golden_source", "addable",
-           "add_goldens"]
+__all__ = ["GOLDEN_PREFIX", "META_KEY", "NOT_ADDED", "GoldenSource", "recorded_golden", "golden_source", "addable",
+           "reference_mismatch", "add_goldens"]
 
 #: Name prefix of a stored golden leaf among a check's extras.
 GOLDEN_PREFIX = "golden:"
@@ -66,6 +71,9 @@ NOT_STORED = ("golden computed live: the baseline stores none for this check (ad
 NOT_STORED_OTHER_INPUTS = ("golden computed live: the baseline stores none for this check, and its inputs differ "
                            "from the recorded ones in their last bits, so --parity-store-goldens cannot add it "
                            "(a re-record stores the inputs with their golden)")
+#: The start of the note of a check whose live golden ``--parity-store-goldens`` did not add
+#: (``reference_mismatch``).
+NOT_ADDED = "golden not added"
 #: The note of a check whose inputs differ from the recorded ones within the summary rule.
 OTHER_INPUTS = ("golden computed live: the inputs differ from the recorded ones (within the summary rule) "
                 "that the stored golden was computed from")
@@ -212,6 +220,78 @@ def addable(entry: Any, source: GoldenSource | None, golden: tuple[dict | None, 
     if note and note.startswith(UNAVAILABLE_NOTE):
         return None, note[len(UNAVAILABLE_NOTE):]
     return None
+
+
+#: How far beyond its verdict's limits the stored reference may be, judged against the live run, before
+#: ``--parity-store-goldens`` refuses to add a golden beside it (``reference_mismatch``). Measured by
+#: ``benchmarks/store_goldens_guard.py`` (10 input seeds each; 2-core AMD EPYC, torch 2.14.1): references
+#: of the same computation recorded with another summation order came to at most 7.6 times the limits
+#: (bf16 training steps; a bf16 projection check 0.70, fp32 training steps 0.5); with the computation
+#: changed by 1e-4 relative, the fp32 training steps came to 64-3,700 times, all refused. bf16 resolves
+#: less: a bf16 check changed by 1e-1 came to 15 times (refused), by 1e-2 to 1.9 (added), and bf16
+#: training steps changed by 1e-2 were refused in 7 of 30 cases.
+MISMATCH_FACTOR = 10.0
+
+
+def reference_mismatch(stored: dict, live: dict, golden: dict, compact: dict | None, policy: Any,
+                       tolerance: Any, name: str, work_dtype: torch.dtype | None) -> str | None:
+    """Why ``--parity-store-goldens`` must not add ``golden`` to an entry whose reference is ``stored``,
+    or None: judged under the check's golden verdict against ``live``, a CPU run of the check as it is
+    now (unpatched, as a recording runs it), with the stored reference as the side under test, some leaf
+    of the stored reference is more than :data:`MISMATCH_FACTOR` times beyond a limit, or does not match
+    the live run's leaves at all (missing, another shape).
+
+    Why: the golden verdict divides the target's error by the reference's (``judge.golden``), and
+    nothing bounds the reference's own. A golden computed now comes from the computation as it is now;
+    the stored reference from the one at its recording. Where something no fingerprint covers changed in
+    between (the model's code or its package's version, a class attribute or global its forward reads),
+    the reference's error against the new golden holds that change, and stored with it the golden would
+    let a target differ by as much from then on, with no note (docs/explanation/golden-floor.md). The
+    factor leaves room for a reference of the same computation recorded with other kernels (see
+    :data:`MISMATCH_FACTOR`); a change smaller than it allows is not seen. A training step's parameters
+    after the step are left out (AdamW turns last-bit gradient differences into steps of up to +-lr, which
+    the check's own verdict handles by replaying the optimizer); its loss and gradients are judged.
+
+    Args:
+        stored: the entry's reference leaves (layer records taken out; compact leaves as recorded).
+        live: the live CPU run's leaves (layer records taken out), reduced here as ``compact`` says.
+        golden: the live golden's leaves (full), reduced the same way.
+        compact: the entry's compact record (``compact.apply_recorded``), or None.
+        policy: the check's ``GoldenPolicy``.
+        tolerance: the check's ``Tolerance`` (the verdict's informative metrics and allclose floor).
+        name: the check's name, for the note.
+        work_dtype: the recipe's work dtype (``judge.golden_policy.WORK_DTYPES``).
+
+    Returns:
+        The check's note (starting with :data:`NOT_ADDED`), or None.
+    """
+    from ..judge.golden import judge_golden
+    from ..runtime.training import _without
+
+    live, golden = apply_recorded(live, compact), apply_recorded(golden, compact)
+    if any(str(key).startswith("grad.") for key in live):  # a training step (see above)
+        params = {key for key in live if str(key).startswith("param.")}
+        stored, live, golden = _without(stored, params), _without(live, params), _without(golden, params)
+    result = judge_golden(stored, live, golden, policy, tolerance=tolerance, name=name, work_dtype=work_dtype)
+    worst: tuple[float, str, str] | None = None
+    for leaf in result.leaves:
+        where = repr(leaf.path or "<output>")
+        if leaf.problem is not None:
+            return (f"{NOT_ADDED}: the stored reference does not match a live CPU run of this check (leaf {where}: "
+                    f"{leaf.problem}): the computation may have changed since the recording (re-record with "
+                    "--update-baselines)")
+        limits = leaf.policy.limits if getattr(leaf, "policy", None) is not None else {}
+        for metric, value in (getattr(leaf, "ratios", None) or {}).items():
+            limit = limits.get(metric)
+            if limit and value == value and (worst is None or value / limit > worst[0]):
+                worst = (value / limit, metric, where)
+    if worst is None or worst[0] <= MISMATCH_FACTOR:
+        return None
+    times, metric, where = worst
+    return (f"{NOT_ADDED}: judged against a live CPU run of this check, the stored reference is {times:.3g} times "
+            f"beyond the golden verdict's {metric} limit on leaf {where} (more than {MISMATCH_FACTOR:g} times is "
+            "not a kernel difference): the model's code, a package version or an attribute no fingerprint covers "
+            "may have changed since the recording (re-record with --update-baselines)")
 
 
 def add_goldens(store: Any, test_id: str, additions: dict[str, tuple[dict | None, str | None, Any]],

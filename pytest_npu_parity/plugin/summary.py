@@ -184,12 +184,13 @@ def _summarize_policies(tr: Any, rows: list[dict], stored_now: bool = False) -> 
                   + (" (distribution: sampling checks whose sides drew their own noise, --parity-rng device)"
                      if distribution else ""))
     # Checks whose baseline stores no golden (recorded before goldens were stored): one line for each kind.
-    from ..checks.stored_golden import NOT_STORED, NOT_STORED_OTHER_INPUTS
+    from ..checks.stored_golden import NOT_ADDED, NOT_STORED, NOT_STORED_OTHER_INPUTS
 
     live = other = 0
     for row in sorted(notes, key=lambda r: (r["test_id"], r["check"], r["recipe"])):
         parts = str(row["policy_note"]).split("; ")
-        live += NOT_STORED in parts
+        # a --parity-store-goldens run did not store a golden it refused (its own line below says why)
+        live += NOT_STORED in parts and not (stored_now and any(part.startswith(NOT_ADDED) for part in parts))
         other += NOT_STORED_OTHER_INPUTS in parts
         rest = "; ".join(part for part in parts if part not in (NOT_STORED, NOT_STORED_OTHER_INPUTS))
         if rest:

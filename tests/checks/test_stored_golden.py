@@ -3,6 +3,7 @@ its golden, a compare run against it runs none and reaches the live golden's ver
 one falls back to the live golden with a note; a damaged one is an error."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -312,6 +313,11 @@ def test_the_terminal_summary_counts_the_live_goldens_in_one_line():
     _summarize_policies(tr, [row("a", S.NOT_STORED)], stored_now=True)
     assert tr.lines[1] == ("  1 check computed the golden live, and it is now stored in their baselines "
                            "(--parity-store-goldens): later compare runs run none")
+    tr = Lines()  # one golden the run refused to add (reference_mismatch): its own line, not counted as stored
+    refused = f"{S.NOT_ADDED}: the stored reference fails the golden verdict against a live CPU run"
+    _summarize_policies(tr, [row("a", S.NOT_STORED), row("b", f"{S.NOT_STORED}; {refused}")], stored_now=True)
+    assert tr.lines[1] == f"  t check 'b' (bf16): {refused}"
+    assert tr.lines[2].startswith("  1 check computed the golden live, and it is now stored") and len(tr.lines) == 3
 
 
 # -- --parity-store-goldens: a compare run adds the goldens it computed live ----------------------------
@@ -326,6 +332,7 @@ def store_run(baselines, recipe: str, what: str, module, inputs, runner=None, pa
         result = (case.train_step("step", module, inputs) if what == "train_step"
                   else case.check("proj", module, inputs))
     except ParityError as exc:
+        exc.record = case.records[-1]
         result = exc
     return result, case.finish(outcome="failed" if isinstance(result, Exception) else "passed")
 
@@ -391,6 +398,92 @@ def test_store_goldens_adds_nothing_computed_from_other_inputs(tmp_path):
     result, status = store_run(store, "bf16", "check", module, moved)
     assert not isinstance(result, Exception) and S.NOT_STORED_OTHER_INPUTS in result.extra["policy_note"]
     assert status is None and "golden" not in store.load(TEST_ID).checks["proj"].meta
+
+
+@pytest.mark.parametrize("what, recipe, changed", [("check", "bf16", 1 + 2e-1), ("train_step", "fp32", 1 + 1e-4)])
+def test_store_goldens_adds_no_golden_beside_a_reference_of_another_computation(tmp_path, monkeypatch, what, recipe,
+                                                                             changed):
+    # The computation changed after the recording where no fingerprint looks (a class attribute its forward
+    # reads): the live golden is the new computation's, the stored reference the old one's. Stored together,
+    # the golden verdict would let a target differ by the change from then on, with no note.
+    store = SuiteStores(tmp_path)
+    module = TinyNet() if what == "train_step" else Proj()
+    inputs = TRAIN_INPUTS if what == "train_step" else X
+    name = next(iter(record(store, recipe, what, module, inputs).checks))
+    without_stored_golden(store)
+    monkeypatch.setattr(Proj, "scale", changed)  # on both sides, as a code change would be
+    result, status = store_run(store, recipe, what, module, inputs)
+    record_ = result.record if isinstance(result, ParityError) else result
+    assert status is None and S.META_KEY not in store.load(TEST_ID).checks[name].meta  # nothing added
+    note = record_.extra["policy_note"]
+    assert S.NOT_ADDED in note and "times beyond the golden verdict's" in note and "--update-baselines" in note
+
+
+def test_store_goldens_adds_the_golden_beside_a_reference_another_machine_computed(tmp_path, monkeypatch):
+    # The same computation recorded with another summation order (as another CPU's kernels sum): the stored
+    # reference passes against the live run, and the golden is added.
+    store = SuiteStores(tmp_path)
+    module = Proj()
+    with monkeypatch.context() as m:
+        m.setattr(Proj, "split", True)
+        record(store, "bf16", "check", module, X)
+    without_stored_golden(store)
+    result, status = store_run(store, "bf16", "check", module, X)
+    assert not isinstance(result, Exception) and status == "changed"
+    assert S.META_KEY in store.load(TEST_ID).checks["proj"].meta
+    assert S.NOT_ADDED not in (result.extra.get("policy_note") or "")
+
+
+class RunsOnlyPatched(Proj):
+    """``Proj`` whose unpatched bf16 (autocast) run raises once ``RunsOnlyPatched.unpatched_ok`` is off (the target's patch
+    set turns it back on; the float64 golden still runs): a live CPU run that cannot run, as where the
+    recording machine had a bf16 kernel this CPU lacks."""
+
+    unpatched_ok = True
+
+    def forward(self, x):
+        if not RunsOnlyPatched.unpatched_ok and torch.is_autocast_enabled("cpu"):  # the bf16 recipe's autocast
+            raise RuntimeError("no CPU kernel")
+        return super().forward(x)
+
+
+def test_store_goldens_adds_no_golden_when_the_live_cpu_run_raises(tmp_path, monkeypatch):
+    store = SuiteStores(tmp_path)
+    module = RunsOnlyPatched()
+    record(store, "bf16", "check", module, X)
+    without_stored_golden(store)
+    monkeypatch.setattr(RunsOnlyPatched, "unpatched_ok", False)
+
+    @contextlib.contextmanager
+    def patches(device):
+        RunsOnlyPatched.unpatched_ok = True
+        try:
+            yield
+        finally:
+            RunsOnlyPatched.unpatched_ok = False
+
+    result, status = store_run(store, "bf16", "check", module, X, patches=patches)
+    assert not isinstance(result, Exception) and status is None  # the check is judged; nothing added
+    assert f"{S.NOT_ADDED}: the live CPU run" in result.extra["policy_note"]
+    assert "no CPU kernel" in result.extra["policy_note"]
+
+
+def test_reference_mismatch_names_the_leaf_and_ratio_and_passes_the_same_computation():
+    policy = G.default_golden_for_recipe("fp32")
+    x, w = X.double(), Proj().w.detach().double()
+    golden = {"": x @ w}
+    live = {"": (X @ Proj().w.detach())}
+    assert S.reference_mismatch(dict(live), live, golden, None, policy, None, "proj", torch.float32) is None
+    stale = {"": X @ (Proj().w.detach() * (1 + 1e-3))}
+    why = S.reference_mismatch(stale, live, golden, None, policy, None, "proj", torch.float32)
+    assert why.startswith(S.NOT_ADDED) and "limit on leaf '<output>'" in why
+    # within the factor: a reference of the same computation accumulated otherwise (in float64, rounded)
+    other = {"": golden[""].float()}
+    assert not torch.equal(other[""], live[""])
+    assert S.reference_mismatch(other, live, golden, None, policy, None, "proj", torch.float32) is None
+    # a stored leaf the live run does not have (another output structure): a mismatch whatever the ratios
+    why = S.reference_mismatch({"a": live[""]}, live, golden, None, policy, None, "proj", torch.float32)
+    assert why is not None and why.startswith(S.NOT_ADDED) and "does not match" in why
 
 
 def test_store_goldens_records_a_golden_that_could_not_run(tmp_path, monkeypatch):
