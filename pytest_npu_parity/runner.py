@@ -806,13 +806,13 @@ class ParityCase:
                     # only beside a reference of the computation the golden came from (checks.stored_golden)
                     try:
                         live = split_layers(run(torch.device("cpu"), patched=False)[0])[0]
-                    except Exception as exc:  # noqa: BLE001 - then nothing tells the reference is of this computation
-                        live, why = None, (f"{NOT_ADDED}: the live CPU run to check the stored reference against "
-                                           f"raised {type(exc).__name__}: {exc}")
-                    if live is not None:
                         why = reference_mismatch(sides.expected.leaves, live, found[0], sides.expected.compact,
                                                  plan.golden_policy, plan.tolerance, plan.name,
-                                                 WORK_DTYPES.get(self.recipe.name))
+                                                 WORK_DTYPES.get(self.recipe.name), training=call.kind == "train_step")
+                    except Exception as exc:  # noqa: BLE001 - then nothing tells the reference is of this computation
+                        first = (str(exc).strip().splitlines() or [""])[0][:200]
+                        why = (f"{NOT_ADDED}: checking the stored reference against a live CPU run of this check "
+                               f"raised {type(exc).__name__}: {first}")
                     if why is not None:
                         found = None
                         sides = dataclasses.replace(sides, notes=(*sides.notes, why))

@@ -213,8 +213,8 @@ def table() -> tuple[Setting, ...]:
                 help="compare run: add the golden that each golden-judged check computes live (its baseline "
                      "entry stores none, e.g. recorded before goldens were stored) to that entry, its reference "
                      "leaves untouched, so later compare runs run no golden; not where the stored reference, "
-                     "judged against a live CPU run of the check, is far beyond the verdict's limits or that "
-                     "run fails (a sign the computation changed since the recording: the check's note says so)"),
+                     "judged against a live CPU run of the check, is far beyond the verdict's limits (a sign the "
+                     "computation changed since the recording) or that run fails: the check's note says why"),
         Setting("--baseline-dir", "baseline_dir", "parity_baseline_dir", kwargs={"metavar": "DIR"},
                 help="baseline store root (default: ini parity_baseline_dir or <rootdir>/baselines)",
                 ini_help="default for --baseline-dir (relative to rootdir)", ini_default="baselines"),
