@@ -67,6 +67,12 @@ def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         )
 
 
+def without(leaves: Any, paths: set[str]) -> Any:
+    """``leaves`` (one side's ``{path: leaf}``) less the leaves named in ``paths``, as a new dict; anything
+    other than a dict (None, a single leaf) is returned as it is."""
+    return {k: v for k, v in leaves.items() if k not in paths} if isinstance(leaves, dict) else leaves
+
+
 def cpu_leaf(tensor: torch.Tensor) -> torch.Tensor:
     """An output leaf as the judges take it: detached, on the CPU, dense (a sparse tensor becomes its
     values at every position, so that it is compared, stored and measured like any other leaf)."""

@@ -80,3 +80,13 @@ def test_a_changed_string_field_fails_naming_it():
     with pytest.raises(ParityError, match="unit"):
         ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, "fp32", patches=shifted).check(
             "fc", Renamed(), X, rtol=1.0, atol=1.0)
+
+
+def test_without_drops_the_named_leaves_and_leaves_the_rest_alone():
+    from pytest_npu_parity.leaves import without
+
+    leaves = {"loss": torch.tensor(1.0), "param.w": torch.ones(2), "grad.w": None}
+    kept = without(leaves, {"param.w", "absent"})
+    assert list(kept) == ["loss", "grad.w"] and kept["loss"] is leaves["loss"]
+    assert "param.w" in leaves  # a new dict: the side's own leaves are not changed
+    assert without(None, {"loss"}) is None

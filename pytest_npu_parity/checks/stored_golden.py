@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..leaves import without
 from ..store.format import BaselineError, CorruptBaselineError
 from ..store.compact import apply_recorded
 
@@ -288,9 +289,7 @@ def reference_mismatch(stored: dict, live: dict, golden: dict, compact: dict | N
     live, golden = apply_recorded(live, compact), apply_recorded(golden, compact)
     if training:
         params = {key for key in live if str(key).startswith("param.")}
-        stored = {k: v for k, v in stored.items() if k not in params}
-        live = {k: v for k, v in live.items() if k not in params}
-        golden = {k: v for k, v in golden.items() if k not in params}
+        stored, live, golden = without(stored, params), without(live, params), without(golden, params)
     result = judge_golden(stored, live, golden, policy, tolerance=tolerance, name=name, work_dtype=work_dtype)
     times, metric, where, problem = reference_multiple(result)
     if problem is not None:

@@ -32,7 +32,8 @@ from ..judge.trajectory import TrajectoryPolicy, judge_trajectory
 from ..judge.tolerance import Tolerance
 from ..runtime.layer_capture import split_layers
 from ..runtime.side import CheckCall, _to_cpu_leaves
-from ..runtime.training import _without, rounding_level_params
+from ..leaves import without
+from ..runtime.training import rounding_level_params
 from ..diagnose.selfcheck import ParityVacuityWarning, below_tolerance, vacuity_problem
 from .plan import CaseFacts, CheckPlan
 from .record import CheckRecord
@@ -119,8 +120,8 @@ def compared_sides(sides: Sides, call: CheckCall, replay: tuple[dict | None, str
     if call.kind == "train_step" and replayed is None:
         dropped = rounding_level_params(expected)
         if dropped:
-            actual, expected = _without(actual, dropped), _without(expected, dropped)
-            golden_leaves = _without(golden_leaves, dropped) if golden_leaves is not None else None
+            actual, expected = without(actual, dropped), without(expected, dropped)
+            golden_leaves = without(golden_leaves, dropped)
             shown = ", ".join(sorted(dropped)[:4]) + (", …" if len(dropped) > 4 else "")
             note = _joined(note, f"{len(dropped)} parameter(s) after the step not compared ({shown}): the "
                                  "reference's gradient is rounding noise (the loss does not depend on them), which "

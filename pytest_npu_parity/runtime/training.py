@@ -24,6 +24,7 @@ from . import recipes
 from .audit import not_audited
 from ..store.compact import SAMPLE_SUFFIX, STATS_SUFFIX, base_leaf
 from .recipes import Recipe, strict_fp32_flags
+from ..leaves import without
 from ..structure import train_recipe
 from .golden_run import GoldenUnavailableError, golden_dtypes
 from .side import RUN_RECIPE, CheckCall, RunSpec, Side, _CopyOnEntry, _Same, _move, run_side, trainable_copy
@@ -385,8 +386,7 @@ def rounding_level_params(leaves: dict[str, Any]) -> set[str]:
     return {k for k in leaves if k.startswith("param.") and base_leaf(k)[len("param."):] in rounding}
 
 
-def _without(leaves: Any, names: set[str]) -> Any:
-    return {k: v for k, v in leaves.items() if k not in names} if isinstance(leaves, dict) else leaves
+_without = without  # the old private name (runner re-exports it)
 
 
 #: Most overflowing attempts ``scaled_backward_and_step`` backs off from (2^16 down to 2^-8 with
