@@ -18,9 +18,10 @@ measures every pair in float64 on the CPU:
 * ``err_ratio`` — max over elements of |a − e| / (atol + rtol·|e|): > 1 means out of tolerance
   (``inf`` when a NaN/Inf position differs, 0/0 counts as 0)
 
-A leaf passes when shapes and dtypes agree and ``mismatched <= floor(budget · numel)``; under a
-built-in budget (not one the user set) those elements must also sit within
-``tolerance.BUDGET_OUTLIER_ERR_RATIO`` (100) times the bound: the budget is for rounding. That NaN/Inf
+A leaf passes when shapes and dtypes agree, no NaN/±Inf position differs (no budget takes one) and
+``mismatched <= floor(budget · numel)``; under a built-in budget (not one the user set) those elements
+must also sit within ``tolerance.BUDGET_OUTLIER_ERR_RATIO`` (100) times the bound: the budget is for
+rounding. That NaN/Inf
 rule is ours and stricter than msprobe's dump compare, which treats −Inf against +Inf at one place as
 equal (``core/compare/npy_compare.py::handle_inf_nan`` compares only the Inf and NaN masks) and
 gives no numbers at all when the masks differ.
@@ -126,10 +127,12 @@ class LeafResult:
 
     @property
     def passed(self) -> bool:
-        """The verdict: no structural problem, no more mismatches than the budget allows, and, for a
-        built-in budget, none of them more than ``BUDGET_OUTLIER_ERR_RATIO`` times outside the bound
-        (``tolerance.budget_takes``)."""
-        return (self.problem is None and self.mismatched <= self.allowed
+        """The verdict: no structural problem, no NaN or ±Inf where the other side has none or another
+        (``nonfinite_mismatched``: no budget takes one, as in ``judge.golden``; torch_npu's
+        ``TestCase.assertRtolEqual``, testing/testcase.py, fails differing NaN positions before its
+        budget too), no more mismatches than the budget allows, and, for a built-in budget, none of
+        them more than ``BUDGET_OUTLIER_ERR_RATIO`` times outside the bound (``tolerance.budget_takes``)."""
+        return (self.problem is None and not self.nonfinite_mismatched and self.mismatched <= self.allowed
                 and budget_takes(self.tolerance, self.mismatched, self.err_ratio))
 
     def to_row(self) -> dict[str, Any]:
@@ -224,7 +227,9 @@ def _assert_close_header(leaf: LeafResult) -> list[str]:
         return [f"{where}{leaf.problem}"]
     tol = leaf.tolerance
     outliers = ""
-    if leaf.mismatched <= leaf.allowed and not budget_takes(tol, leaf.mismatched, leaf.err_ratio):
+    if leaf.mismatched <= leaf.allowed and leaf.nonfinite_mismatched:
+        outliers = ", which takes no NaN or Inf where the other side has none or another"
+    elif leaf.mismatched <= leaf.allowed and not budget_takes(tol, leaf.mismatched, leaf.err_ratio):
         outliers = (f", each within {BUDGET_OUTLIER_ERR_RATIO:g}x the bound: the worst is {leaf.err_ratio:.3g}x"
                     " outside it, beyond rounding; set budget= with a reason to take any amount")
     lines = [

@@ -407,6 +407,22 @@ def test_the_built_in_budget_takes_elements_within_100x_the_bound_and_a_users_an
         compare(a, e, LOW_PRECISION, name="spike").raise_if_failed()
 
 
+@pytest.mark.parametrize("special", [NAN, INF, -INF])
+@pytest.mark.parametrize("tolerance", [LOW_PRECISION, Tolerance(rtol=1e-3, atol=1e-3, budget=1e-2, source="marker")],
+                         ids=["built-in budget", "a user's budget"])
+def test_no_budget_takes_a_nan_or_inf_on_one_side_only(special, tolerance):
+    e = torch.randn(4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    a = e.clone()
+    a[7] = special  # one overflowed or uninitialized element: a fault, not rounding
+    leaf = compare_tensors(a, e, tolerance)
+    assert leaf.mismatched == 1 <= leaf.allowed and leaf.nonfinite_mismatched == 1
+    assert not leaf.passed
+    with pytest.raises(ParityError, match=r"takes no NaN or Inf where the other side has none"):
+        compare(a, e, tolerance, name="overflow").raise_if_failed()
+    a[7] = e[7] * (1 + 2e-3)  # the same element off by rounding: the budget takes it
+    assert compare_tensors(a, e, tolerance).passed
+
+
 def test_budget_rounds_down_but_survives_binary_rounding():
     assert Tolerance(rtol=0, atol=0, budget=0.29).allowed_mismatches(100) == 29  # 0.29*100 = 28.999…
     assert Tolerance(rtol=0, atol=0, budget=1e-3).allowed_mismatches(1999) == 1
