@@ -36,6 +36,7 @@ from ..leaves import cpu_leaf, flatten, is_cache
 from ..modules import owner_module
 from .recipes import RECIPES, Recipe, RecipeUnsupportedError, strict_fp32_flags
 from .rng import randomness, target_seed
+from .input_changes import changed_inputs
 from .layer_capture import DEFAULT_SAMPLES, capture_layers
 from .module_state import KeptState, kept_state, state_owners
 
@@ -301,27 +302,8 @@ def _move(obj: Any, device: torch.device, float_dtype: torch.dtype | None = None
 def _changed_inputs(given: tuple[tuple, dict], ran: tuple[Any, Any]) -> list[str]:
     """Paths (``args[0]``, ``kwargs['mask']``, ``args[1][2]``) of the tensors in ``ran`` — one side's
     ``(args, kwargs)`` copies after its run (``_move``) — whose values differ from the caller's
-    ``given``: inputs the computation changed in place (NaN equal to NaN)."""
-    return _changed(given[0], ran[0], "args") + _changed(given[1], ran[1], "kwargs")
-
-
-def _changed(given: Any, ran: Any, path: str) -> list[str]:
-    if isinstance(given, torch.Tensor) and isinstance(ran, torch.Tensor):
-        if ran.shape != given.shape:
-            return [path]
-        before, after = given.detach().to(device=ran.device, dtype=ran.dtype), ran.detach()
-        if after.layout != torch.strided or before.layout != torch.strided:  # a sparse input: by its values
-            before, after = before.to_dense(), after.to_dense()
-        if after.is_floating_point() or after.is_complex():
-            same = bool(torch.eq(after, before).logical_or_(after.isnan() & before.isnan()).all())
-        else:
-            same = torch.equal(after, before)
-        return [] if same else [path]
-    if isinstance(given, (tuple, list)) and isinstance(ran, (tuple, list)) and len(given) == len(ran):
-        return [p for i, (g, r) in enumerate(zip(given, ran)) for p in _changed(g, r, f"{path}[{i}]")]
-    if isinstance(given, dict) and isinstance(ran, dict):
-        return [p for k, g in given.items() if k in ran for p in _changed(g, ran[k], f"{path}[{k!r}]")]
-    return []
+    ``given``: inputs the computation changed in place (NaN equal to NaN; ``input_changes.changed_inputs``)."""
+    return [path for path, _ in changed_inputs(given, ran)]
 
 
 def _to_cpu_leaves(output: Any, kept: KeptState | None = None) -> dict[str, torch.Tensor | None]:
