@@ -58,7 +58,8 @@ from .checks.reference import (STALE_CAUSES, Expected, ReferenceSource, StaleSui
                                stale_suites, store_goldens, thread_count_mismatch, torch_version_mismatch,
                                train_hashes, write_recording)
 from .checks.verdict import (LEAVES, DistributionVerdict, LeafVerdict, Sides, TrajectoryVerdict, compared_sides,
-                             given_sides, optimizer_replay, rejudged, split_layer_records, verdict_for)
+                             given_sides, optimizer_replay, paired_input_leaves, rejudged, split_layer_records,
+                             verdict_for)
 from .checks.verdict import vacuity_problems as _vacuity_problems  # the name runner had
 from .judge.allclose import CompareResult, ParityError, compare  # noqa: F401  (also runner.compare, as before)
 from .leaves import flatten  # noqa: F401  (also runner.flatten, as before)
@@ -790,9 +791,9 @@ class ParityCase:
             self._keep(baseline_error_record(self._facts(), plan, exc, weights))
             raise
         actual, audit = run(self.target, patched=True, audited=self._settings().audit_mode() != "off")
-        sides = split_layer_records(Sides(actual, expected, audit, weights, notes=plan.notes,
-                                          input_changes=call.input_changes, input_hash=hashes.get("input_hash")),
-                                    plan.layer_policy)
+        sides = paired_input_leaves(split_layer_records(
+            Sides(actual, expected, audit, weights, notes=plan.notes, input_changes=call.input_changes,
+                  input_hash=hashes.get("input_hash")), plan.layer_policy))
         if judge is None:
             judge = verdict_for(call.sample_dim, call.sample_dim is not None and self.session.rng == "device",
                                 expected.rng)

@@ -30,6 +30,7 @@ from ..judge.golden_policy import WORK_DTYPES
 from ..judge.layers import judge_layers
 from ..judge.trajectory import TrajectoryPolicy, judge_trajectory
 from ..judge.tolerance import Tolerance
+from ..runtime.input_changes import INPLACE_PREFIX, is_inplace_leaf
 from ..runtime.layer_capture import split_layers
 from ..runtime.side import CheckCall, _to_cpu_leaves
 from ..leaves import without
@@ -87,6 +88,28 @@ def split_layer_records(sides: Sides, layer_policy: Any) -> Sides:
     layer_records = (actual_layers, expected_layers, layer_policy) if layer_policy is not None else None
     return dataclasses.replace(sides, actual=actual, expected=dataclasses.replace(sides.expected, leaves=expected),
                                layer_records=layer_records)
+
+
+def paired_input_leaves(sides: Sides) -> Sides:
+    """``sides`` with the inputs' values after the run (``runtime.input_changes``, leaves ``inplace:<path>``)
+    kept where both sides hold one: an input changed in place on one side only is judged as such
+    (``input_change_verdict``), not as a missing leaf. Where the reference is a baseline entry that
+    recorded the input as changed but holds no value for it (recorded before the values were stored), the
+    note says the value was not compared."""
+    actual, expected = sides.actual, sides.expected.leaves
+    if not isinstance(actual, dict) or not isinstance(expected, dict):
+        return sides
+    one_sided = {p for p in set(actual) ^ set(expected) if is_inplace_leaf(p)}
+    if not one_sided:
+        return sides
+    recorded = recorded_input_changes(sides.expected.entry) or set()
+    unstored = sorted(path for path in (p[len(INPLACE_PREFIX):] for p in one_sided if p in actual) if path in recorded)
+    notes = sides.notes
+    if unstored:
+        notes = (*notes, f"the values written in place into {', '.join(unstored)} not compared: the baseline was "
+                         "recorded before they were stored (re-record with --update-baselines)")
+    return dataclasses.replace(sides, actual=without(actual, one_sided), notes=notes,
+                               expected=dataclasses.replace(sides.expected, leaves=without(expected, one_sided)))
 
 
 def compared_sides(sides: Sides, call: CheckCall, replay: tuple[dict | None, str | None],

@@ -30,6 +30,7 @@ import torch
 
 from ..leaves import cpu_leaf, flatten
 from ..modules import owner_module
+from .input_changes import changed_inputs, inplace_leaves
 from .module_state import kept_state, state_owners
 from .recipes import strict_fp32_flags
 from .rng import same_randomness
@@ -229,6 +230,10 @@ class GoldenRunner:
                 output = call(*args_g, **kwargs_g)
                 # taken before the state is put back (a leaf may be a buffer the run changed)
                 leaves = {p: (kept.detach_output(cpu_leaf(t)) if t is not None else None) for p, t in flatten(output)}
+            # the values it wrote into its inputs, as the sides carry theirs (runtime.input_changes)
+            found = changed_inputs((args, kwargs or {}), (args_g, kwargs_g))
+            if found:
+                leaves.update(inplace_leaves(found, leaves))
         except Exception as exc:  # noqa: BLE001 - whatever the golden dtype breaks, the check falls back
             raise GoldenUnavailableError(f"the {str(dtype).removeprefix('torch.')} golden run failed: "
                                          f"{type(exc).__name__}: {exc}") from exc

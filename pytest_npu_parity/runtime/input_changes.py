@@ -4,13 +4,21 @@ A check's sides each run on their own copy of the caller's inputs (``runtime.sid
 on its float64 copies, ``runtime.golden_run._cast_floats``). Comparing each copy after the run with the
 caller's tensor tells which inputs the computation changed in place (``changed_inputs``: a key/value cache
 filled by the forward, a mask edited, a counter advanced), by paths such as ``args[1]``,
-``kwargs['mask']`` or ``args[0][2]``.
+``kwargs['mask']`` or ``args[0][2]``. What the run wrote there is a result of the computation like its
+return value, so each side's leaves carry it (``inplace_leaves``) under the path with :data:`INPLACE_PREFIX`
+(``inplace:args[1]``): it is compared, recorded in a baseline and judged like any output leaf, by the
+check's verdict (the golden run, on its own copies, carries its own).
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+from ..leaves import cpu_leaf
+
+#: Leaf-path prefix of an input's value after a run that changed it in place (``inplace_leaves``).
+INPLACE_PREFIX = "inplace:"
 
 
 def changed_inputs(given: tuple[tuple, dict], ran: tuple[Any, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -38,3 +46,26 @@ def _changed(given: Any, ran: Any, path: str) -> list[tuple[str, torch.Tensor]]:
     if isinstance(given, dict) and isinstance(ran, dict):
         return [p for k, g in given.items() if k in ran for p in _changed(g, ran[k], f"{path}[{k!r}]")]
     return []
+
+
+def inplace_leaves(changed: list[tuple[str, torch.Tensor]], outputs: dict) -> dict[str, torch.Tensor]:
+    """The leaves of the inputs a run changed in place: ``{"inplace:<path>": CPU copy of the tensor after the
+    run}`` for each of ``changed`` (``changed_inputs``), to be added to the run's output ``outputs``
+    (``{path: leaf}``).
+
+    Raises:
+        ValueError: an output leaf already has such a path (an output dict keyed ``"inplace:args[0]"``),
+            naming it.
+    """
+    found = {INPLACE_PREFIX + path: cpu_leaf(tensor).clone() for path, tensor in changed}
+    taken = sorted(set(found) & set(outputs))
+    if taken:
+        raise ValueError(f"the computation returns an output leaf named {taken[0]!r}, the name under which the "
+                         f"value it writes into its input {taken[0][len(INPLACE_PREFIX):]} is compared; rename that "
+                         "output key")
+    return found
+
+
+def is_inplace_leaf(path: str) -> bool:
+    """Whether leaf ``path`` is an input's value after the run (``inplace_leaves``)."""
+    return isinstance(path, str) and path.startswith(INPLACE_PREFIX)

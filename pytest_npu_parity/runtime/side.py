@@ -36,7 +36,7 @@ from ..leaves import cpu_leaf, flatten, is_cache
 from ..modules import owner_module
 from .recipes import RECIPES, Recipe, RecipeUnsupportedError, strict_fp32_flags
 from .rng import randomness, target_seed
-from .input_changes import changed_inputs
+from .input_changes import changed_inputs, inplace_leaves
 from .layer_capture import DEFAULT_SAMPLES, capture_layers
 from .module_state import KeptState, kept_state, state_owners
 
@@ -586,7 +586,10 @@ def _call(side: Side, spec: RunSpec, device: torch.device, patched: bool, audit:
         layers.update(captured)  # on the CPU once the capture has ended
     # after the audit: the comparison is not the computation's
     changed = side.input_changes.setdefault("target" if patched else "reference", set())
-    changed.update(_changed_inputs((args, spec.kwargs), (args_d, kwargs_d)))
+    found = changed_inputs((args, spec.kwargs), (args_d, kwargs_d))
+    changed.update(path for path, _ in found)
+    if to_leaves and found:  # what the run wrote into its inputs is compared like its outputs
+        output = {**output, **inplace_leaves(found, output)}
     return output, audit
 
 

@@ -3,6 +3,7 @@ inputs, the caller's tensors are never changed, and a side that changes them dif
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -204,3 +205,82 @@ def test_recorded_input_changes_apply_only_to_the_recorded_input_bitwise(tmp_pat
     # the note says what was not judged, and why
     assert ("the baseline's reference changed no input in place, the target args[0]: not judged, since this "
             "input differs from the recorded one in its last bits") in record.extra["policy_note"]
+
+
+class FillCache(torch.nn.Module):
+    """Writes ``tanh(x)`` into the cache it is given (a key/value cache's pattern) and returns a projection of
+    ``x``; ``FillCache.scale`` scales what the side under the patch set writes."""
+
+    scale = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.o = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.copy_(torch.tanh(x) * FillCache.scale)
+        return self.o(x)
+
+
+_writes_wrong = switched(FillCache, "scale", 1.01)
+
+
+def cache_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(2)), torch.zeros(4, 8)
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+def test_what_the_computation_writes_into_its_input_is_compared_like_an_output(recipe):
+    record = ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, recipe).check("fill", FillCache(), *cache_inputs())
+    assert record.status == "pass"
+    assert [leaf.path for leaf in record.result.leaves] == ["", "inplace:args[1]"]
+    # the outputs agree; only the values written into the cache are wrong (they passed before)
+    with pytest.raises(ParityError, match=r"inplace:args\[1\]") as failed:
+        ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, recipe, patches=_writes_wrong).check(
+            "fill", FillCache(), *cache_inputs())
+    assert [leaf.path for leaf in failed.value.result.failures] == ["inplace:args[1]"]
+
+
+def test_the_written_values_are_recorded_and_compared_against_the_baseline(tmp_path):
+    store = SuiteStores(tmp_path)
+    recording = ParityCase(ParitySession(CPU, update_baselines=True, store=store), TEST_ID, "bf16")
+    recording.check("fill", FillCache(), *cache_inputs())
+    assert recording.finish() == "created"
+    entry = store.load(TEST_ID).checks["fill"]
+    assert "inplace:args[1]" in entry.tensors and "golden:inplace:args[1]" in entry.extras
+    assert ParityCase(ParitySession(CPU, store=store), TEST_ID, "bf16").check(
+        "fill", FillCache(), *cache_inputs()).status == "pass"
+    with pytest.raises(ParityError, match=r"inplace:args\[1\]"):
+        ParityCase(ParitySession(CPU, store=store), TEST_ID, "bf16", patches=_writes_wrong).check(
+            "fill", FillCache(), *cache_inputs())
+
+
+def test_a_baseline_recorded_before_the_written_values_were_stored_says_they_are_not_compared(tmp_path):
+    store = SuiteStores(tmp_path)
+    recording = ParityCase(ParitySession(CPU, update_baselines=True, store=store), TEST_ID, "fp32")
+    recording.check("fill", FillCache(), *cache_inputs())
+    assert recording.finish() == "created"
+    baseline = store.load(TEST_ID)
+    entry = baseline.checks["fill"]
+    older = dataclasses.replace(entry, tensors={k: v for k, v in entry.tensors.items() if not k.startswith("inplace:")})
+    store.write(TEST_ID, {"fill": older}, baseline.provenance)
+    record = ParityCase(ParitySession(CPU, store=store), TEST_ID, "fp32").check("fill", FillCache(), *cache_inputs())
+    assert record.status == "pass" and [leaf.path for leaf in record.result.leaves] == [""]
+    assert ("the values written in place into args[1] not compared: the baseline was recorded before they were "
+            "stored (re-record with --update-baselines)") in record.extra["policy_note"]
+
+
+def test_an_input_changed_on_one_side_only_is_judged_as_such_not_as_a_missing_leaf():
+    x, mask = inputs()
+    case = ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, "fp32", patches=target(in_place=False))
+    with pytest.raises(ParityError) as failed:
+        case.check("std", Standardize(), x, mask)
+    assert "on the reference only" in str(failed.value) and "missing" not in str(failed.value)
+
+
+def test_an_output_leaf_named_like_a_written_input_is_a_clear_error():
+    from pytest_npu_parity.runtime.input_changes import inplace_leaves
+
+    with pytest.raises(ValueError, match=r"output leaf named 'inplace:args\[1\]'.*rename that output key"):
+        inplace_leaves([("args[1]", torch.zeros(2))], {"inplace:args[1]": torch.ones(2)})
