@@ -15,6 +15,7 @@ the check or calls back into its case: the case runs the hooks (``checks.hooks``
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -58,6 +59,9 @@ class Sides:
         input_changes: the inputs each side's runs changed in place (``runtime.side.Side.input_changes``),
             or None.
         input_hash: the bitwise fingerprint of the check's inputs (``checks.reference.check_hashes``), or None.
+        optimizer_step: ``(the target's param.* leaves, the optimizer replay's from the target's gradients)``
+            when the replay is used (``compared_sides``), judged on their own by ``optimizer_step_problem``;
+            else None.
     """
 
     actual: dict
@@ -71,6 +75,7 @@ class Sides:
     notes: tuple = ()
     input_changes: dict | None = None
     input_hash: str | None = None
+    optimizer_step: tuple | None = None
 
 
 def _joined(note: str | None, more: str | None) -> str | None:
@@ -121,7 +126,7 @@ def compared_sides(sides: Sides, call: CheckCall, replay: tuple[dict | None, str
     (``runtime.training.rounding_level_params``); the notes of each say so.
 
     Args:
-        replay: ``(replayed param.* leaves or None, note or None)`` (``optimizer_replay``).
+        replay: ``(replayed param.* leaves or None, note or None[, exact])`` (``optimizer_replay``).
         golden: ``(golden leaves or None, note or None)``; None leaves: judged by allclose.
     """
 
@@ -137,7 +142,7 @@ def compared_sides(sides: Sides, call: CheckCall, replay: tuple[dict | None, str
         note = _joined(note, f"{len(compact)} large leaves compared as the baseline recorded them (train store "
                              f"summary): {next(iter(compact.values()))['samples']} sampled elements and [sum, L2 "
                              "norm, max |x|, position-weighted sum] each (leaves <name>@sample, <name>@stats)")
-    replayed, replay_note = replay
+    replayed, replay_note, *exact = replay
     expected = sides.expected.leaves if replayed is None else {**sides.expected.leaves, **replayed}
     note = _joined(note, replay_note)
     if call.kind == "train_step" and replayed is None:
@@ -149,9 +154,10 @@ def compared_sides(sides: Sides, call: CheckCall, replay: tuple[dict | None, str
             note = _joined(note, f"{len(dropped)} parameter(s) after the step not compared ({shown}): the "
                                  "reference's gradient is rounding noise (the loss does not depend on them), which "
                                  "AdamW turns into steps of up to ±lr; their grad.* leaves are compared")
+    step = ({k: actual[k] for k in replayed if k in actual}, replayed) if replayed is not None and any(exact) else None
     return dataclasses.replace(sides, actual=actual, expected=dataclasses.replace(sides.expected, leaves=expected),
                                golden=golden_leaves, golden_policy=golden_policy if golden_leaves is not None else None,
-                               note=note)
+                               note=note, optimizer_step=step)
 
 
 def rejudged(facts: CaseFacts, plan: CheckPlan, sides: Sides, call: CheckCall,
@@ -173,7 +179,7 @@ def rejudged(facts: CaseFacts, plan: CheckPlan, sides: Sides, call: CheckCall,
 
 def optimizer_replay(call: CheckCall, actual: dict, expected: dict, tol: Tolerance,
                      compact: dict | None) -> tuple[dict | None, str | None]:
-    """``(replayed param.* leaves or None, note or None)`` of a training step's optimizer replay
+    """``(replayed param.* leaves or None, note or None[, exact])`` of a training step's optimizer replay
     (``train_step``, Compared leaves): the step replayed from the target's full ``grad.<p>``
     leaves (``actual``, before ``compact.apply_recorded``), reduced as the baseline recorded them
     (``compact``), used only when the same replay from the reference's own ``grad.<p>``
@@ -181,7 +187,10 @@ def optimizer_replay(call: CheckCall, actual: dict, expected: dict, tol: Toleran
     gradients only as ``@sample``/``@stats``: the replay is then validated on the parameters it
     stores whole (an optimizer whose step of one parameter depends on others' gradients fails
     that check, their gradients being absent), and not used when it stores none whole. Otherwise
-    None and a note why; the caller then falls back to ``rounding_level_params``."""
+    None and a note why; the caller then falls back to ``rounding_level_params``. A replay that is used
+    also says whether it reproduces the reference's step at the default tolerance of its parameters'
+    dtype (``exact``, ``policy.default_for_dtype``), not only at ``tol``: then the target's step is judged
+    against the replay at that tolerance as well (``optimizer_step_problem``)."""
     if call.kind != "train_step" or call.replay is None:
         return None, None
     fallback = ("optimizer replay not used ({}): param.* after the step compared with the reference's "
@@ -205,6 +214,9 @@ def optimizer_replay(call: CheckCall, actual: dict, expected: dict, tol: Toleran
             return None, fallback.format(f"replaying the reference's own gradients does not reproduce "
                                          f"its step on {shown}: the optimizer is not a function of the "
                                          "weights and gradients alone")
+        # the replay reproduces the reference's step to its parameters' own precision, not only the recipe's:
+        # then the target's step is judged against it at that precision too (optimizer_step_problem)
+        exact = compare({k: check[k] for k in whole}, {k: expected[k] for k in whole}, None).passed
         replayed = apply_recorded(call.replay(actual), compact)
     except Exception as exc:  # noqa: BLE001 - a user optimizer that cannot be replayed: the old comparison
         return None, fallback.format(f"the replay raised {type(exc).__name__}: {exc}")
@@ -212,7 +224,7 @@ def optimizer_replay(call: CheckCall, actual: dict, expected: dict, tol: Toleran
                  if whole != params else "")
     return {k: v for k, v in replayed.items() if k in params}, (
         "param.* after the step compared with the CPU optimizer's step from the target's gradients "
-        "(optimizer replay): a gradient difference within tolerance is not amplified by AdamW" + validated)
+        "(optimizer replay): a gradient difference within tolerance is not amplified by AdamW" + validated), exact
 
 
 def measure(facts: CaseFacts, plan: CheckPlan, sides: Sides) -> CheckRecord:
@@ -262,6 +274,9 @@ def check_problems(facts: CaseFacts, plan: CheckPlan, sides: Sides, record: Chec
         record.notes.policy_note = _joined(record.notes.policy_note, change_note)
     if change_problem:
         problems.append(change_problem)
+    step_problem = optimizer_step_problem(sides.optimizer_step)
+    if step_problem:
+        problems.append(step_problem)
     layer_problem = judge_layer_records(record, sides.layer_records)
     if layer_problem:
         problems.append(layer_problem)
@@ -343,6 +358,33 @@ def judge_audit(facts: CaseFacts, record: CheckRecord, budget: Any) -> str | Non
     else:
         warnings.warn(f"{facts.test_id} ({facts.recipe.name}): {text}", ParityAuditWarning, stacklevel=2)
     return None
+
+
+def optimizer_step_problem(step: tuple | None) -> str | None:
+    """Why the target's optimizer step fails, or None: its parameters after the step (``step[0]``) against
+    the optimizer replay's from the target's own gradients (``step[1]``, ``Sides.optimizer_step``), compared
+    at the default tolerance of each parameter's dtype (``policy.default_for_dtype``: fp32 1e-5) rather than
+    the recipe's.
+
+    Why: the replay takes the target's gradients, so what is left between the two is the optimizer's own
+    arithmetic (its rounding), whatever the recipe did to the gradients. Under bf16 autocast the parameters
+    are fp32, and the recipe's tolerance (1e-3 + 1e-3·|p|) holds a whole AdamW step of lr 1e-3: a target
+    optimizer that did not step, or stepped at 1.5 times the learning rate, passed the recipe's verdict.
+    A bf16 parameter (``bf16-weights``) is judged at bf16's tolerance, which still holds such a step."""
+    if step is None:
+        return None
+    actual, replayed = step
+    result = compare(actual, replayed, None, name="optimizer step")
+    failed = result.failures
+    if not failed:
+        return None
+    worst = max(failed, key=lambda leaf: leaf.err_ratio if leaf.problem is None else math.inf)
+    shown = ", ".join(leaf.path for leaf in failed[:3]) + (", …" if len(failed) > 3 else "")
+    size = (f"max abs difference {worst.max_abs:.3g} where {worst.tolerance.atol:g} + {worst.tolerance.rtol:g}·|p| "
+            "is allowed" if worst.problem is None else worst.problem)
+    return (f"The target's optimizer step differs from the CPU optimizer's step from the target's own gradients on "
+            f"{len(failed)} parameter(s) ({shown}; {worst.path}: {size}): the optimizer on the target (its "
+            "learning rate, its update, or a step not taken) computes something else.")
 
 
 def recorded_input_changes(entry: Any) -> set[str] | None:

@@ -376,3 +376,58 @@ def test_a_module_with_a_scripted_submodule_trains_and_its_weight_fault_fails():
     with pytest.raises(ParityError):
         c.train_step("step", model, x, loss_fn=loss)
     assert {"param.1.weight", "grad.1.weight"} & failing_leaves(c.records[-1])
+
+
+def _adamw_step(lr_scale: float | None):
+    """A target patch set whose AdamW does not step (``None``) or steps at ``lr_scale`` times its learning rate."""
+    @contextlib.contextmanager
+    def patches(device: torch.device):
+        original = torch.optim.AdamW.step
+
+        def step(self, closure=None):
+            if lr_scale is None:
+                return None
+            for group in self.param_groups:
+                group["lr"] *= lr_scale
+            try:
+                return original(self, closure)
+            finally:
+                for group in self.param_groups:
+                    group["lr"] /= lr_scale
+
+        torch.optim.AdamW.step = step
+        try:
+            yield
+        finally:
+            torch.optim.AdamW.step = original
+    return patches
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+@pytest.mark.parametrize("lr_scale", [None, 1.5], ids=["no step", "1.5x lr"])
+def test_a_target_optimizer_that_steps_otherwise_fails_under_bf16_too(recipe, lr_scale):
+    # under bf16 autocast the parameters are fp32 and the recipe's 1e-3 + 1e-3*|p| holds a whole AdamW step:
+    # both faults passed there before; the replay from the target's gradients is judged at fp32's tolerance
+    x, y = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), torch.randn(4, 1)
+    session = ParitySession(CPU, reference="cpu")
+    record = ParityCase(session, "tests/test_optimizer_replay.py::mlp", recipe).train_step(
+        "step", _mlp(), x, labels=y, loss_fn=torch.nn.MSELoss())
+    assert record.status == "pass" and "optimizer replay" in record.extra["policy_note"]
+    faulty = ParityCase(ParitySession(CPU, reference="cpu"), "tests/test_optimizer_replay.py::mlp", recipe,
+                        patches=_adamw_step(lr_scale))
+    match = r"optimizer step differs from the CPU optimizer's step from the target's own gradients" \
+        if recipe == "bf16" else r"param\."
+    with pytest.raises(ParityError, match=match):
+        faulty.train_step("step", _mlp(), x, labels=y, loss_fn=torch.nn.MSELoss())
+
+
+def test_a_rounding_level_gradient_difference_passes_the_optimizer_step_check_in_bf16():
+    # two correct devices: the target's gradients differ in their last bits; its own optimizer is the CPU's
+    record = ParityCase(ParitySession(CPU, reference="cpu"), "tests/test_optimizer_replay.py::t", "bf16",
+                        patches=nudge(1e-6)).train_step("step", HalfNormed(), X)
+    assert record.status == "pass" and "optimizer replay" in record.extra["policy_note"]
