@@ -339,14 +339,24 @@ class StaleSuiteReport:
         messages = {(r["test_id"], r["check"], r["recipe"]): r.get("problem") for r in config.stash[ROWS_KEY]
                     if r.get("baseline_error")}
         short: dict[str, str] = {}
+        used = {Path(p).resolve() for p in session.baselines_used}
         for suite in suites:
             fix = suite.fix(session.store.update_command)
             tests = sorted({t for t, _, _ in suite.checks})
-            tr.section(f"npu-parity: every baseline of suite {suite.suite!r} is stale", sep="=", bold=True)
+            files = _suite_files(session.store, tests[0])
+            unchecked = [f for f in files if f.resolve() not in used]
+            title = f"every baseline of suite {suite.suite!r} is stale"
+            if unchecked:  # a selection (-k, node ids, one file, one recipe): say no more than it saw
+                title = f"every baseline of suite {suite.suite!r} this run checked is stale"
+                fix = " ".join([session.store.update_command, *map(shlex.quote, tests)])
+            tr.section(f"npu-parity: {title}", sep="=", bold=True)
             recorded = f" (recorded on {suite.provenance})" if suite.provenance else ""
             tr.write_line(f"{_cause_text(suite.cause).capitalize()} since its baselines were recorded{recorded}: "
                           f"{len(suite.checks)} checks of {len(tests)} tests are stale"
                           + (f"; {suite.fresh} other checks still matched" if suite.fresh else "") + ".")
+            if unchecked:
+                tr.write_line(f"This run did not check {len(unchecked)} of the suite's {len(files)} baseline files "
+                              "(a selection): whether they are stale too is not known.")
             others = suite.other_causes()
             if others:  # what some checks found besides the shared cause, each check kind by its own
                 tr.write_line("Besides, " + "; ".join(
@@ -361,10 +371,12 @@ class StaleSuiteReport:
             for key in suite.checks:
                 test_id, check, recipe = key
                 own = suite.causes.get(key, suite.cause)
-                whole = (f"{_cause_text(suite.cause)} for the whole suite {suite.suite!r}" if not suite.extra_causes(key) else
-                         f"{_cause_text(own)} (and the whole suite {suite.suite!r} is stale: {_cause_text(suite.cause)})")
-                short.setdefault(test_id, f"check {check!r} ({recipe}): baseline stale: {whole}; see 'every baseline "
-                                          f"of suite {suite.suite!r} is stale' above the failures; fix: {fix}")
+                scope = (f"every checked baseline of suite {suite.suite!r}" if unchecked
+                         else f"the whole suite {suite.suite!r}")
+                whole = (f"{_cause_text(suite.cause)} for {scope}" if not suite.extra_causes(key) else
+                         f"{_cause_text(own)} (and {scope} is stale: {_cause_text(suite.cause)})")
+                short.setdefault(test_id, f"check {check!r} ({recipe}): baseline stale: {whole}; see '{title}' above "
+                                          f"the failures; fix: {fix}")
         failing = {(r["test_id"], r["check"], r["recipe"]) for r in config.stash[ROWS_KEY]
                    if r.get("verdict") in ("fail", "error")}
         covered = {c for suite in suites for c in suite.checks}
@@ -462,6 +474,17 @@ def _unused_baselines(config: pytest.Config, session: Any) -> list[Path]:
         if any(test_file.is_relative_to(d) for d in scope):
             unused.append(path)
     return unused
+
+
+def _suite_files(store: Any, test_id: str) -> list[Path]:
+    """The baseline files of the suite that holds ``test_id`` (``BaselineStore.baseline_files``), or none
+    when no store maps it."""
+    from ..store.format import BaselineError
+
+    try:
+        return store.store_for(test_id).baseline_files()
+    except (BaselineError, OSError, AttributeError):
+        return []
 
 
 def _recorded_test_id(path: Path) -> str | None:

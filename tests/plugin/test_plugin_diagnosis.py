@@ -220,3 +220,27 @@ def test_a_check_stale_for_its_own_cause_besides_the_suites_is_named_so(pytester
     result.stdout.fnmatch_lines(["*_ test_layer_b* _*",
                                  "check 'layer_b' (fp32): baseline stale: the model's weights changed for the whole "
                                  "suite 'demo'; see *"])
+
+
+def test_a_selection_whose_checked_baselines_are_all_stale_says_only_what_it_checked(pytester: pytest.Pytester) -> None:
+    module = _project(pytester)
+    assert pytester.runpytest("--update-baselines", "parity_suites").ret == 0
+    edit_module(module, "SEED = 0", "SEED = 1")
+    # -k selects two of the suite's six tests: it said every baseline of the suite was stale and re-recorded it all
+    result = pytester.runpytest("--npu-parity", "parity_suites", "-k", "test_layer")
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    assert "every baseline of suite 'demo' is stale" not in out
+    ids = ("'parity_suites/demo/test_diag.py::test_layer_a[[]fp32]' "
+           "'parity_suites/demo/test_diag.py::test_layer_b[[]fp32]'")  # [[] is fnmatch's literal [, quoted by shlex
+    result.stdout.fnmatch_lines([
+        "*= npu-parity: every baseline of suite 'demo' this run checked is stale =*",
+        "The model's weights changed since its baselines were recorded (recorded on cpu *): 2 checks of 2 tests are "
+        "stale.",
+        "This run did not check * of the suite's * baseline files (a selection): whether they are stale too is not "
+        "known.",
+        f"Fix it once, on a trusted machine: pytest --update-baselines {ids}",
+    ])
+    result.stdout.fnmatch_lines(["check * (fp32): baseline stale: the model's weights changed for every checked "
+                                 "baseline of suite 'demo'; see 'every baseline of suite 'demo' this run checked is "
+                                 f"stale' above the failures; fix: pytest --update-baselines {ids}"])
