@@ -113,9 +113,10 @@ def _resolve_target(config: pytest.Config, raw: Raw) -> Any:
     (``devices.pinned_device``). A usage error when it is absent or the spec is bad."""
     from ..runtime.devices import DeviceUnavailableError, resolve_worker_target
 
+    spec, where = raw.value("parity_device")  # the option, else the ini key: the error names the one given
     try:
-        return resolve_worker_target(raw.value("parity_device")[0], xdist_worker_id(config),
-                                     raw.value("parity_worker_devices")[0] or None)
+        return resolve_worker_target(spec, xdist_worker_id(config), raw.value("parity_worker_devices")[0] or None,
+                                     option=where)
     except (ValueError, DeviceUnavailableError) as exc:
         raise pytest.UsageError(str(exc)) from None
 

@@ -142,8 +142,11 @@ def _parse_recipes(value: Any, where: str) -> tuple[str, ...]:
 
     try:
         return tuple(r.name for r in parse_recipes(value))
-    except ValueError as exc:
-        raise pytest.UsageError(str(exc)) from None
+    except ValueError as exc:  # the engine names the option; an ini value is named by its key
+        message = str(exc)
+        if where.startswith("ini ") and message.startswith("--parity-dtypes"):
+            message = where + message[len("--parity-dtypes"):]
+        raise pytest.UsageError(message) from None
 
 
 def _parse_layers(value: Any, where: str) -> Any:

@@ -99,6 +99,21 @@ def test_unknown_recipe_is_a_usage_error(pytester: pytest.Pytester) -> None:
     result.stderr.fnmatch_lines(["*unknown recipe(s) fp8*"])
 
 
+def test_a_bad_ini_recipe_or_device_is_named_by_its_ini_key(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(LINEAR_TEST)
+    pytester.makeini("[pytest]\nparity_dtypes = fp32,fp8\n")
+    result = pytester.runpytest("--npu-parity")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: ini parity_dtypes: unknown recipe(s) fp8; known: *"])
+    if torch.cuda.is_available():
+        return
+    pytester.makeini("[pytest]\nparity_device = cuda:0\n")
+    result = pytester.runpytest("--npu-parity")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: ini parity_device=cuda:0: *CUDA*"])
+    assert "--parity-device" not in result.stderr.str().split("CUDA")[0]
+
+
 def test_header_names_target_reference_and_versions(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(LINEAR_TEST)
     result = pytester.runpytest("--npu-parity", "--parity-device", "cpu", "--co")
