@@ -328,3 +328,16 @@ def test_the_op_traces_culprit_kernel_is_removed_with_its_module():
     rows = [r for r in case.records[-1].whatfix.counterfactual if r["kind"] == "counterfactual"]
     named = next(r for r in rows if r["submodule"] == "1")
     assert "module of the culprit op aten._softmax" in named["why"] and named["verdict"] == "root cause"
+
+
+def test_a_rerun_that_passes_beyond_the_limit_says_what_forgave_it():
+    from types import SimpleNamespace
+
+    from pytest_npu_parity.diagnose.counterfactual import _passes
+
+    # "error 639 -> 184 (71% removed, passes)" read as a contradiction: 184 is beyond the limit of 1, and the
+    # golden floor passed it within its allclose floor
+    assert _passes(SimpleNamespace(passed=True, error=184.0)) == (
+        ", passes: beyond the limit, within the verdict's allclose floor or budget")
+    assert _passes(SimpleNamespace(passed=True, error=0.4)) == ", passes"
+    assert _passes(SimpleNamespace(passed=False, error=184.0)) == ""

@@ -108,7 +108,7 @@ class WhatMakesItPass:
                 lines.append(f"  {a.suspect.label()} {_replaced(a)}: not run ({a.outcome.problem})")
                 continue
             lines.append(f"  {a.suspect.label()} {_replaced(a)}: error {_fmt(a.before)} -> "
-                         f"{_fmt(a.outcome.error)} ({a.share:.0%} removed{', passes' if a.outcome.passed else ''}): "
+                         f"{_fmt(a.outcome.error)} ({a.share:.0%} removed{_passes(a.outcome)}): "
                          f"{a.verdict.upper()}  [{a.suspect.why}]")
         if split:
             lines.append(f"  ({len(split)} group(s) of patches turned off on the way to single patches: in the report's "
@@ -150,6 +150,17 @@ class WhatMakesItPass:
 
 def _fmt(value: float) -> str:
     return "inf" if math.isinf(value) else f"{value:.3g}"
+
+
+def _passes(outcome: Any) -> str:
+    """``, passes`` for a re-run the check's verdict passes; one whose error is still beyond the limit
+    (> 1) passes by what the verdict forgives besides the limit (the golden floor's allclose floor, an
+    allclose budget), and says so."""
+    if not outcome.passed:
+        return ""
+    if not outcome.error > 1:
+        return ", passes"
+    return ", passes: beyond the limit, within the verdict's allclose floor or budget"
 
 
 def _replaced(a: Attribution) -> str:
