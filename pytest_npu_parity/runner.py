@@ -59,7 +59,7 @@ from .checks.reference import (STALE_CAUSES, Expected, ReferenceSource, StaleSui
                                train_hashes, write_recording)
 from .checks.verdict import (LEAVES, DistributionVerdict, LeafVerdict, Sides, TrajectoryVerdict, compared_sides,
                              given_sides, optimizer_replay, paired_input_leaves, rejudged, split_layer_records,
-                             verdict_for)
+                             stream_override_note, verdict_for)
 from .checks.verdict import vacuity_problems as _vacuity_problems  # the name runner had
 from .judge.allclose import CompareResult, ParityError, compare  # noqa: F401  (also runner.compare, as before)
 from .leaves import flatten  # noqa: F401  (also runner.flatten, as before)
@@ -519,7 +519,8 @@ class ParityCase:
         golden = partial(self.session.golden_runner.run, fn, args, kwargs, recipe=self.recipe.name, seed=seed,
                          grad=grad)
         call = CheckCall("check", fn, args, kwargs, seed, grad, rerun, vacuous_ok, fault_weight, sample_dim,
-                         memo=(getattr(plan.layer_policy, "samples", None),), input_changes=side.input_changes)
+                         memo=(getattr(plan.layer_policy, "samples", None),), input_changes=side.input_changes,
+                         stream_overrides=side.stream_overrides)
         return self._record_or_compare(plan, run, hashes, call, golden, given)
 
     def train_step(self, name: str, module: torch.nn.Module, inputs: Any, *, labels: Any = None,
@@ -791,8 +792,9 @@ class ParityCase:
             self._keep(baseline_error_record(self._facts(), plan, exc, weights))
             raise
         actual, audit = run(self.target, patched=True, audited=self._settings().audit_mode() != "off")
+        notes = (*plan.notes, *filter(None, [stream_override_note(call.stream_overrides)]))
         sides = paired_input_leaves(split_layer_records(
-            Sides(actual, expected, audit, weights, notes=plan.notes, input_changes=call.input_changes,
+            Sides(actual, expected, audit, weights, notes=notes, input_changes=call.input_changes,
                   input_hash=hashes.get("input_hash")), plan.layer_policy))
         if judge is None:
             judge = verdict_for(call.sample_dim, call.sample_dim is not None and self.session.rng == "device",

@@ -95,6 +95,18 @@ def split_layer_records(sides: Sides, layer_policy: Any) -> Sides:
                                layer_records=layer_records)
 
 
+def stream_override_note(overridden: set[str] | None) -> str | None:
+    """The note of a check whose target runs did not run the patch set's own random functions
+    (``runtime.side.Side.stream_overrides``): under the shared random stream ``F.dropout``, SDPA's dropout
+    and ``torch.rand``/``randn``/… are the plugin's on both sides, so that both draw the same numbers;
+    a patch set's replacement of one of them is then not judged (its probability, its scaling, a dropout
+    left out all pass). None when there is none."""
+    if not overridden:
+        return None
+    return (f"the target side's own {', '.join(sorted(overridden))} (the patch set's) did not run: under the shared "
+            "random stream both sides draw from the plugin's, so its mask and scaling are not judged here")
+
+
 def paired_input_leaves(sides: Sides) -> Sides:
     """``sides`` with the inputs' values after the run (``runtime.input_changes``, leaves ``inplace:<path>``)
     kept where both sides hold one: an input changed in place on one side only is judged as such

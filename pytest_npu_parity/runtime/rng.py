@@ -121,6 +121,7 @@ class _CpuDraws:
         self.gen = torch.Generator(device="cpu")
         self.gen.manual_seed(seed)
         self.sdpa_kernel = sdpa_kernel or _ORIGINALS[(F, "scaled_dot_product_attention")]
+        self.bypassed: set[str] = set()  # replacements found in place that the block's draws stand in for
 
     @staticmethod
     def _place(t: torch.Tensor, device, dtype, requires_grad=False, out=None) -> torch.Tensor:
@@ -211,6 +212,8 @@ class _CpuDraws:
                 kwargs["enable_gqa"] = True  # only passed when set: torch < 2.5 has no such argument
             return self.sdpa_kernel(
                 query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale, **kwargs)
+        if self.sdpa_kernel is not _ORIGINALS[(F, "scaled_dot_product_attention")]:
+            self.bypassed.add("torch.nn.functional.scaled_dot_product_attention (with dropout)")
         if kwargs:
             raise TypeError(f"scaled_dot_product_attention() got unexpected arguments {sorted(kwargs)}")
         # Reference implementation in the PyTorch documentation of F.scaled_dot_product_attention.
@@ -266,8 +269,13 @@ def _initialized_device_modules() -> list[Any]:
 
 
 @contextlib.contextmanager
-def same_randomness(seed: int = 0) -> Iterator[None]:
+def same_randomness(seed: int = 0) -> Iterator[set[str]]:
     """Make every random draw inside the block come from a seeded CPU stream (see module doc).
+
+    Yields a set of the names of the functions this block stands in for that something had already
+    replaced when it started (``torch.nn.functional.dropout`` of a patch set), so that what was put there
+    does not run; a replaced ``scaled_dot_product_attention`` runs, and is added to the set (by the end of
+    the block) only once it is asked for dropout. Empty when none.
 
     Args:
         seed: the seed (an integer); the reference and target runs of one check must use the same.
@@ -294,7 +302,9 @@ def same_randomness(seed: int = 0) -> Iterator[None]:
         seed_everything(seed)
         for (owner, name), fn in replacements.items():
             setattr(owner, name, fn)
-        yield
+        draws.bypassed.update(f"{owner.__name__}.{name}" for (owner, name), fn in previous.items()
+                              if fn is not _ORIGINALS[(owner, name)] and name != "scaled_dot_product_attention")
+        yield draws.bypassed
     finally:
         for (owner, name), fn in previous.items():
             setattr(owner, name, fn)

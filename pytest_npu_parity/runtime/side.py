@@ -70,6 +70,7 @@ class CheckCall:
             layer records); a train step's ``optimizer``, ``loss_fn``, ``max_grad_norm`` and
             ``loop`` (callables by identity, ``_Same``).
         input_changes: the ``Side.input_changes`` of the check's runs, or None.
+        stream_overrides: the ``Side.stream_overrides`` of the check's runs, or None.
         rejudge: ``(target leaves as rerun returns them) -> CompareResult``: those leaves judged by
             the check's own verdict against the same expected leaves and golden as the check's
             comparison (``checks.verdict.rejudged``; nothing is computed again), or None (a check
@@ -93,6 +94,7 @@ class CheckCall:
     replay: Callable[[dict], dict] | None = None
     memo: tuple = ()
     input_changes: dict | None = None
+    stream_overrides: set | None = None
     rejudge: Callable[[dict], Any] | None = None
     loss: Callable[[Any, torch.nn.Module], torch.Tensor] | None = None
 
@@ -371,6 +373,9 @@ class Side:
         reference_patches_applied: receives the names of the patches a reference run applied.
         input_changes: receives, per side that ran (``"reference"``, ``"target"``: unpatched and
             patched runs), the paths of the inputs its runs changed in place (``_changed_inputs``).
+        stream_overrides: receives the names of the patch set's own random functions (``F.dropout``)
+            that its runs did not run, the shared random stream's being in their place
+            (``rng.same_randomness``).
     """
 
     recipe: Recipe
@@ -381,6 +386,7 @@ class Side:
     reference_patches: PatchFactory | None = None
     reference_patches_applied: set = field(default_factory=set)
     input_changes: dict = field(default_factory=dict)
+    stream_overrides: set = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -561,7 +567,7 @@ def _call(side: Side, spec: RunSpec, device: torch.device, patched: bool, audit:
         args_d, kwargs_d = _move(args, device, weights_dtype), _move(spec.kwargs, device, weights_dtype)
         stack.enter_context(side.recipe.context(device) if spec.recipe_context else strict_fp32_flags())
         mode, stream_seed = spec.stream or ("shared", spec.seed)
-        stack.enter_context(randomness(mode, stream_seed))
+        overridden = stack.enter_context(randomness(mode, stream_seed))
         stack.enter_context(torch.enable_grad() if spec.grad else torch.no_grad())
         if audit is not None and hasattr(audit, "to_target"):
             owner = owner_module(call)
@@ -585,6 +591,8 @@ def _call(side: Side, spec: RunSpec, device: torch.device, patched: bool, audit:
     if layers is not None:
         layers.update(captured)  # on the CPU once the capture has ended
     # after the audit: the comparison is not the computation's
+    if patched and overridden:  # the patch set's own random functions did not run under the shared stream
+        side.stream_overrides.update(overridden)
     changed = side.input_changes.setdefault("target" if patched else "reference", set())
     found = changed_inputs((args, spec.kwargs), (args_d, kwargs_d))
     changed.update(path for path, _ in found)

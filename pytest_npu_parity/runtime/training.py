@@ -255,6 +255,7 @@ def train_check(check: TrainCheck, side: Side, recipe: Recipe, golden_runner: An
                      check.fault_weight, replay=replay,
                      memo=(getattr(layers, "samples", None), _Same(spec.optimizer), _Same(spec.loss_fn),
                            spec.max_grad_norm, _Same(spec.loop)), input_changes=side.input_changes,
+                     stream_overrides=side.stream_overrides,
                      loss=None if spec.loop is not None else partial(step_loss, spec, check.forward[2]))
     return run, golden, call
 

@@ -1126,3 +1126,37 @@ def test_a_submodule_checked_first_after_an_attribute_edit_gets_a_golden_of_its_
     setattr(model.inner, edit, 3.0)
     with pytest.raises(ParityError, match="golden policy"):
         case.check("inner", model.inner, X[:8])
+
+
+def test_a_patch_sets_own_dropout_that_does_not_run_is_said_in_the_note():
+    import contextlib
+
+    class Drop(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(8, 8)
+            self.drop = torch.nn.Dropout(0.1)
+
+        def forward(self, x):
+            return self.drop(self.lin(x))
+
+    @contextlib.contextmanager
+    def other_p(device):  # the port's dropout with another p: the shared stream's stands in for it
+        original = torch.nn.functional.dropout
+        torch.nn.functional.dropout = lambda x, p=0.5, training=True, inplace=False: original(x, 0.15, training, inplace)
+        try:
+            yield
+        finally:
+            torch.nn.functional.dropout = original
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    loss = lambda out: out.square().mean()  # noqa: E731
+    clean = ParityCase(ParitySession(CPU, reference="cpu"), "t.py::drop", "fp32").train_step(
+        "step", Drop(), x, loss_fn=loss)
+    assert "did not run" not in (clean.extra.get("policy_note") or "")
+    record = ParityCase(ParitySession(CPU, reference="cpu"), "t.py::drop", "fp32", patches=other_p).train_step(
+        "step", Drop(), x, loss_fn=loss)
+    assert ("the target side's own torch.nn.functional.dropout (the patch set's) did not run: under the shared random "
+            "stream both sides draw from the plugin's, so its mask and scaling are not judged here"
+            ) in record.extra["policy_note"]

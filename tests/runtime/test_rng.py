@@ -467,3 +467,23 @@ def test_randomness_picks_the_mode():
         assert torch.randn is _ORIGINALS[(torch, "randn")]
     with pytest.raises(ValueError, match="use one of shared, device"):
         rng.randomness("cpu", 0)
+
+
+def test_the_block_says_which_replacements_found_in_place_it_stands_in_for(monkeypatch):
+    def own_dropout(x, p=0.5, training=True, inplace=False):
+        raise AssertionError("never runs inside the block")
+
+    with same_randomness(0) as overridden:
+        assert overridden == set()
+    monkeypatch.setattr(F, "dropout", own_dropout)
+    kernel = _ORIGINALS[(F, "scaled_dot_product_attention")]
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: kernel(*a, **k))
+    q = torch.randn(1, 2, 4, 8)
+    with same_randomness(0) as overridden:
+        F.dropout(q, 0.1)
+        assert overridden == {"torch.nn.functional.dropout"}  # a replaced SDPA runs without dropout: not named
+        F.scaled_dot_product_attention(q, q, q)
+        assert overridden == {"torch.nn.functional.dropout"}
+        F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    assert overridden == {"torch.nn.functional.dropout",
+                          "torch.nn.functional.scaled_dot_product_attention (with dropout)"}
