@@ -59,7 +59,8 @@ from .checks.reference import (STALE_CAUSES, Expected, ReferenceSource, StaleSui
                                train_hashes, write_recording)
 from .checks.verdict import (LEAVES, DistributionVerdict, LeafVerdict, Sides, TrajectoryVerdict, compared_sides,
                              given_sides, optimizer_replay, paired_input_leaves, rejudged, split_layer_records,
-                             stream_override_note, verdict_for)
+                             stream_override_note, verdict_for, without_inplace_leaves,
+                             without_unpaired_inplace)
 from .checks.verdict import vacuity_problems as _vacuity_problems  # the name runner had
 from .judge.allclose import CompareResult, ParityError, compare  # noqa: F401  (also runner.compare, as before)
 from .leaves import flatten  # noqa: F401  (also runner.flatten, as before)
@@ -808,7 +809,8 @@ class ParityCase:
                 if found is not None and found[0] is not None:
                     # only beside a reference of the computation the golden came from (checks.stored_golden)
                     try:
-                        live = split_layers(run(torch.device("cpu"), patched=False)[0])[0]
+                        live = without_unpaired_inplace(split_layers(run(torch.device("cpu"), patched=False)[0])[0],
+                                                        sides.expected.leaves)
                         why = reference_mismatch(sides.expected.leaves, live, found[0], sides.expected.compact,
                                                  plan.golden_policy, plan.tolerance, plan.name,
                                                  WORK_DTYPES.get(self.recipe.name), training=call.kind == "train_step")
@@ -823,6 +825,11 @@ class ParityCase:
                     self._golden_additions[plan.name] = (*found, plan.golden_policy)
             call.rejudge = partial(rejudged, self._facts(), plan, sides, dataclasses.replace(call), golden)
             sides = compared_sides(sides, call, replay, golden, plan.golden_policy)
+        else:  # a distribution's leaves are samples: an input's written values are no sample
+            sides = without_inplace_leaves(sides, "the check is judged as distributions")
+        if call.rerun is not None:  # re-runs (self-check, counterfactuals) hold the inplace: leaves compared here
+            rerun, compared = call.rerun, sides.expected.leaves
+            call.rerun = lambda *args: without_unpaired_inplace(rerun(*args), compared)
         return self._settle(plan, sides, call, judge)
 
     def _record(self, plan: CheckPlan, run: Callable, hashes: dict[str, Any], call: CheckCall,

@@ -107,6 +107,31 @@ def stream_override_note(overridden: set[str] | None) -> str | None:
             "random stream both sides draw from the plugin's, so its mask and scaling are not judged here")
 
 
+def without_unpaired_inplace(leaves: Any, expected: Any) -> Any:
+    """``leaves`` (a run's ``{path: leaf}``) less its ``inplace:`` leaves (``runtime.input_changes``) that
+    ``expected`` does not hold: a re-run of the target (``call.rerun``), the store run's live CPU run or a
+    counterfactual's leaves, made comparable with the expected leaves ``paired_input_leaves`` and
+    ``compared_sides`` kept."""
+    if not isinstance(leaves, dict):
+        return leaves
+    held = expected if isinstance(expected, dict) else {}
+    return without(leaves, {p for p in leaves if is_inplace_leaf(p) and p not in held})
+
+
+def without_inplace_leaves(sides: Sides, why: str) -> Sides:
+    """``sides`` with no ``inplace:`` leaf on either side, and a note naming the inputs whose written values are
+    therefore not compared, ``why`` (a check judged as distributions, whose leaves are samples)."""
+    names = sorted({p for leaves in (sides.actual, sides.expected.leaves) if isinstance(leaves, dict)
+                    for p in leaves if is_inplace_leaf(p)})
+    if not names:
+        return sides
+    shown = ", ".join(p[len(INPLACE_PREFIX):] for p in names)
+    return dataclasses.replace(sides, actual=without(sides.actual, set(names)),
+                               expected=dataclasses.replace(sides.expected, leaves=without(sides.expected.leaves,
+                                                                                          set(names))),
+                               notes=(*sides.notes, f"the values written in place into {shown} not compared: {why}"))
+
+
 def paired_input_leaves(sides: Sides) -> Sides:
     """``sides`` with the inputs' values after the run (``runtime.input_changes``, leaves ``inplace:<path>``)
     kept where both sides hold one: an input changed in place on one side only is judged as such
@@ -157,6 +182,14 @@ def compared_sides(sides: Sides, call: CheckCall, replay: tuple[dict | None, str
     replayed, replay_note, *exact = replay
     expected = sides.expected.leaves if replayed is None else {**sides.expected.leaves, **replayed}
     note = _joined(note, replay_note)
+    if golden_leaves is not None:  # the golden run, on its float64 copy, may leave an input the sides changed
+        unchanged = {p for p in expected if is_inplace_leaf(p) and p not in golden_leaves}
+        if unchanged:
+            actual, expected = without(actual, unchanged), without(expected, unchanged)
+            note = _joined(note, f"the values written in place into "
+                                 f"{', '.join(sorted(p[len(INPLACE_PREFIX):] for p in unchanged))} not compared: the "
+                                 "golden run did not change that input (a value-dependent in-place op, on its float64 "
+                                 "copy)")
     if call.kind == "train_step" and replayed is None:
         dropped = rounding_level_params(expected)
         if dropped:
@@ -182,7 +215,7 @@ def rejudged(facts: CaseFacts, plan: CheckPlan, sides: Sides, call: CheckCall,
     ``compared_sides``; ``call``: a copy of the check's call (``compared_sides`` may wrap its
     ``rerun``). Returns the ``CompareResult`` (a ``GoldenCompareResult`` under a golden verdict);
     nothing is recorded or raised."""
-    actual = split_layers(leaves)[0]
+    actual = without_unpaired_inplace(split_layers(leaves)[0], sides.expected.leaves)
     again = dataclasses.replace(sides, actual=actual)
     replay = optimizer_replay(call, actual, again.expected.leaves, plan.tolerance, again.expected.compact)
     again = compared_sides(again, dataclasses.replace(call), replay, golden, plan.golden_policy)
@@ -485,7 +518,8 @@ def measure_distribution(facts: CaseFacts, plan: CheckPlan, sides: Sides, sample
                           result=result, reference_provenance=sides.expected.provenance, audit=sides.audit,
                           weights=sides.weights, distribution_policy=policy)
     streams = _streams(sides.expected, own_stream)
-    record.notes.policy_note = f"samples compared as distributions along axis {sample_dim} ({streams})"
+    record.notes.policy_note = "; ".join((f"samples compared as distributions along axis {sample_dim} ({streams})",
+                                          *filter(None, sides.notes)))
     return record
 
 

@@ -284,3 +284,89 @@ def test_an_output_leaf_named_like_a_written_input_is_a_clear_error():
 
     with pytest.raises(ValueError, match=r"output leaf named 'inplace:args\[1\]'.*rename that output key"):
         inplace_leaves([("args[1]", torch.zeros(2))], {"inplace:args[1]": torch.ones(2)})
+
+
+class FillCacheUnused(FillCache):
+    """``FillCache`` with a parameter that affects nothing (a self-check fault weight without teeth)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.ones(4, 4))
+
+
+def _older(store: SuiteStores, *, goldens: bool = True) -> None:
+    """The file as recorded before the written values were stored (and, ``goldens=False``, before goldens)."""
+    baseline = store.load(TEST_ID)
+    entry = baseline.checks["fill"]
+    older = dataclasses.replace(entry, tensors={k: v for k, v in entry.tensors.items() if not k.startswith("inplace:")})
+    if not goldens:
+        older = dataclasses.replace(older, extras={k: v for k, v in older.extras.items() if not k.startswith("golden:")},
+                                    meta={k: v for k, v in older.meta.items() if k != "golden"})
+    store.write(TEST_ID, {"fill": older}, baseline.provenance)
+
+
+def test_a_self_check_against_an_older_baseline_still_finds_a_weight_without_teeth(tmp_path):
+    from pytest_npu_parity.diagnose.selfcheck import SelfCheck
+
+    store = SuiteStores(tmp_path)
+    recording = ParityCase(ParitySession(CPU, update_baselines=True, store=store), TEST_ID, "fp32")
+    recording.check("fill", FillCacheUnused(), *cache_inputs())
+    recording.finish()
+    _older(store)
+    # the re-run's inplace: leaf, absent from the older baseline, was counted as the fault being caught
+    case = ParityCase(ParitySession(CPU, store=store, check_hooks=[SelfCheck()]), TEST_ID, "fp32")
+    with pytest.raises(ParityError, match="has no teeth"):
+        case.check("fill", FillCacheUnused(), *cache_inputs(), fault_weight="unused")
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+def test_store_goldens_adds_the_golden_of_an_older_baseline_of_an_in_place_model(tmp_path, recipe):
+    store = SuiteStores(tmp_path)
+    recording = ParityCase(ParitySession(CPU, update_baselines=True, store=store), TEST_ID, recipe)
+    recording.check("fill", FillCache(), *cache_inputs(), policy="golden")
+    recording.finish()
+    _older(store, goldens=False)
+    session = ParitySession(CPU, store=store)
+    session.store_goldens = True
+    case = ParityCase(session, TEST_ID, recipe)
+    record = case.check("fill", FillCache(), *cache_inputs(), policy="golden")
+    assert record.status == "pass" and "golden not added" not in record.extra["policy_note"]
+    assert list(case._golden_additions) == ["fill"]
+
+
+def test_a_sampling_check_judged_as_distributions_leaves_the_written_values_out_and_says_so():
+    class Sampler(FillCache):
+        def forward(self, x, cache):
+            h = torch.tanh(self.o(x))
+            cache[:, :4].copy_(h)
+            return h.mean(0) + torch.randn(256, 4)  # 256 samples along dim 0
+
+    record = ParityCase(ParitySession(CPU, reference="cpu", rng="device"), TEST_ID, "fp32").check(
+        "sample", Sampler(), *cache_inputs(), sample_dim=0)
+    assert record.status == "pass"
+    assert ("the values written in place into args[1] not compared: the check is judged as distributions"
+            in record.extra["policy_note"])
+
+
+class Threshold(torch.nn.Module):
+    """Zeroes its input where it is >= 6 in place (value-dependent), then projects it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.masked_fill_(x >= 6, 0.0)
+        return self.lin(x)
+
+
+def test_a_value_the_golden_run_did_not_write_is_left_out_not_failed():
+    # bf16-weights rounds 5.99 to 6.0: both sides zero it, the float64 golden run leaves 5.99 alone
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    x[0, 0] = 5.99
+    record = ParityCase(ParitySession(CPU, reference="cpu"), TEST_ID, "bf16-weights").check(
+        "threshold", Threshold(), x, policy="golden")
+    assert record.status == "pass" and [leaf.path for leaf in record.result.leaves] == [""]
+    assert "the values written in place into args[0] not compared: the golden run did not change that input" in \
+        record.extra["policy_note"]
