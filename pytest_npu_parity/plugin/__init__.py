@@ -22,10 +22,10 @@ except Exception as _exc:  # noqa: BLE001 - never fail pytest's start-up over th
 
 from .fixtures import (parity, parity_audit_budget, parity_patches, parity_recipe,  # noqa: E402
                        parity_reference_patches, parity_session)
-from .hooks import (parity_enabled, pytest_addoption, pytest_collection_modifyitems,  # noqa: E402
-                    pytest_configure, pytest_generate_tests, pytest_report_header, pytest_runtest_makereport,
-                    pytest_sessionfinish, pytest_sessionstart, pytest_terminal_summary, pytest_testnodedown,
-                    pytest_unconfigure)
+from .hooks import (parity_enabled, pytest_addoption, pytest_collection_finish,  # noqa: E402
+                    pytest_collection_modifyitems, pytest_configure, pytest_generate_tests, pytest_report_header,
+                    pytest_runtest_makereport, pytest_sessionfinish, pytest_sessionstart, pytest_terminal_summary,
+                    pytest_testnodedown, pytest_unconfigure)
 from .options import MARKER_KEYS, MAX_SEED, OVERRIDABLE_RECIPES  # noqa: E402
 from .paths import LOCALIZE_OPTIONS, PATH_OPTIONS, RECORD_OPTIONS, localize_command, rerun_command  # noqa: E402
 from .state import (COLLECTED_KEY, CONFIG_KEY, DEEPSPEED_LINT_KEY, LOCK_KEY,  # noqa: E402
@@ -34,7 +34,8 @@ from .state import (COLLECTED_KEY, CONFIG_KEY, DEEPSPEED_LINT_KEY, LOCK_KEY,  # 
 __all__ = [
     "NPU_UNUSED_REASON", "parity", "parity_audit_budget", "parity_patches", "parity_recipe",
     "parity_reference_patches", "parity_session",
-    "parity_enabled", "pytest_addoption", "pytest_collection_modifyitems", "pytest_configure",
+    "parity_enabled", "pytest_addoption", "pytest_collection_finish", "pytest_collection_modifyitems",
+    "pytest_configure",
     "pytest_generate_tests", "pytest_report_header", "pytest_runtest_makereport", "pytest_sessionfinish",
     "pytest_sessionstart", "pytest_terminal_summary", "pytest_testnodedown", "pytest_unconfigure",
     "MARKER_KEYS", "MAX_SEED", "OVERRIDABLE_RECIPES", "LOCALIZE_OPTIONS", "PATH_OPTIONS", "RECORD_OPTIONS",

@@ -22,7 +22,7 @@ from .config import ParityConfig, recipe_names
 from .options import Raw, add_options
 from .paths import record_parity_paths
 from .state import (COLLECTED_KEY, CONFIG_KEY, DEEPSPEED_LINT_KEY, LOCK_KEY, OUTCOME_KEY, PROFILE_KEY,
-                    ROWS_KEY, SESSION_KEY, SKIP_REASON, TEMP_KEY)
+                    ROWS_KEY, SELECTED_KEY, SESSION_KEY, SKIP_REASON, TEMP_KEY)
 from .xdist import is_xdist_controller, xdist_worker_id
 
 
@@ -85,6 +85,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", NIGHTLY_MARKER_HELP)
     config.stash[ROWS_KEY] = []
     config.stash[COLLECTED_KEY] = []
+    config.stash[SELECTED_KEY] = []
     config.stash[OUTCOME_KEY] = {}
     if raw.options["update_baselines"]:
         record_parity_paths(config, raw)
@@ -114,9 +115,10 @@ def _resolve_target(config: pytest.Config, raw: Raw) -> Any:
     from ..runtime.devices import DeviceUnavailableError, resolve_worker_target
 
     spec, where = raw.value("parity_device")  # the option, else the ini key: the error names the one given
+    mapping, mapping_where = raw.value("parity_worker_devices")
     try:
-        return resolve_worker_target(spec, xdist_worker_id(config), raw.value("parity_worker_devices")[0] or None,
-                                     option=where)
+        return resolve_worker_target(spec, xdist_worker_id(config), mapping or None, option=where,
+                                     mapping_option=mapping_where)
     except (ValueError, DeviceUnavailableError) as exc:
         raise pytest.UsageError(str(exc)) from None
 
@@ -209,6 +211,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     else:
         metafunc.parametrize("parity_recipe", [pytest.param(None, marks=pytest.mark.skip(
             reason=f"none of the recipes {allowed} is selected by --parity-dtypes"))], ids=["no-recipe"])
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The tests this run selected, after -k/-m deselection (a selection's stale summary, ``summary``)."""
+    if parity_enabled(session.config):
+        session.config.stash[SELECTED_KEY] = [item.nodeid for item in session.items]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -335,6 +343,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         workeroutput["parity_not_written"] = json.dumps(config.stash[SESSION_KEY].not_written)
         workeroutput["parity_used"] = json.dumps(sorted(map(str, config.stash[SESSION_KEY].baselines_used)))
         workeroutput["parity_collected"] = json.dumps(config.stash[COLLECTED_KEY])
+        workeroutput["parity_selected"] = json.dumps(config.stash[SELECTED_KEY])
         return
     config.stash[ROWS_KEY].extend(rows)
 
@@ -362,6 +371,8 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
         config.stash[SESSION_KEY].baselines_used.update(Path(p) for p in json.loads(output.get("parity_used", "[]")))
         seen = set(config.stash[COLLECTED_KEY])  # every worker collects the same tests
         config.stash[COLLECTED_KEY].extend(i for i in json.loads(output.get("parity_collected", "[]")) if i not in seen)
+        selected = set(config.stash[SELECTED_KEY])
+        config.stash[SELECTED_KEY].extend(i for i in json.loads(output.get("parity_selected", "[]")) if i not in selected)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

@@ -9,6 +9,7 @@ CONFIG_KEY = pytest.StashKey["Any"]()  # config.ParityConfig: every option and i
 SESSION_KEY = pytest.StashKey["Any"]()  # runner.ParitySession of a parity session
 ROWS_KEY = pytest.StashKey["list"]()
 COLLECTED_KEY = pytest.StashKey["list"]()  # node ids of every collected test (they keep their baselines)
+SELECTED_KEY = pytest.StashKey["list"]()  # node ids of the tests this run selected (after -k/-m deselection)
 OUTCOME_KEY = pytest.StashKey["dict"]()  # node id -> outcome of its call phase (only "passed" writes a baseline)
 LOCK_KEY = pytest.StashKey["Any"]()  # the store lock a record run holds for its whole session
 TEMP_KEY = pytest.StashKey["tuple"]()  # ("removed" | "found", [(path, bytes)]) temporary files of killed writes

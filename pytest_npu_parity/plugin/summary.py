@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import pytest
 
 from ..report import columns
-from .state import COLLECTED_KEY, CONFIG_KEY, LOCK_KEY, ROWS_KEY, SESSION_KEY, STALE_KEY, TEMP_KEY
+from .state import COLLECTED_KEY, CONFIG_KEY, LOCK_KEY, ROWS_KEY, SELECTED_KEY, SESSION_KEY, STALE_KEY, TEMP_KEY
 
 
 def terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -339,12 +339,15 @@ class StaleSuiteReport:
         messages = {(r["test_id"], r["check"], r["recipe"]): r.get("problem") for r in config.stash[ROWS_KEY]
                     if r.get("baseline_error")}
         short: dict[str, str] = {}
-        used = {Path(p).resolve() for p in session.baselines_used}
+        selected = _selected_files(config)
+        recipes = set(config.stash[CONFIG_KEY].recipes or ())
         for suite in suites:
             fix = suite.fix(session.store.update_command)
             tests = sorted({t for t, _, _ in suite.checks})
-            files = _suite_files(session.store, tests[0])
-            unchecked = [f for f in files if f.resolve() not in used]
+            files = [f for f in _suite_files(session.store, tests[0]) if _recorded_recipe(f) in recipes]
+            # files of this run's recipes whose test the run did not select (-k, -m, node ids, one file of the suite);
+            # a selected test that skipped is part of the run
+            unchecked = [f for f in files if f.resolve() not in selected]
             title = f"every baseline of suite {suite.suite!r} is stale"
             if unchecked:  # a selection (-k, node ids, one file, one recipe): say no more than it saw
                 title = f"every baseline of suite {suite.suite!r} this run checked is stale"
@@ -474,6 +477,19 @@ def _unused_baselines(config: pytest.Config, session: Any) -> list[Path]:
         if any(test_file.is_relative_to(d) for d in scope):
             unused.append(path)
     return unused
+
+
+def _selected_files(config: pytest.Config) -> set[Path]:
+    """The baseline files (resolved) of the tests this run selected (``SELECTED_KEY``)."""
+    from ..store.format import BaselineError
+
+    store, found = config.stash[SESSION_KEY].store, set()
+    for node_id in config.stash.get(SELECTED_KEY, []):
+        try:
+            found.add(store.path_for(node_id).resolve())
+        except BaselineError:
+            pass
+    return found
 
 
 def _suite_files(store: Any, test_id: str) -> list[Path]:

@@ -112,6 +112,10 @@ def test_a_bad_ini_recipe_or_device_is_named_by_its_ini_key(pytester: pytest.Pyt
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["ERROR: ini parity_device=cuda:0: *CUDA*"])
     assert "--parity-device" not in result.stderr.str().split("CUDA")[0]
+    pytester.makeini("[pytest]\nparity_worker_devices = 0,x\n")
+    result = pytester.runpytest("--npu-parity", "--parity-device", "cpu")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: ini parity_worker_devices='0,x': 'x' is not a device index*"])
 
 
 def test_header_names_target_reference_and_versions(pytester: pytest.Pytester) -> None:

@@ -244,3 +244,18 @@ def test_a_selection_whose_checked_baselines_are_all_stale_says_only_what_it_che
     result.stdout.fnmatch_lines(["check * (fp32): baseline stale: the model's weights changed for every checked "
                                  "baseline of suite 'demo'; see 'every baseline of suite 'demo' this run checked is "
                                  f"stale' above the failures; fix: pytest --update-baselines {ids}"])
+
+
+def test_a_whole_suite_run_is_no_selection_despite_other_recipes_files_and_a_skipped_test(
+        pytester: pytest.Pytester) -> None:
+    module = _project(pytester)
+    assert pytester.runpytest("--update-baselines", "parity_suites").ret == 0
+    # the opt-in fp16 recipe's files sit beside them; a default run leaves them alone
+    assert pytester.runpytest("--update-baselines", "--parity-dtypes=fp16", "parity_suites").ret == 0
+    edit_module(module, "SEED = 0", "SEED = 1")
+    edit_module(module, "def test_tanh(parity):\n", "def test_tanh(parity):\n    pytest.skip('needs an NPU')\n")
+    result = pytester.runpytest("--npu-parity", "parity_suites")
+    out = result.stdout.str()
+    assert "this run checked" not in out and "(a selection)" not in out
+    result.stdout.fnmatch_lines(["*= npu-parity: every baseline of suite 'demo' is stale =*",
+                                 "Fix it once, on a trusted machine: pytest --update-baselines parity_suites/demo"])
