@@ -96,15 +96,18 @@ def split_layer_records(sides: Sides, layer_policy: Any) -> Sides:
 
 
 def stream_override_note(overridden: set[str] | None) -> str | None:
-    """The note of a check whose target runs did not run the patch set's own random functions
-    (``runtime.side.Side.stream_overrides``): under the shared random stream ``F.dropout``, SDPA's dropout
-    and ``torch.rand``/``randn``/… are the plugin's on both sides, so that both draw the same numbers;
-    a patch set's replacement of one of them is then not judged (its probability, its scaling, a dropout
+    """The note of a check whose target runs called, in place of the patch set's own random functions, the
+    shared random stream's (``runtime.side.Side.stream_overrides``: functions the patch set replaced and the
+    computation called): under the shared stream ``F.dropout``, SDPA's dropout and
+    ``torch.rand``/``randn``/… are the plugin's on both sides, so that both draw the same numbers; a
+    patch set's replacement of one of them is then not judged (its probability, its scaling, a dropout
     left out all pass). None when there is none."""
     if not overridden:
         return None
-    return (f"the target side's own {', '.join(sorted(overridden))} (the patch set's) did not run: under the shared "
-            "random stream both sides draw from the plugin's, so its mask and scaling are not judged here")
+    shown = ", ".join(name + (" with dropout" if name.endswith("scaled_dot_product_attention") else "")
+                      for name in sorted(overridden))
+    return (f"the patch set's own {shown} did not run: under the shared random stream both sides call the plugin's "
+            "(the same draws on both), so the patch set's version is not judged here")
 
 
 def without_unpaired_inplace(leaves: Any, expected: Any) -> Any:
@@ -645,8 +648,9 @@ class TrajectoryVerdict:
                               result=result, reference_provenance=sides.expected.provenance, audit=sides.audit,
                               weights=sides.weights, trajectory_policy=self.policy)
         steps = result.curves[0].steps if result.curves else 0
-        record.notes.policy_note = (f"trajectory of {steps} steps: mean relative loss error "
-                                    f"{result.mean_rel_loss_error:.3g} (limit {self.policy.loss_limit:g})")
+        record.notes.policy_note = "; ".join((f"trajectory of {steps} steps: mean relative loss error "
+                                              f"{result.mean_rel_loss_error:.3g} (limit {self.policy.loss_limit:g})",
+                                              *filter(None, sides.notes)))
         if result.problems:
             record.notes.check_problem = "; ".join(result.problems)
         return record

@@ -345,9 +345,7 @@ class StaleSuiteReport:
             fix = suite.fix(session.store.update_command)
             tests = sorted({t for t, _, _ in suite.checks})
             files = [f for f in _suite_files(session.store, tests[0]) if _recorded_recipe(f) in recipes]
-            # files of this run's recipes whose test the run did not select (-k, -m, node ids, one file of the suite);
-            # a selected test that skipped is part of the run
-            unchecked = [f for f in files if f.resolve() not in selected]
+            unchecked = _not_selected(config, files, selected)
             title = f"every baseline of suite {suite.suite!r} is stale"
             if unchecked:  # a selection (-k, node ids, one file, one recipe): say no more than it saw
                 title = f"every baseline of suite {suite.suite!r} this run checked is stale"
@@ -490,6 +488,26 @@ def _selected_files(config: pytest.Config) -> set[Path]:
         except BaselineError:
             pass
     return found
+
+
+def _not_selected(config: pytest.Config, files: list[Path], selected: set[Path]) -> list[Path]:
+    """The baseline ``files`` (of this run's recipes) whose test the run left out: deselected (``-k``, ``-m``),
+    or outside the paths and node ids it was given. A selected test that skipped is part of the run; a file of
+    a test no longer in the run's paths (a deleted test's leftover, reported as unused) is no selection."""
+    collected = set(config.stash[COLLECTED_KEY])
+    invocation = Path(config.invocation_params.dir)
+    scope = [(invocation / arg).resolve() for arg in config.args]
+    left_out = []
+    for path in files:
+        if path.resolve() in selected:
+            continue
+        test_id = _recorded_test_id(path)
+        if test_id is None:
+            continue
+        test_file = (config.rootpath / test_id.partition("::")[0]).resolve()
+        if test_id in collected or not any(test_file.is_relative_to(d) for d in scope):
+            left_out.append(path)
+    return left_out
 
 
 def _suite_files(store: Any, test_id: str) -> list[Path]:

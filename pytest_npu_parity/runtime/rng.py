@@ -40,6 +40,7 @@ import hashlib
 import math
 import operator
 import random
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
@@ -121,7 +122,7 @@ class _CpuDraws:
         self.gen = torch.Generator(device="cpu")
         self.gen.manual_seed(seed)
         self.sdpa_kernel = sdpa_kernel or _ORIGINALS[(F, "scaled_dot_product_attention")]
-        self.bypassed: set[str] = set()  # replacements found in place that the block's draws stand in for
+        self.used: set[str] = set()  # the stand-ins called (SDPA: asked for dropout), by their torch names
 
     @staticmethod
     def _place(t: torch.Tensor, device, dtype, requires_grad=False, out=None) -> torch.Tensor:
@@ -140,9 +141,11 @@ class _CpuDraws:
             return self._place(sample, device, dtype or torch.get_default_dtype(), requires_grad, out)
 
     def rand(self, *args, **kwargs) -> torch.Tensor:
+        self.used.add("torch.rand")
         return self._float_draw("rand", args, **kwargs)
 
     def randn(self, *args, **kwargs) -> torch.Tensor:
+        self.used.add("torch.randn")
         return self._float_draw("randn", args, **kwargs)
 
     def _like(self, fn: str, x: torch.Tensor, dtype=None, device=None, requires_grad=False, memory_format=None,
@@ -155,14 +158,17 @@ class _CpuDraws:
             return self._place(sample, device, dtype or x.dtype, requires_grad)
 
     def rand_like(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.used.add("torch.rand_like")
         return self._like("rand", x, **kwargs)
 
     def randn_like(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.used.add("torch.randn_like")
         return self._like("randn", x, **kwargs)
 
     def randint(self, *args, low=None, high=None, size=None, generator=None, out=None, dtype=None, device=None,
                 requires_grad=False, **kwargs) -> torch.Tensor:
         """``torch.randint(high, size)``, ``torch.randint(low, high, size)``, any of them as keywords."""
+        self.used.add("torch.randint")
         _check_factory_kwargs("randint", kwargs)
         positional = list(args)
         if size is None and positional and isinstance(positional[-1], (tuple, list, torch.Size)):
@@ -198,6 +204,7 @@ class _CpuDraws:
             raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
         if not training or p == 0.0:
             return input
+        self.used.add("torch.nn.functional.dropout")  # a dropout drawn (eval mode or p = 0 draws none)
         if p == 1.0:
             return input.mul_(0) if inplace else input * 0
         mask = self.dropout_mask(input.shape, p, input.device, input.dtype)
@@ -212,8 +219,7 @@ class _CpuDraws:
                 kwargs["enable_gqa"] = True  # only passed when set: torch < 2.5 has no such argument
             return self.sdpa_kernel(
                 query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale, **kwargs)
-        if self.sdpa_kernel is not _ORIGINALS[(F, "scaled_dot_product_attention")]:
-            self.bypassed.add("torch.nn.functional.scaled_dot_product_attention (with dropout)")
+        self.used.add("torch.nn.functional.scaled_dot_product_attention")
         if kwargs:
             raise TypeError(f"scaled_dot_product_attention() got unexpected arguments {sorted(kwargs)}")
         # Reference implementation in the PyTorch documentation of F.scaled_dot_product_attention.
@@ -268,14 +274,35 @@ def _initialized_device_modules() -> list[Any]:
     return modules
 
 
+@dataclass(frozen=True)
+class StandIns:
+    """What a ``same_randomness`` block stood in for.
+
+    Attributes:
+        found: ``{torch name: function}`` in place of each function the block replaces when it started
+            (``"torch.nn.functional.dropout"``, ``"torch.rand"``, …): the originals, or what a patch set
+            or an outer block had put there.
+        used: the torch names of the stand-ins called inside the block (``dropout`` and
+            ``scaled_dot_product_attention`` only when asked for a dropout that draws: without, the function
+            found in place runs, or nothing is drawn).
+    """
+
+    found: dict
+    used: set
+
+
+def random_functions() -> dict[str, Any]:
+    """``{torch name: function}`` in place now of each function ``same_randomness`` stands in for."""
+    return {f"{owner.__name__}.{name}": getattr(owner, name) for owner, name in _ORIGINALS}
+
+
 @contextlib.contextmanager
-def same_randomness(seed: int = 0) -> Iterator[set[str]]:
+def same_randomness(seed: int = 0) -> Iterator["StandIns"]:
     """Make every random draw inside the block come from a seeded CPU stream (see module doc).
 
-    Yields a set of the names of the functions this block stands in for that something had already
-    replaced when it started (``torch.nn.functional.dropout`` of a patch set), so that what was put there
-    does not run; a replaced ``scaled_dot_product_attention`` runs, and is added to the set (by the end of
-    the block) only once it is asked for dropout. Empty when none.
+    Yields a ``StandIns``: what was in place of each function the block stands in for when it started,
+    and (filled as the block runs) which stand-ins were called, so that a caller can tell which functions a
+    patch set installed did not run (``runtime.side.Side.stream_overrides``).
 
     Args:
         seed: the seed (an integer); the reference and target runs of one check must use the same.
@@ -302,9 +329,7 @@ def same_randomness(seed: int = 0) -> Iterator[set[str]]:
         seed_everything(seed)
         for (owner, name), fn in replacements.items():
             setattr(owner, name, fn)
-        draws.bypassed.update(f"{owner.__name__}.{name}" for (owner, name), fn in previous.items()
-                              if fn is not _ORIGINALS[(owner, name)] and name != "scaled_dot_product_attention")
-        yield draws.bypassed
+        yield StandIns({f"{owner.__name__}.{name}": fn for (owner, name), fn in previous.items()}, draws.used)
     finally:
         for (owner, name), fn in previous.items():
             setattr(owner, name, fn)

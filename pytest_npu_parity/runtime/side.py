@@ -35,7 +35,7 @@ from .audit import DEFAULT_LOGICAL_TARGET, DeviceAudit
 from ..leaves import cpu_leaf, flatten, is_cache
 from ..modules import owner_module
 from .recipes import RECIPES, Recipe, RecipeUnsupportedError, strict_fp32_flags
-from .rng import randomness, target_seed
+from .rng import random_functions, randomness, target_seed
 from .input_changes import changed_inputs, inplace_leaves
 from .layer_capture import DEFAULT_SAMPLES, capture_layers
 from .module_state import KeptState, kept_state, state_owners
@@ -373,9 +373,9 @@ class Side:
         reference_patches_applied: receives the names of the patches a reference run applied.
         input_changes: receives, per side that ran (``"reference"``, ``"target"``: unpatched and
             patched runs), the paths of the inputs its runs changed in place (``_changed_inputs``).
-        stream_overrides: receives the names of the patch set's own random functions (``F.dropout``)
-            that its runs did not run, the shared random stream's being in their place
-            (``rng.same_randomness``).
+        stream_overrides: receives the names of the random functions the patch set replaced
+            (``torch.nn.functional.dropout``) that its runs called and got the shared random stream's
+            instead (``rng.same_randomness``, ``rng.StandIns``).
     """
 
     recipe: Recipe
@@ -545,6 +545,8 @@ def _call(side: Side, spec: RunSpec, device: torch.device, patched: bool, audit:
     path (``_to_cpu_leaves``), taken before the modules' state is put back (``module_state.kept_state``)."""
     __tracebackhide__ = True
     weights_dtype = side.recipe.weights_dtype
+    # the random functions before the patch set: those it replaces, the shared stream may stand in for
+    before = random_functions() if patched and side.patches is not None else None
     with contextlib.ExitStack() as stack:
         # Patches first: a patch may edit weights or classes that placement then copies.
         if patched and side.patches is not None:
@@ -591,8 +593,8 @@ def _call(side: Side, spec: RunSpec, device: torch.device, patched: bool, audit:
     if layers is not None:
         layers.update(captured)  # on the CPU once the capture has ended
     # after the audit: the comparison is not the computation's
-    if patched and overridden:  # the patch set's own random functions did not run under the shared stream
-        side.stream_overrides.update(overridden)
+    if before is not None and overridden is not None:  # the patch set's random functions the shared stream ran for
+        side.stream_overrides.update(name for name in overridden.used if overridden.found.get(name) is not before[name])
     changed = side.input_changes.setdefault("target" if patched else "reference", set())
     found = changed_inputs((args, spec.kwargs), (args_d, kwargs_d))
     changed.update(path for path, _ in found)

@@ -259,3 +259,16 @@ def test_a_whole_suite_run_is_no_selection_despite_other_recipes_files_and_a_ski
     assert "this run checked" not in out and "(a selection)" not in out
     result.stdout.fnmatch_lines(["*= npu-parity: every baseline of suite 'demo' is stale =*",
                                  "Fix it once, on a trusted machine: pytest --update-baselines parity_suites/demo"])
+
+
+def test_a_deleted_tests_leftover_baseline_does_not_make_the_whole_suite_a_selection(pytester: pytest.Pytester) -> None:
+    module = _project(pytester)
+    assert pytester.runpytest("--update-baselines", "parity_suites").ret == 0
+    edit_module(module, "SEED = 0", "SEED = 1")
+    edit_module(module, 'def test_tanh(parity):\n    parity.check("tanh", torch.tanh, X)\n', "")  # its file stays
+    result = pytester.runpytest("--npu-parity", "parity_suites")
+    out = result.stdout.str()
+    assert "this run checked" not in out and "(a selection)" not in out
+    result.stdout.fnmatch_lines(["*= npu-parity: every baseline of suite 'demo' is stale =*",
+                                 "Fix it once, on a trusted machine: pytest --update-baselines parity_suites/demo",
+                                 "*1 unused*"])

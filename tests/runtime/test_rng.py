@@ -469,21 +469,22 @@ def test_randomness_picks_the_mode():
         rng.randomness("cpu", 0)
 
 
-def test_the_block_says_which_replacements_found_in_place_it_stands_in_for(monkeypatch):
+def test_the_block_says_what_was_in_place_and_which_stand_ins_were_called(monkeypatch):
     def own_dropout(x, p=0.5, training=True, inplace=False):
         raise AssertionError("never runs inside the block")
 
-    with same_randomness(0) as overridden:
-        assert overridden == set()
-    monkeypatch.setattr(F, "dropout", own_dropout)
-    kernel = _ORIGINALS[(F, "scaled_dot_product_attention")]
-    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: kernel(*a, **k))
     q = torch.randn(1, 2, 4, 8)
-    with same_randomness(0) as overridden:
+    kernel = _ORIGINALS[(F, "scaled_dot_product_attention")]
+    monkeypatch.setattr(F, "dropout", own_dropout)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: kernel(*a, **k))
+    before = rng.random_functions()
+    assert before["torch.nn.functional.dropout"] is own_dropout and before["torch.rand"] is _ORIGINALS[(torch, "rand")]
+    with same_randomness(0) as stand_ins:
+        assert stand_ins.found == before and stand_ins.used == set()
         F.dropout(q, 0.1)
-        assert overridden == {"torch.nn.functional.dropout"}  # a replaced SDPA runs without dropout: not named
-        F.scaled_dot_product_attention(q, q, q)
-        assert overridden == {"torch.nn.functional.dropout"}
+        F.scaled_dot_product_attention(q, q, q)  # without dropout the function found in place runs
+        assert stand_ins.used == {"torch.nn.functional.dropout"}
         F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
-    assert overridden == {"torch.nn.functional.dropout",
-                          "torch.nn.functional.scaled_dot_product_attention (with dropout)"}
+        torch.rand(3)
+    assert stand_ins.used == {"torch.nn.functional.dropout", "torch.nn.functional.scaled_dot_product_attention",
+                              "torch.rand"}
