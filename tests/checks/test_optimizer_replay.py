@@ -378,29 +378,15 @@ def test_a_module_with_a_scripted_submodule_trains_and_its_weight_fault_fails():
     assert {"param.1.weight", "grad.1.weight"} & failing_leaves(c.records[-1])
 
 
-def _adamw_step(lr_scale: float | None):
-    """A target patch set whose AdamW does not step (``None``) or steps at ``lr_scale`` times its learning rate."""
-    @contextlib.contextmanager
-    def patches(device: torch.device):
-        original = torch.optim.AdamW.step
-
-        def step(self, closure=None):
-            if lr_scale is None:
-                return None
-            for group in self.param_groups:
-                group["lr"] *= lr_scale
-            try:
-                return original(self, closure)
-            finally:
-                for group in self.param_groups:
-                    group["lr"] /= lr_scale
-
-        torch.optim.AdamW.step = step
-        try:
-            yield
-        finally:
-            torch.optim.AdamW.step = original
-    return patches
+@contextlib.contextmanager
+def _no_step(device: torch.device):
+    """The target's AdamW does not step (a kernel that never writes the parameters back)."""
+    original = torch.optim.AdamW.step
+    torch.optim.AdamW.step = lambda self, closure=None: None
+    try:
+        yield
+    finally:
+        torch.optim.AdamW.step = original
 
 
 def _mlp() -> torch.nn.Module:
@@ -419,7 +405,7 @@ def test_a_target_optimizer_that_steps_otherwise_fails_under_bf16_too(recipe, lr
         "step", _mlp(), x, labels=y, loss_fn=torch.nn.MSELoss())
     assert record.status == "pass" and "optimizer replay" in record.extra["policy_note"]
     faulty = ParityCase(ParitySession(CPU, reference="cpu"), "tests/test_optimizer_replay.py::mlp", recipe,
-                        patches=_adamw_step(lr_scale))
+                        patches=_no_step if lr_scale is None else wrong_lr(lr_scale))
     match = r"optimizer step differs from the CPU optimizer's step from the target's own gradients" \
         if recipe == "bf16" else r"param\."
     with pytest.raises(ParityError, match=match):

@@ -1128,35 +1128,39 @@ def test_a_submodule_checked_first_after_an_attribute_edit_gets_a_golden_of_its_
         case.check("inner", model.inner, X[:8])
 
 
-def test_a_patch_sets_own_dropout_that_does_not_run_is_said_in_the_note():
-    import contextlib
+class Dropping(torch.nn.Module):
+    """A linear whose input goes through ``nn.Dropout(0.1)`` (``F.dropout`` in training mode)."""
 
-    class Drop(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.lin = torch.nn.Linear(8, 8)
-            self.drop = torch.nn.Dropout(0.1)
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.drop = torch.nn.Linear(8, width), torch.nn.Dropout(0.1)
 
-        def forward(self, x):
-            return self.drop(self.lin(x))
+    def forward(self, x):
+        return self.lin(self.drop(x))
 
+
+def dropout_p(p: float):
+    """A patch set whose ``F.dropout`` drops with ``p`` whatever it is asked (a port's dropout of another p)."""
     @contextlib.contextmanager
-    def other_p(device):  # the port's dropout with another p: the shared stream's stands in for it
+    def patches(device):
         original = torch.nn.functional.dropout
-        torch.nn.functional.dropout = lambda x, p=0.5, training=True, inplace=False: original(x, 0.15, training, inplace)
+        torch.nn.functional.dropout = lambda x, _p=0.5, training=True, inplace=False: original(x, p, training, inplace)
         try:
             yield
         finally:
             torch.nn.functional.dropout = original
+    return patches
 
+
+def test_a_patch_sets_own_dropout_that_does_not_run_is_said_in_the_note():
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     loss = lambda out: out.square().mean()  # noqa: E731
     clean = ParityCase(ParitySession(CPU, reference="cpu"), "t.py::drop", "fp32").train_step(
-        "step", Drop(), x, loss_fn=loss)
+        "step", Dropping(), x, loss_fn=loss)
     assert "did not run" not in (clean.extra.get("policy_note") or "")
-    record = ParityCase(ParitySession(CPU, reference="cpu"), "t.py::drop", "fp32", patches=other_p).train_step(
-        "step", Drop(), x, loss_fn=loss)
+    record = ParityCase(ParitySession(CPU, reference="cpu"), "t.py::drop", "fp32", patches=dropout_p(0.15)).train_step(
+        "step", Dropping(), x, loss_fn=loss)
     assert ("the patch set's own torch.nn.functional.dropout did not run: under the shared random stream both sides "
             "call the plugin's (the same draws on both), so the patch set's version is not judged here"
             ) in record.extra["policy_note"]
@@ -1165,43 +1169,23 @@ def test_a_patch_sets_own_dropout_that_does_not_run_is_said_in_the_note():
     torch.nn.functional.dropout = lambda x, p=0.5, training=True, inplace=False: original(x, p, training, inplace)
     try:
         record = ParityCase(ParitySession(CPU, reference="cpu"), "t.py::drop", "fp32").train_step(
-            "step", Drop(), x, loss_fn=loss)
+            "step", Dropping(), x, loss_fn=loss)
     finally:
         torch.nn.functional.dropout = original
     assert "did not run" not in (record.extra.get("policy_note") or "")
-    record = ParityCase(ParitySession(CPU, reference="cpu"), "t.py::drop", "fp32", patches=other_p).check(
-        "eval", Drop().eval(), x)
+    record = ParityCase(ParitySession(CPU, reference="cpu"), "t.py::drop", "fp32", patches=dropout_p(0.15)).check(
+        "eval", Dropping().eval(), x)
     assert "did not run" not in (record.extra.get("policy_note") or "")
 
 
 def test_a_trajectory_says_its_patch_sets_dropout_did_not_run():
-    import contextlib
-
     from pytest_npu_parity.runtime.trajectory import TrajectoryLoop
-
-    class Drop(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.lin, self.drop = torch.nn.Linear(8, 1), torch.nn.Dropout(0.1)
-
-        def forward(self, x):
-            return self.lin(self.drop(x))
-
-    @contextlib.contextmanager
-    def other_p(device):
-        original = torch.nn.functional.dropout
-        torch.nn.functional.dropout = lambda x, p=0.5, training=True, inplace=False: original(x, 0.6, training, inplace)
-        try:
-            yield
-        finally:
-            torch.nn.functional.dropout = original
 
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
     batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 32, 8)]
     loop = TrajectoryLoop(steps=4, learning_rate=1e-3, loss_fn=torch.nn.functional.mse_loss)
-    record = ParityCase(ParitySession(CPU, reference="cpu"), "t.py::traj", "fp32", patches=other_p).trajectory(
-        "curve", Drop(), batches, loop=loop)
+    record = ParityCase(ParitySession(CPU, reference="cpu"), "t.py::traj", "fp32", patches=dropout_p(0.6)).trajectory(
+        "curve", Dropping(width=1), batches, loop=loop)
     assert record.status == "pass"  # the same draws on both sides: the note is what tells
     assert "the patch set's own torch.nn.functional.dropout did not run" in record.extra["policy_note"]
