@@ -31,7 +31,7 @@ from ..judge.golden_policy import WORK_DTYPES
 from ..judge.layers import judge_layers
 from ..judge.trajectory import TrajectoryPolicy, judge_trajectory
 from ..judge.tolerance import Tolerance
-from ..runtime.input_changes import INPLACE_PREFIX, is_inplace_leaf
+from ..runtime.input_changes import input_path, is_inplace_leaf
 from ..runtime.layer_capture import split_layers
 from ..runtime.side import CheckCall, _to_cpu_leaves
 from ..leaves import without
@@ -110,6 +110,12 @@ def stream_override_note(overridden: set[str] | None) -> str | None:
             "(the same draws on both), so the patch set's version is not judged here")
 
 
+def _not_compared(leaf_paths: Any, why: str) -> str:
+    """The note naming the inputs whose written values (``inplace:`` leaves) are not compared, and why."""
+    shown = ", ".join(sorted(input_path(p) for p in leaf_paths))
+    return f"the values written in place into {shown} not compared: {why}"
+
+
 def without_unpaired_inplace(leaves: Any, expected: Any) -> Any:
     """``leaves`` (a run's ``{path: leaf}``) less its ``inplace:`` leaves (``runtime.input_changes``) that
     ``expected`` does not hold: a re-run of the target (``call.rerun``), the store run's live CPU run or a
@@ -128,11 +134,10 @@ def without_inplace_leaves(sides: Sides, why: str) -> Sides:
                     for p in leaves if is_inplace_leaf(p)})
     if not names:
         return sides
-    shown = ", ".join(p[len(INPLACE_PREFIX):] for p in names)
     return dataclasses.replace(sides, actual=without(sides.actual, set(names)),
                                expected=dataclasses.replace(sides.expected, leaves=without(sides.expected.leaves,
                                                                                           set(names))),
-                               notes=(*sides.notes, f"the values written in place into {shown} not compared: {why}"))
+                               notes=(*sides.notes, _not_compared(names, why)))
 
 
 def paired_input_leaves(sides: Sides) -> Sides:
@@ -148,11 +153,11 @@ def paired_input_leaves(sides: Sides) -> Sides:
     if not one_sided:
         return sides
     recorded = recorded_input_changes(sides.expected.entry) or set()
-    unstored = sorted(path for path in (p[len(INPLACE_PREFIX):] for p in one_sided if p in actual) if path in recorded)
+    unstored = [p for p in one_sided if p in actual and input_path(p) in recorded]
     notes = sides.notes
     if unstored:
-        notes = (*notes, f"the values written in place into {', '.join(unstored)} not compared: the baseline was "
-                         "recorded before they were stored (re-record with --update-baselines)")
+        notes = (*notes, _not_compared(unstored, "the baseline was recorded before they were stored (re-record "
+                                                 "with --update-baselines)"))
     return dataclasses.replace(sides, actual=without(actual, one_sided), notes=notes,
                                expected=dataclasses.replace(sides.expected, leaves=without(expected, one_sided)))
 
@@ -166,7 +171,7 @@ def compared_sides(sides: Sides, call: CheckCall, replay: tuple[dict | None, str
     (``runtime.training.rounding_level_params``); the notes of each say so.
 
     Args:
-        replay: ``(replayed param.* leaves or None, note or None[, exact])`` (``optimizer_replay``).
+        replay: ``(replayed param.* leaves or None, note or None, exact)`` (``optimizer_replay``).
         golden: ``(golden leaves or None, note or None)``; None leaves: judged by allclose.
     """
 
@@ -182,17 +187,15 @@ def compared_sides(sides: Sides, call: CheckCall, replay: tuple[dict | None, str
         note = _joined(note, f"{len(compact)} large leaves compared as the baseline recorded them (train store "
                              f"summary): {next(iter(compact.values()))['samples']} sampled elements and [sum, L2 "
                              "norm, max |x|, position-weighted sum] each (leaves <name>@sample, <name>@stats)")
-    replayed, replay_note, *exact = replay
+    replayed, replay_note, exact = replay
     expected = sides.expected.leaves if replayed is None else {**sides.expected.leaves, **replayed}
     note = _joined(note, replay_note)
     if golden_leaves is not None:  # the golden run, on its float64 copy, may leave an input the sides changed
         unchanged = {p for p in expected if is_inplace_leaf(p) and p not in golden_leaves}
         if unchanged:
             actual, expected = without(actual, unchanged), without(expected, unchanged)
-            note = _joined(note, f"the values written in place into "
-                                 f"{', '.join(sorted(p[len(INPLACE_PREFIX):] for p in unchanged))} not compared: the "
-                                 "golden run did not change that input (a value-dependent in-place op, on its float64 "
-                                 "copy)")
+            note = _joined(note, _not_compared(unchanged, "the golden run did not change that input (a "
+                                                          "value-dependent in-place op, on its float64 copy)"))
     if call.kind == "train_step" and replayed is None:
         dropped = rounding_level_params(expected)
         if dropped:
@@ -202,7 +205,7 @@ def compared_sides(sides: Sides, call: CheckCall, replay: tuple[dict | None, str
             note = _joined(note, f"{len(dropped)} parameter(s) after the step not compared ({shown}): the "
                                  "reference's gradient is rounding noise (the loss does not depend on them), which "
                                  "AdamW turns into steps of up to ±lr; their grad.* leaves are compared")
-    step = ({k: actual[k] for k in replayed if k in actual}, replayed) if replayed is not None and any(exact) else None
+    step = ({k: actual[k] for k in replayed if k in actual}, replayed) if replayed is not None and exact else None
     return dataclasses.replace(sides, actual=actual, expected=dataclasses.replace(sides.expected, leaves=expected),
                                golden=golden_leaves, golden_policy=golden_policy if golden_leaves is not None else None,
                                note=note, optimizer_step=step)
@@ -226,8 +229,8 @@ def rejudged(facts: CaseFacts, plan: CheckPlan, sides: Sides, call: CheckCall,
 
 
 def optimizer_replay(call: CheckCall, actual: dict, expected: dict, tol: Tolerance,
-                     compact: dict | None) -> tuple[dict | None, str | None]:
-    """``(replayed param.* leaves or None, note or None[, exact])`` of a training step's optimizer replay
+                     compact: dict | None) -> tuple[dict | None, str | None, bool]:
+    """``(replayed param.* leaves or None, note or None, exact)`` of a training step's optimizer replay
     (``train_step``, Compared leaves): the step replayed from the target's full ``grad.<p>``
     leaves (``actual``, before ``compact.apply_recorded``), reduced as the baseline recorded them
     (``compact``), used only when the same replay from the reference's own ``grad.<p>``
@@ -240,7 +243,7 @@ def optimizer_replay(call: CheckCall, actual: dict, expected: dict, tol: Toleran
     dtype (``exact``, ``policy.default_for_dtype``), not only at ``tol``: then the target's step is judged
     against the replay at that tolerance as well (``optimizer_step_problem``)."""
     if call.kind != "train_step" or call.replay is None:
-        return None, None
+        return None, None, False
     fallback = ("optimizer replay not used ({}): param.* after the step compared with the reference's "
                 "own step")
     params = {k for k in expected if k.startswith("param.")}
@@ -248,8 +251,8 @@ def optimizer_replay(call: CheckCall, actual: dict, expected: dict, tol: Toleran
     if not any(isinstance(expected.get("grad." + k[len("param."):]), torch.Tensor) for k in whole):
         if whole != params:
             return None, fallback.format("the compact baseline stores no parameter's gradient whole, so the "
-                                         "reference's step cannot be replayed from it")
-        return None, None
+                                         "reference's step cannot be replayed from it"), False
+        return None, None, False
     try:
         check = call.replay(expected)  # compacted gradients are absent: those parameters are not stepped
         mismatch = sorted(k for k in whole if not isinstance(expected[k], torch.Tensor) or k not in check
@@ -261,13 +264,13 @@ def optimizer_replay(call: CheckCall, actual: dict, expected: dict, tol: Toleran
             shown = ", ".join(mismatch[:3]) + (", …" if len(mismatch) > 3 else "")
             return None, fallback.format(f"replaying the reference's own gradients does not reproduce "
                                          f"its step on {shown}: the optimizer is not a function of the "
-                                         "weights and gradients alone")
+                                         "weights and gradients alone"), False
         # the replay reproduces the reference's step to its parameters' own precision, not only the recipe's:
         # then the target's step is judged against it at that precision too (optimizer_step_problem)
         exact = compare({k: check[k] for k in whole}, {k: expected[k] for k in whole}, None).passed
         replayed = apply_recorded(call.replay(actual), compact)
     except Exception as exc:  # noqa: BLE001 - a user optimizer that cannot be replayed: the old comparison
-        return None, fallback.format(f"the replay raised {type(exc).__name__}: {exc}")
+        return None, fallback.format(f"the replay raised {type(exc).__name__}: {exc}"), False
     validated = (f" (validated on the {len(whole)} parameter(s) the compact baseline stores whole)"
                  if whole != params else "")
     return {k: v for k, v in replayed.items() if k in params}, (

@@ -61,7 +61,7 @@ def inplace_leaves(changed: list[tuple[str, torch.Tensor]], outputs: dict) -> di
     taken = sorted(set(found) & set(outputs))
     if taken:
         raise ValueError(f"the computation returns an output leaf named {taken[0]!r}, the name under which the "
-                         f"value it writes into its input {taken[0][len(INPLACE_PREFIX):]} is compared; rename that "
+                         f"value it writes into its input {input_path(taken[0])} is compared; rename that "
                          "output key")
     return found
 
@@ -69,3 +69,8 @@ def inplace_leaves(changed: list[tuple[str, torch.Tensor]], outputs: dict) -> di
 def is_inplace_leaf(path: str) -> bool:
     """Whether leaf ``path`` is an input's value after the run (``inplace_leaves``)."""
     return isinstance(path, str) and path.startswith(INPLACE_PREFIX)
+
+
+def input_path(path: str) -> str:
+    """The argument path (``args[1]``) of an ``inplace:`` leaf path (``inplace:args[1]``)."""
+    return path[len(INPLACE_PREFIX):] if is_inplace_leaf(path) else path
