@@ -36,6 +36,8 @@ leaf, in float64 over the positions finite on all three tensors (``F``); a golde
 * ``max_rel``    — max over normal of |x − g| / |g|           (dimensionless, no eps)
 * ``mean_rel``   — mean over normal of |x − g| / |g|          (dimensionless, no eps)
 * ``small_share`` — share of small elements with |x − g| > ``small_value_atol``
+* ``max_abs``    — max over F of |x − g|                      (tensor units; ours, judged at the
+  ``max_rel`` limit: ``GoldenPolicy.limits`` gives the reason)
 * ``balance``    — |#(x > g) − #(x < g)| / #F (reported, not judged)
 
 Ratios are target metric / max(reference metric, floor); 0/0 is 1 (neither side has the error).
@@ -103,7 +105,7 @@ from ..leaves import _leaves_by_path
 from .allclose import (WORKER_BLOCK, CompareResult, LeafResult, compare_tensors, flat_real_cpu, float64_blocks,
                        format_table)
 from .golden_metrics import SideMetrics, _SideSums, ratio, segment_sums
-from .golden_policy import DEFAULT_GOLDEN, METRICS, GoldenPolicy
+from .golden_policy import DEFAULT_GOLDEN, JUDGED_EXTRA, METRICS, GoldenPolicy
 from .msprobe import _MsprobeSums, msprobe_ratio
 from .tolerance import BUDGET_OUTLIER_ERR_RATIO, EXACT, Tolerance, default_for_dtype
 
@@ -198,7 +200,7 @@ class GoldenLeafResult(LeafResult):
         row["golden_policy_reason"] = self.policy.reason if self.policy is not None else None
         row["golden_dtype"] = self.golden_dtype
         row["golden_note"] = self.note
-        for metric in METRICS:
+        for metric in METRICS + JUDGED_EXTRA:
             row[f"golden_{metric}_ratio"] = self.ratios.get(metric)
             row[f"golden_{metric}_target"] = getattr(self.target, metric) if self.target else None
             row[f"golden_{metric}_reference"] = getattr(self.reference, metric) if self.reference else None
@@ -398,6 +400,7 @@ def _set_ratios(leaf: GoldenLeafResult, target: _SideSums, reference: _SideSums,
         "mean_rel": ratio(leaf.target.mean_rel, leaf.reference.mean_rel, leaf.floor.mean_rel),
         "small_share": ratio(leaf.target.small_share, leaf.reference.small_share,
                              max(share_floor, leaf.floor.small_share)),
+        "max_abs": ratio(leaf.target.max_abs, leaf.reference.max_abs, leaf.floor.max_abs),
     }
 
 

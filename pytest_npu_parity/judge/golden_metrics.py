@@ -20,8 +20,9 @@ import torch
 class SideMetrics:
     """Errors of one side (target, reference, or the golden rounded to the leaf dtype) against the golden.
 
-    ``rmse`` is in tensor units, the others dimensionless; ``small``/``normal`` count the golden's
-    small and normal elements among positions finite on all three tensors.
+    ``rmse`` and ``max_abs`` (the largest |x − g|) are in tensor units, the others dimensionless;
+    ``small``/``normal`` count the golden's small and normal elements among positions finite on all
+    three tensors.
     """
 
     rmse: float = 0.0
@@ -31,6 +32,7 @@ class SideMetrics:
     balance: float = 0.0
     small: int = 0
     normal: int = 0
+    max_abs: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -43,7 +45,7 @@ class _SideSums:
     def __init__(self) -> None:
         self.n = self.normal = self.small = self.small_wrong = self.above = self.below = 0
         self.sum_sq = self.sum_rel = 0.0
-        self.max_rel = 0.0
+        self.max_rel = self.max_abs = 0.0
 
     def add(self, x: torch.Tensor, g: torch.Tensor, mask: torch.Tensor, small: torch.Tensor, small_atol: float) -> None:
         """Fold one block: 1-D float64 ``x`` and golden ``g``, positions ``mask``, small positions ``small``."""
@@ -57,6 +59,7 @@ class _SideSums:
         diff = (x - g)[mask]
         err = diff.abs()
         self.sum_sq += float(err.square().sum())
+        self.max_abs = max(self.max_abs, float(err.max()))
         normal = mask & ~small
         k = int(normal.sum())
         if k:
@@ -80,6 +83,7 @@ class _SideSums:
         diff = x - g
         err = diff.abs()
         self.sum_sq += float(err.square().sum())
+        self.max_abs = max(self.max_abs, float(err.max()))
         k_small = int(small.sum())
         if k_small < n:
             if k_small:
@@ -108,6 +112,7 @@ class _SideSums:
         if self.n == 0:
             return out
         out.rmse = math.sqrt(self.sum_sq / self.n)
+        out.max_abs = self.max_abs
         if self.normal:
             out.max_rel, out.mean_rel = self.max_rel, self.sum_rel / self.normal
         if self.small:
@@ -146,14 +151,16 @@ def segment_sums(x: torch.Tensor, g: torch.Tensor, mask: torch.Tensor, small: to
     normals = torch.bincount(segment[normal], minlength=count)
     sum_rel = torch.bincount(segment, weights=rel, minlength=count)
     max_rel = torch.zeros(count, dtype=err.dtype).scatter_reduce_(0, segment, rel, "amax")
+    max_abs = torch.zeros(count, dtype=err.dtype).scatter_reduce_(0, segment, torch.where(mask, err, zero), "amax")
     smalls = torch.bincount(segment[small], minlength=count)
     small_wrong = torch.bincount(segment[small & (err > small_atol)], minlength=count)
     above = torch.bincount(segment[mask & (diff > 0)], minlength=count)
     below = torch.bincount(segment[mask & (diff < 0)], minlength=count)
     sums = []
-    for row in zip(*(t.tolist() for t in (n, sum_sq, normals, sum_rel, max_rel, smalls, small_wrong, above, below))):
+    for row in zip(*(t.tolist() for t in (n, sum_sq, normals, sum_rel, max_rel, max_abs, smalls, small_wrong, above,
+                                          below))):
         one = _SideSums()
-        (one.n, one.sum_sq, one.normal, one.sum_rel, one.max_rel, one.small, one.small_wrong, one.above,
+        (one.n, one.sum_sq, one.normal, one.sum_rel, one.max_rel, one.max_abs, one.small, one.small_wrong, one.above,
          one.below) = row
         sums.append(one)
     return sums

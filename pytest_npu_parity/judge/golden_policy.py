@@ -50,6 +50,10 @@ WORK_DTYPES: dict[str, torch.dtype] = {
 #: The judged metrics, in report order.
 METRICS = ("rmse", "max_rel", "mean_rel", "small_share")
 
+#: What our ``golden`` limit set judges besides ``METRICS`` (``GoldenPolicy.limits``): the largest
+#: absolute error, at the ``max_rel`` limit. msprobe's limit set does not judge it.
+JUDGED_EXTRA = ("max_abs",)
+
 
 @dataclass(frozen=True)
 class GoldenPolicy:
@@ -57,7 +61,8 @@ class GoldenPolicy:
 
     Attributes:
         rmse_ratio: largest allowed ratio of root-mean-square errors (default 2, msprobe's L0 limit).
-        max_rel_ratio: largest allowed ratio of maximum relative errors over normal values (default 10).
+        max_rel_ratio: largest allowed ratio of maximum relative errors over normal values (default 10);
+            our limit set holds the ratio of largest absolute errors to it too (``limits``).
         mean_rel_ratio: largest allowed ratio of mean relative errors over normal values (default 2).
         small_value_ratio: largest allowed ratio of small-value error shares (default 2).
         small_value_threshold: |golden| below which an element is small; ``None`` picks our value
@@ -125,12 +130,29 @@ class GoldenPolicy:
     @property
     def limits(self) -> dict[str, float]:
         """``{metric: limit}`` for the judged metrics (``METRICS``); for the msprobe limit set the
-        limits of ``op``'s level (``MSPROBE_LEVEL_LIMITS``, ``MSPROBE_SMALL_LIMIT``)."""
+        limits of ``op``'s level (``MSPROBE_LEVEL_LIMITS``, ``MSPROBE_SMALL_LIMIT``).
+
+        Our limit set also judges ``max_abs`` (``JUDGED_EXTRA``): the largest absolute error against
+        the golden, held to the same ratio as the largest relative error (``max_rel_ratio``). Ours,
+        not msprobe's: its maximum relative error is taken over normal values only and is dominated
+        by the elements nearest the small-value threshold, where the reference's own relative error
+        is already large (7.8 on a bf16 LM head), so a few elements wrong by thousands of times the
+        tolerance elsewhere moved neither it nor the averaged metrics of a leaf of millions of
+        elements: 32 swapped logits of a 16×131,072 bf16 output passed with ratios 1.9 / 4.4 / 1.0
+        (rmse / max_rel / mean_rel); their largest-error ratio is 160. Two correct kernels' largest
+        errors are maxima over the same kind of error, a few times apart at most. Measured (2-core
+        AMD EPYC, torch 2.14.1): the Aurora main job against the committed baselines on another CPU
+        kernel path (``ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=AVX2``) has 2,003 leaves within
+        the four other limits, the largest of their ratios 3.7; re-running the calibration
+        (``benchmarks/calibrate.py``) with it, its 28 legitimate variants gave no false failure, and
+        none of the 535 golden verdicts it shares with ``benchmarks/results/calibration.json`` turned
+        to a failure."""
         if self.msprobe:
             rmse, max_rel, mean_rel = MSPROBE_LEVEL_LIMITS[msprobe_level(self.op)]
             return {"rmse": rmse, "max_rel": max_rel, "mean_rel": mean_rel, "small_share": MSPROBE_SMALL_LIMIT}
         return {"rmse": self.rmse_ratio, "max_rel": self.max_rel_ratio,
-                "mean_rel": self.mean_rel_ratio, "small_share": self.small_value_ratio}
+                "mean_rel": self.mean_rel_ratio, "small_share": self.small_value_ratio,
+                "max_abs": self.max_rel_ratio}
 
     @property
     def is_override(self) -> bool:

@@ -212,7 +212,7 @@ ROW_TABLE: tuple[Column, ...] = (
     Column(GOLDEN_POLICY, TEXT, "the golden policy's ratio limits (+ [source: reason] when not the default); empty for allclose"),
     Column(POLICY_NOTE, TEXT, "why a check that asked for the golden verdict was judged by allclose (no golden run possible)"),
     Column(GOLDEN_DTYPE, TEXT, "dtype of the golden run (float64 for fp32 work, float32 for bf16)"),
-    Column(GOLDEN_WORST_METRIC, TEXT, "golden policy: the metric (rmse, max_rel, mean_rel, small_share) nearest its limit"),
+    Column(GOLDEN_WORST_METRIC, TEXT, "golden policy: the metric (rmse, max_rel, mean_rel, small_share, max_abs) nearest its limit"),
     Column(GOLDEN_WORST_MARGIN, FLOAT, "golden policy: that metric's target/reference error ratio divided by its limit; > 1 fails"),
     Column(MSPROBE_COSINE, FLOAT, "msprobe 26.2.0 dump compare's Cosine (empty where msprobe writes no number, see msprobe_note)"),
     Column(MSPROBE_EUC_DIST, FLOAT, "msprobe's EucDist: ||actual - expected||_2 after zeroing matched NaN/Inf"),

@@ -75,7 +75,7 @@ def _dyadic(target_error: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 def test_ratios_of_a_target_twice_as_wrong_are_two_and_pass_at_the_limit():
     a, e, g = _dyadic(2 ** -9)
     leaf = G.judge_golden_tensors(a, e, g, G.DEFAULT_GOLDEN, path="y")
-    assert leaf.ratios == {"rmse": 2.0, "max_rel": 2.0, "mean_rel": 2.0, "small_share": 1.0}
+    assert leaf.ratios == {"rmse": 2.0, "max_rel": 2.0, "mean_rel": 2.0, "small_share": 1.0, "max_abs": 2.0}
     assert leaf.target.rmse == pytest.approx(2 ** -9 / 2)  # sqrt(2**-18 / 4)
     assert leaf.reference.max_rel == 2 ** -10
     assert leaf.floor.rmse == 0.0
@@ -119,18 +119,45 @@ def test_rounding_floor_when_the_golden_is_not_representable():
     assert leaf.ratios["rmse"] > 2 and not leaf.passed
 
 
+def _bf16_kernel(g: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A correct bf16 kernel's output of the golden ``g``: an accumulation error (4e-3, as a long bf16
+    reduction has), then bf16 rounding."""
+    return (g + 4e-3 * torch.randn(g.shape, dtype=torch.float64, generator=gen)).to(torch.bfloat16)
+
+
+def test_a_few_grossly_wrong_elements_of_a_large_leaf_fail_on_the_largest_error():
+    """32 values swapped in pairs among 2 M bf16 elements (a kernel that swaps two vocabulary rows of
+    an LM head): each is off by about one unit, thousands of times the tolerance, yet the averaged
+    metrics barely move and the largest relative error stays the reference's (its near-zero
+    elements). The largest absolute error catches them; another correct kernel passes."""
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(1 << 21, dtype=torch.float64, generator=gen)
+    e, a = _bf16_kernel(g, gen), _bf16_kernel(g, gen)
+    policy = G.default_golden_for_recipe("bf16")
+    assert G.judge_golden_tensors(a, e, g, policy, work_dtype=torch.bfloat16).passed
+    wrong = a.clone()
+    where = torch.nonzero((g.abs() > 0.5) & (g.abs() < 2))[:32, 0]
+    wrong[where] = a[where.view(-1, 2).flip(1).reshape(-1)]  # pairs swapped
+    leaf = G.judge_golden_tensors(wrong, e, g, policy, work_dtype=torch.bfloat16)
+    assert leaf.ratios["rmse"] < 2 and leaf.ratios["max_rel"] < 10 and leaf.ratios["mean_rel"] < 2
+    assert not leaf.passed
+    assert set(leaf.over_limit) == {"max_abs"} and leaf.ratios["max_abs"] > 10
+
+
 def test_small_value_share_ratio_has_one_element_resolution():
     g = f64(1e-7, 2e-7, 3e-7, 4e-7, 1.0)  # four small values (fp32 threshold 1e-6), one normal
     e = g.to(torch.float32)
     one_wrong = e.clone()
     one_wrong[0] += 5e-9  # > 1e-9: one small element wrong
-    leaf = G.judge_golden_tensors(one_wrong, e, g, G.DEFAULT_GOLDEN.replace(rmse_ratio=1e9, mean_rel_ratio=1e9))
+    # rmse, mean_rel and max_abs (held to max_rel's limit) loosened: the reference is exact here
+    loose = G.DEFAULT_GOLDEN.replace(rmse_ratio=1e9, mean_rel_ratio=1e9, max_rel_ratio=1e9)
+    leaf = G.judge_golden_tensors(one_wrong, e, g, loose)
     assert leaf.target.small_share == 0.25
     assert leaf.ratios["small_share"] == pytest.approx(1.0)  # 0.25 / max(ref share, 1/4)
     assert leaf.passed
     three_wrong = e.clone()
     three_wrong[:3] += 5e-9
-    leaf = G.judge_golden_tensors(three_wrong, e, g, G.DEFAULT_GOLDEN.replace(rmse_ratio=1e9, mean_rel_ratio=1e9))
+    leaf = G.judge_golden_tensors(three_wrong, e, g, loose)
     assert leaf.ratios["small_share"] == pytest.approx(3.0)
     assert leaf.over_limit == {"small_share": pytest.approx(3.0)}
 
@@ -250,7 +277,8 @@ def test_bad_source_and_threshold_are_rejected():
 
 
 def test_defaults_are_msprobes_error_thresholds():
-    assert G.DEFAULT_GOLDEN.limits == {"rmse": 2.0, "max_rel": 10.0, "mean_rel": 2.0, "small_share": 2.0}
+    assert G.DEFAULT_GOLDEN.limits == {"rmse": 2.0, "max_rel": 10.0, "mean_rel": 2.0, "small_share": 2.0,
+                                       "max_abs": 10.0}  # ours: at max_rel's limit
 
 
 def test_parse_golden_spec():
