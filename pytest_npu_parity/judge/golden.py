@@ -201,9 +201,10 @@ class GoldenLeafResult(LeafResult):
         row["golden_dtype"] = self.golden_dtype
         row["golden_note"] = self.note
         for metric in METRICS + JUDGED_EXTRA:
+            measured = metric in self.ratios  # msprobe's limit set does not measure max_abs
             row[f"golden_{metric}_ratio"] = self.ratios.get(metric)
-            row[f"golden_{metric}_target"] = getattr(self.target, metric) if self.target else None
-            row[f"golden_{metric}_reference"] = getattr(self.reference, metric) if self.reference else None
+            row[f"golden_{metric}_target"] = getattr(self.target, metric) if self.target and measured else None
+            row[f"golden_{metric}_reference"] = getattr(self.reference, metric) if self.reference and measured else None
         metric, margin = self.worst_ratio
         row["golden_worst_metric"] = metric
         row["golden_worst_margin"] = margin
@@ -254,14 +255,16 @@ def _golden_header(leaf: LeafResult) -> str:
         return (f"{where}NaN/Inf on one side only at {leaf.nonfinite_mismatched} element(s), first at index "
                 f"{leaf.nonfinite_index} (target {leaf.actual_at_nonfinite}, reference {leaf.expected_at_nonfinite})")
     if isinstance(leaf, GoldenLeafResult) and not leaf.exact:
-        parts = [f"{m} ratio {r:.3g} > {leaf.policy.limits[m]:g}" for m, r in leaf.over_limit.items()]
+        parts = [f"{m} ratio {r:.3g} > {leaf.policy.limits[m]:g}"
+                 + (" (the largest absolute error, held to the max_rel limit)" if m == "max_abs" else "")
+                 for m, r in leaf.over_limit.items()]
         return (f"{where}target error vs the {leaf.golden_dtype} golden exceeds the reference's: "
                 + ", ".join(parts))
     return f"{where}{leaf.mismatched} integer/bool element(s) differ"
 
 
 _GOLDEN_COLUMNS = ("leaf", "golden", "rmse t/r (ratio)", "max_rel t/r (ratio)", "mean_rel t/r (ratio)",
-                   "small t/r (ratio)", "verdict")
+                   "small t/r (ratio)", "max_abs t/r (ratio)", "verdict")
 
 
 def format_golden_table(leaves: list[LeafResult]) -> list[str]:
@@ -271,10 +274,13 @@ def format_golden_table(leaves: list[LeafResult]) -> list[str]:
         name = leaf.path or "<output>"
         verdict = "pass" if leaf.passed else "FAIL"
         if not isinstance(leaf, GoldenLeafResult) or leaf.exact or leaf.target is None:
-            rows.append((name, "-", "-", "-", "-", "-", leaf.problem or verdict))
+            rows.append((name, "-", "-", "-", "-", "-", "-", leaf.problem or verdict))
             continue
         cells = []
-        for metric in METRICS:
+        for metric in METRICS + JUDGED_EXTRA:
+            if metric not in leaf.ratios:  # max_abs under msprobe's limit set: not measured
+                cells.append("-")
+                continue
             t, r = getattr(leaf.target, metric), getattr(leaf.reference, metric)
             cells.append(f"{t:.3g}/{r:.3g} ({leaf.ratios[metric]:.3g})")
         rows.append((name, leaf.golden_dtype or "-", *cells, verdict))

@@ -142,6 +142,23 @@ def test_a_few_grossly_wrong_elements_of_a_large_leaf_fail_on_the_largest_error(
     assert leaf.ratios["rmse"] < 2 and leaf.ratios["max_rel"] < 10 and leaf.ratios["mean_rel"] < 2
     assert not leaf.passed
     assert set(leaf.over_limit) == {"max_abs"} and leaf.ratios["max_abs"] > 10
+    # the message and the table show the ratio that failed, and what it is
+    message = G.judge_golden({"logits": wrong}, {"logits": e}, {"logits": g}, policy, work_dtype=torch.bfloat16,
+                             name="lm_head").format()
+    assert "max_abs ratio" in message and "(the largest absolute error, held to the max_rel limit)" in message
+    assert "max_abs t/r (ratio)" in message
+
+
+def test_max_abs_is_not_reported_under_msprobes_limit_set_which_does_not_measure_it():
+    g = torch.randn(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    a = g.to(torch.bfloat16)
+    a[0] += 3
+    leaf = G.judge_golden_tensors(a, g.to(torch.bfloat16), g, G.MSPROBE_GOLDEN, work_dtype=torch.bfloat16)
+    row = leaf.to_row()
+    assert "max_abs" not in leaf.ratios
+    assert row["golden_max_abs_ratio"] is None and row["golden_max_abs_target"] is None
+    assert row["golden_max_abs_reference"] is None
+    assert G.format_golden_table([leaf])[1].split()[-2] == "-"  # the max_abs cell
 
 
 def test_small_value_share_ratio_has_one_element_resolution():
