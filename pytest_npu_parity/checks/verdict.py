@@ -31,7 +31,7 @@ from ..judge.golden_policy import WORK_DTYPES
 from ..judge.layers import judge_layers
 from ..judge.trajectory import TrajectoryPolicy, judge_trajectory
 from ..judge.tolerance import Tolerance
-from ..runtime.input_changes import input_path, is_inplace_leaf
+from ..runtime.input_changes import STATE_META_KEY, input_path, is_inplace_leaf, is_state_leaf
 from ..runtime.layer_capture import split_layers
 from ..runtime.side import CheckCall, _to_cpu_leaves
 from ..leaves import without
@@ -112,7 +112,8 @@ def stream_override_note(overridden: set[str] | None) -> str | None:
 
 def _not_compared(leaf_paths: Any, why: str) -> str:
     """The note naming the inputs whose written values (``inplace:`` leaves) are not compared, and why."""
-    shown = ", ".join(sorted(input_path(p) for p in leaf_paths))
+    names = sorted(input_path(p) for p in leaf_paths)
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     return f"the values written in place into {shown} not compared: {why}"
 
 
@@ -152,8 +153,18 @@ def paired_input_leaves(sides: Sides) -> Sides:
     one_sided = {p for p in set(actual) ^ set(expected) if is_inplace_leaf(p)}
     if not one_sided:
         return sides
-    recorded = recorded_input_changes(sides.expected.entry) or set()
-    unstored = [p for p in one_sided if p in actual and input_path(p) in recorded]
+    entry = sides.expected.entry
+    # A module buffer written on one side only stays, and fails as a leaf the other side lacks (nothing else
+    # judges it), except against a baseline entry recorded before buffers were stored.
+    state_unstored = entry is not None and not getattr(entry, "meta", {}).get(STATE_META_KEY)
+    state = {p for p in one_sided if is_state_leaf(p)}
+    one_sided -= state
+    unstored = [p for p in one_sided if p in actual and input_path(p) in (recorded_input_changes(entry) or set())]
+    if state_unstored:
+        one_sided |= state
+        unstored += [p for p in state if p in actual]
+    if not one_sided:
+        return sides
     notes = sides.notes
     if unstored:
         notes = (*notes, _not_compared(unstored, "the baseline was recorded before they were stored (re-record "
