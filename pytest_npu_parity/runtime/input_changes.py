@@ -75,7 +75,7 @@ def inplace_leaves(changed: list[tuple[str, torch.Tensor]], outputs: dict) -> di
     taken = sorted(set(found) & set(outputs))
     if taken:
         raise ValueError(f"the computation returns an output leaf named {taken[0]!r}, the name under which the "
-                         f"value it writes into its input {input_path(taken[0])} is compared; rename that "
+                         f"value it writes in place into {input_path(taken[0])} is compared; rename that "
                          "output key")
     return found
 
@@ -83,7 +83,8 @@ def inplace_leaves(changed: list[tuple[str, torch.Tensor]], outputs: dict) -> di
 def state_leaves(kept: Any, owners: list[torch.nn.Module], outputs: dict) -> dict[str, torch.Tensor]:
     """The leaves of the module state a run changed in place: ``{"inplace:buffer:<path>": CPU copy}`` for each
     registered buffer of ``owners`` that ``kept`` (the run's ``module_state.KeptState``, inside its block:
-    before the state is put back) found changed, to be added to the run's ``outputs``.
+    before the state is put back) found written (``KeptState.changed_named``), to be added to the run's
+    ``outputs``.
 
     Raises:
         ValueError: an output leaf already has such a path, naming it (as ``inplace_leaves``).
