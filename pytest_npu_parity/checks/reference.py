@@ -27,7 +27,6 @@ from ..store.compact import compact_leaves
 from ..store.digests import fingerprint_module, fingerprint_tensors, module_tensor_digests, uninitialized
 from ..store.summaries import summarize_tensors
 from ..runtime.golden_run import GoldenUnavailableError
-from ..runtime.input_changes import STATE_META_KEY
 from ..modules import owner_module
 from ..runtime.machine import collect_provenance
 from ..runtime.npu import base_version
@@ -276,7 +275,6 @@ def recording(facts: CaseFacts, plan: CheckPlan, leaves: dict, hashes: dict[str,
     # the inputs the reference changed in place (none: []), so that a compare run can tell a target that
     # changes its arguments otherwise (``checks.verdict.input_change_verdict``)
     extra_meta[INPUT_CHANGES_META_KEY] = sorted((call.input_changes or {}).get("reference") or ())
-    extra_meta[STATE_META_KEY] = True  # the module buffers the reference wrote are among the leaves (inplace:buffer:)
     compact = None
     if plan.train_store is not None and plan.train_store.mode != "full":
         leaves, compact = compact_leaves(leaves, plan.train_store)

@@ -31,7 +31,7 @@ from ..judge.golden_policy import WORK_DTYPES
 from ..judge.layers import judge_layers
 from ..judge.trajectory import TrajectoryPolicy, judge_trajectory
 from ..judge.tolerance import Tolerance
-from ..runtime.input_changes import STATE_META_KEY, input_path, is_inplace_leaf, is_state_leaf
+from ..runtime.input_changes import input_path, is_inplace_leaf
 from ..runtime.layer_capture import split_layers
 from ..runtime.side import CheckCall, _to_cpu_leaves
 from ..leaves import without
@@ -112,8 +112,7 @@ def stream_override_note(overridden: set[str] | None) -> str | None:
 
 def _not_compared(leaf_paths: Any, why: str) -> str:
     """The note naming the inputs whose written values (``inplace:`` leaves) are not compared, and why."""
-    names = sorted(input_path(p) for p in leaf_paths)
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    shown = ", ".join(sorted(input_path(p) for p in leaf_paths))
     return f"the values written in place into {shown} not compared: {why}"
 
 
@@ -144,34 +143,18 @@ def without_inplace_leaves(sides: Sides, why: str) -> Sides:
 def paired_input_leaves(sides: Sides) -> Sides:
     """``sides`` with the inputs' values after the run (``runtime.input_changes``, leaves ``inplace:<path>``)
     kept where both sides hold one: an input changed in place on one side only is judged as such
-    (``input_change_verdict``), not as a missing leaf; a module buffer written on one side only
-    (``inplace:buffer:<path>``) is named in a note. Where the reference is a baseline entry that
-    recorded the input as changed but holds no value for it, or one recorded before buffers were stored
-    (no ``STATE_META_KEY``), the note says the value was not compared."""
+    (``input_change_verdict``), not as a missing leaf. Where the reference is a baseline entry that
+    recorded the input as changed but holds no value for it (recorded before the values were stored), the
+    note says the value was not compared."""
     actual, expected = sides.actual, sides.expected.leaves
     if not isinstance(actual, dict) or not isinstance(expected, dict):
         return sides
     one_sided = {p for p in set(actual) ^ set(expected) if is_inplace_leaf(p)}
     if not one_sided:
         return sides
-    entry = sides.expected.entry
-    recorded = recorded_input_changes(entry) or set()
+    recorded = recorded_input_changes(sides.expected.entry) or set()
     unstored = [p for p in one_sided if p in actual and input_path(p) in recorded]
-    # A module buffer written on one side only: a memo that one code path fills and another does not
-    # (a RoPE table cached by the reference, computed on the fly by a fused target kernel), or a buffer
-    # slot that placement untied from another (``.to(device)`` copies a shared buffer per module): named
-    # in a note, not judged. Against an entry recorded before buffers were stored, the target's say so.
-    state = sorted(p for p in one_sided if is_state_leaf(p))
-    state_unstored = entry is not None and not getattr(entry, "meta", {}).get(STATE_META_KEY)
     notes = sides.notes
-    if state_unstored:
-        unstored += [p for p in state if p in actual]
-        state = [p for p in state if p not in actual]
-    for where, held in (("reference", expected), ("target", actual)):
-        written = [p for p in state if p in held]
-        if written:
-            notes = (*notes, _not_compared(written, f"written by the {where} run only (a memo one code path "
-                                                    "fills, or a buffer its placement untied from another)"))
     if unstored:
         notes = (*notes, _not_compared(unstored, "the baseline was recorded before they were stored (re-record "
                                                  "with --update-baselines)"))
@@ -211,14 +194,8 @@ def compared_sides(sides: Sides, call: CheckCall, replay: tuple[dict | None, str
         unchanged = {p for p in expected if is_inplace_leaf(p) and p not in golden_leaves}
         if unchanged:
             actual, expected = without(actual, unchanged), without(expected, unchanged)
-            inputs = sorted(p for p in unchanged if not is_state_leaf(p))
-            if inputs:
-                note = _joined(note, _not_compared(inputs, "the golden run did not change that input (a "
-                                                           "value-dependent in-place op, on its float64 copy)"))
-            if len(inputs) < len(unchanged):
-                note = _joined(note, _not_compared(unchanged - set(inputs), "the golden run did not write that "
-                                                   "buffer (a value-dependent in-place op, or a memo, on its "
-                                                   "float64 copy)"))
+            note = _joined(note, _not_compared(unchanged, "the golden run did not change that input (a "
+                                                          "value-dependent in-place op, on its float64 copy)"))
     if call.kind == "train_step" and replayed is None:
         dropped = rounding_level_params(expected)
         if dropped:

@@ -30,7 +30,7 @@ import torch
 
 from ..leaves import cpu_leaf, flatten
 from ..modules import owner_module
-from .input_changes import changed_inputs, inplace_leaves, state_leaves
+from .input_changes import changed_inputs, inplace_leaves
 from .module_state import kept_state, state_owners
 from .recipes import strict_fp32_flags
 from .rng import same_randomness
@@ -226,12 +226,10 @@ class GoldenRunner:
                     stack.enter_context(self.shims(dtype))
                 stack.enter_context(same_randomness(seed))
                 stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
-                owners = state_owners(call)
-                kept = stack.enter_context(kept_state(*owners))  # a cached copy: the next golden starts alike
+                kept = stack.enter_context(kept_state(*state_owners(call)))  # a cached copy: the next golden starts alike
                 output = call(*args_g, **kwargs_g)
                 # taken before the state is put back (a leaf may be a buffer the run changed)
                 leaves = {p: (kept.detach_output(cpu_leaf(t)) if t is not None else None) for p, t in flatten(output)}
-                leaves.update(state_leaves(kept, owners, leaves))  # the buffers it wrote, as the sides carry theirs
             # the values it wrote into its inputs, as the sides carry theirs (runtime.input_changes)
             found = changed_inputs((args, kwargs or {}), (args_g, kwargs_g))
             if found:

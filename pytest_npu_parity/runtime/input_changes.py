@@ -8,12 +8,6 @@ filled by the forward, a mask edited, a counter advanced), by paths such as ``ar
 return value, so each side's leaves carry it (``inplace_leaves``) under the path with :data:`INPLACE_PREFIX`
 (``inplace:args[1]``): it is compared, recorded in a baseline and judged like any output leaf, by the
 check's verdict (the golden run, on its own copies, carries its own).
-
-A module's own state is written the same way: a training-mode forward updates BatchNorm's running
-statistics, a decoder writes its key/value cache buffer. Every run puts the module's buffers back
-(``runtime.module_state.kept_state``), and what it wrote there is compared like an input's value, under
-:data:`STATE_PREFIX` (``inplace:buffer:1.running_mean``; ``state_leaves``). A baseline entry recorded
-before these were stored says so by lacking :data:`STATE_META_KEY`.
 """
 from __future__ import annotations
 
@@ -25,14 +19,6 @@ from ..leaves import cpu_leaf
 
 #: Leaf-path prefix of an input's value after a run that changed it in place (``inplace_leaves``).
 INPLACE_PREFIX = "inplace:"
-
-#: The input path of a module's buffer the run changed in place (``state_leaves``):
-#: leaf ``inplace:buffer:<its path in the module>``.
-STATE_PREFIX = "buffer:"
-
-#: Baseline entry meta key set on recordings that store the ``inplace:buffer:`` leaves (``state_leaves``):
-#: an entry without it says nothing of the module state its reference run changed.
-STATE_META_KEY = "state_changes_stored"
 
 
 def changed_inputs(given: tuple[tuple, dict], ran: tuple[Any, Any]) -> list[tuple[str, torch.Tensor]]:
@@ -75,26 +61,9 @@ def inplace_leaves(changed: list[tuple[str, torch.Tensor]], outputs: dict) -> di
     taken = sorted(set(found) & set(outputs))
     if taken:
         raise ValueError(f"the computation returns an output leaf named {taken[0]!r}, the name under which the "
-                         f"value it writes in place into {input_path(taken[0])} is compared; rename that "
+                         f"value it writes into its input {input_path(taken[0])} is compared; rename that "
                          "output key")
     return found
-
-
-def state_leaves(kept: Any, owners: list[torch.nn.Module], outputs: dict) -> dict[str, torch.Tensor]:
-    """The leaves of the module state a run changed in place: ``{"inplace:buffer:<path>": CPU copy}`` for each
-    registered buffer of ``owners`` that ``kept`` (the run's ``module_state.KeptState``, inside its block:
-    before the state is put back) found written (``KeptState.changed_named``), to be added to the run's
-    ``outputs``.
-
-    Raises:
-        ValueError: an output leaf already has such a path, naming it (as ``inplace_leaves``).
-    """
-    return inplace_leaves([(STATE_PREFIX + name, tensor) for name, tensor in kept.changed_named(owners)], outputs)
-
-
-def is_state_leaf(path: str) -> bool:
-    """Whether leaf ``path`` is a module buffer's value after the run (``state_leaves``)."""
-    return isinstance(path, str) and path.startswith(INPLACE_PREFIX + STATE_PREFIX)
 
 
 def is_inplace_leaf(path: str) -> bool:

@@ -154,29 +154,6 @@ class KeptState:
                              if tensor._version != version or not _equal(tensor.detach(), copy)]
         return self._changed
 
-    def changed_named(self, owners: list[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` of the registered buffers the run wrote, by name, sorted: each buffer slot
-        of ``owners`` (the modules given to ``kept_state``, in order; each submodule once) holding a tensor
-        the run changed in place (``changed``), or bound during the run to another tensor than on entry
-        (rebound, a ``None`` buffer filled, a buffer registered). A tensor held in several slots (a buffer
-        shared by two modules, views of one buffer) is named in each, so that a side whose placement
-        untied them (``.to(device)`` copies each slot) names the slot it wrote too. Names are paths in
-        the first owner (``"1.running_mean"``), ``"@1:cache"`` in the second, … The tensors are as the
-        run left them: copy them before the block ends. Plain tensor attributes are put back but not
-        named here: a module's ``.to(dtype)`` leaves them in their dtype, so a golden run's float64
-        copy would hold them in a lower precision."""
-        changed = {id(tensor) for tensor, _ in self.changed()}
-        saved = {id(sub): buffers for sub, buffers in zip(self._subs, self._buffers)}
-        found: dict[str, torch.Tensor] = {}
-        for i, owner in enumerate(owners):
-            head = "" if i == 0 else f"@{i}:"
-            for prefix, sub in owner.named_modules(remove_duplicate=True):
-                before = saved.get(id(sub), {})
-                for name, value in sub._buffers.items():
-                    if isinstance(value, torch.Tensor) and (id(value) in changed or before.get(name) is not value):
-                        found.setdefault(head + (f"{prefix}.{name}" if prefix else name), value)
-        return sorted(found.items())
-
     def detach_output(self, leaf: torch.Tensor) -> torch.Tensor:
         """``leaf`` (an output leaf taken inside the block), copied when it shares memory with a tensor
         the run changed, which ``restore`` is about to put back."""

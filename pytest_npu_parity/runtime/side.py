@@ -36,7 +36,7 @@ from ..leaves import cpu_leaf, flatten, is_cache
 from ..modules import owner_module
 from .recipes import RECIPES, Recipe, RecipeUnsupportedError, strict_fp32_flags
 from .rng import random_functions, randomness, target_seed
-from .input_changes import changed_inputs, inplace_leaves, state_leaves
+from .input_changes import changed_inputs, inplace_leaves
 from .layer_capture import DEFAULT_SAMPLES, capture_layers
 from .module_state import KeptState, kept_state, state_owners
 
@@ -579,8 +579,7 @@ def _call(side: Side, spec: RunSpec, device: torch.device, patched: bool, audit:
         # A module the next run is given again (not a fresh copy) starts it from the same buffers,
         # attributes and generators: put back after the audit has ended (the plugin's work, not the
         # computation's), and after the output's leaves are taken (a leaf may be a buffer the run changed).
-        owners = state_owners(call)
-        kept = stack.enter_context(kept_state(*owners))
+        kept = stack.enter_context(kept_state(*state_owners(call)))
         with contextlib.ExitStack() as watched:
             if audit is not None:
                 audit = watched.enter_context(audit)
@@ -591,8 +590,6 @@ def _call(side: Side, spec: RunSpec, device: torch.device, patched: bool, audit:
             output = call(*args_d, **kwargs_d)
         if to_leaves:
             output = _to_cpu_leaves(output, kept)
-            # what it wrote into the module's own buffers, copied before they are put back
-            output = {**output, **state_leaves(kept, owners, output)}
     if layers is not None:
         layers.update(captured)  # on the CPU once the capture has ended
     # after the audit: the comparison is not the computation's
