@@ -23,8 +23,8 @@ def leaf_error(leaf: Any) -> float:
 
     Allclose: ``err_ratio`` (max |actual − expected| / (atol + rtol·|expected|)). Golden verdict
     (``golden.GoldenLeafResult``): the largest ratio / its policy limit over the judged metrics
-    (``rmse``, ``max_rel``, ``mean_rel``, ``small_share``, and ``max_abs`` under our limit set). A leaf with a structural problem (missing,
-    shape or dtype) or a NaN measure: ``inf``."""
+    (``rmse``, ``max_rel``, ``mean_rel``, ``small_share``, and ``max_abs`` under our limit set). A leaf
+    with a structural problem (missing, shape or dtype) or a NaN measure: ``inf``."""
     if getattr(leaf, "problem", None) is not None:
         return math.inf
     policy = getattr(leaf, "policy", None)
