@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pytest_npu_parity import golden as G
-from pytest_npu_parity.policy import Tolerance
+from pytest_npu_parity.policy import LOW_PRECISION, Tolerance
 
 
 def f64(*values: float) -> torch.Tensor:
@@ -147,6 +147,76 @@ def test_a_few_grossly_wrong_elements_of_a_large_leaf_fail_on_the_largest_error(
                              name="lm_head").format()
     assert "max_abs ratio" in message and "(the largest absolute error, held to the max_rel limit)" in message
     assert "max_abs t/r (ratio)" in message
+
+
+def _two_bf16_kernels(g: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two correct bf16 kernels of the golden ``g`` that accumulate in fp32, as a CPU's and an NPU's
+    do: both carry the error of the bf16 inputs they share (2e-3 here, as a bf16 linear of 64 has),
+    each its own in the accumulator's last bits (1e-6), then bf16 rounding: they round a few
+    elements apart."""
+    shared = g + 2e-3 * torch.randn(g.shape, dtype=torch.float64, generator=gen)
+    return tuple((shared + 1e-6 * torch.randn(g.shape, dtype=torch.float64, generator=gen)).to(torch.bfloat16)
+                 for _ in range(2))
+
+
+_FLOOR = G.default_golden_for_recipe("bf16").replace(allclose_floor=True)
+
+
+def _negated(a: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    wrong = a.clone()
+    wrong.view(-1)[where] = -wrong.view(-1)[where]
+    return wrong
+
+
+def test_a_sign_flipped_element_the_budget_would_take_fails_as_a_gross_element():
+    """One output of 0.04 negated among 4,096 bf16 elements: 80x outside the allclose bound, within the
+    built-in budget's 100x, and the leaf's averages and maxima hardly move. The golden shows the
+    target's error there is far beyond the reference's; another correct kernel passes."""
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(64, 64, dtype=torch.float64, generator=gen)
+    e, a = _two_bf16_kernels(g, gen)
+    judge = lambda x, path="y": G.judge_golden_tensors(x, e, g, _FLOOR, tolerance=LOW_PRECISION, path=path,  # noqa: E731
+                                                       work_dtype=torch.bfloat16)
+    fine = judge(a)
+    assert fine.passed and fine.gross == 0 and fine.mismatched <= fine.allowed
+    i = int((g.abs() - 0.04).abs().argmin())
+    leaf = judge(_negated(a, torch.tensor([i])))
+    # what hid it: within the budget, within 100x the bound, every ratio within its limit
+    assert 0 < leaf.mismatched <= leaf.allowed and G.GROSS_ERR_RATIO < leaf.err_ratio <= 100 and not leaf.over_limit
+    assert not leaf.passed and not leaf.within_floor
+    assert leaf.gross == 1 and leaf.gross_index == (i // 64, i % 64)
+    assert leaf.gross_values == (float(-a.view(-1)[i]), float(e.view(-1)[i]), float(g.view(-1)[i]))
+    message = G.judge_golden({"y": _negated(a, torch.tensor([i]))}, {"y": e}, {"y": g}, _FLOOR,
+                             tolerance=LOW_PRECISION, work_dtype=torch.bfloat16, name="proj").format()
+    assert f"1 element(s) beyond rounding by the float64 golden, first at index {(i // 64, i % 64)}" in message
+    # a training step's parameters after the step keep the budget's 100x: AdamW's ±lr from a gradient of
+    # rounding noise has its sign decided by the golden's gradient (runtime.training.rounding_level_params)
+    for path in ("param.w", "rank1.param.w"):
+        stepped = judge(_negated(a, torch.tensor([i])), path)
+        assert stepped.passed and stepped.within_floor and stepped.gross == 0
+    assert not judge(_negated(a, torch.tensor([i])), "grad.w").passed
+    # a budget of the user's takes any amount, as before
+    own = G.judge_golden_tensors(_negated(a, torch.tensor([i])), e, g, _FLOOR, work_dtype=torch.bfloat16,
+                                 tolerance=LOW_PRECISION.replace(budget=1e-3, reason="known"))
+    assert own.passed and own.gross == 0
+
+
+def test_small_logits_negated_beside_large_ones_fail_as_gross_elements():
+    """32 logits of 0.1–0.2 negated among 2 M bf16 logits whose rows each hold one of 25.3: the
+    largest absolute error is set by rounding the 25.3s (the max_abs ratio stays under its limit), the
+    averages over 2 M elements hardly move, and each flipped logit is over 100x outside the bound, so
+    the floor leaves the leaf to the ratios: before the gross-element test it passed."""
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(16, 1 << 17, dtype=torch.float64, generator=gen)
+    g[:, 7] = 25.3
+    e, a = _two_bf16_kernels(g, gen)
+    assert G.judge_golden_tensors(a, e, g, _FLOOR, tolerance=LOW_PRECISION, work_dtype=torch.bfloat16).passed
+    where = torch.nonzero((g.abs() > 0.1) & (g.abs() < 0.2))[:32]
+    flat = where[:, 0] * g.shape[1] + where[:, 1]
+    leaf = G.judge_golden_tensors(_negated(a, flat), e, g, _FLOOR, tolerance=LOW_PRECISION, work_dtype=torch.bfloat16)
+    assert leaf.mismatched <= leaf.allowed and leaf.err_ratio > 100 and not leaf.over_limit  # what hid it
+    assert not leaf.passed and leaf.gross == 32
+    assert leaf.gross_index == tuple(int(k) for k in where[0])
 
 
 def test_max_abs_is_not_reported_under_msprobes_limit_set_which_does_not_measure_it():
