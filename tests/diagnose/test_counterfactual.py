@@ -160,10 +160,17 @@ def test_a_train_step_under_its_golden_verdict_gets_a_counterfactual_not_the_not
     assert NO_LOCALIZATION_UNDER_GOLDEN.strip() not in message
     assert "What makes it pass" in message
     rows = {r["suspect"]: r for r in record.whatfix.counterfactual}
-    # Only forward values are replaced (the scaled weight still acts in the backward): the faulty block
-    # removes part of the error, the others none — so the copy the step trains kept the hooks.
-    assert rows["blocks.2 (Block)"]["verdict"] in ("root cause", "contributing")
+    # Only forward values are replaced (the scaled weight still acts in the backward): the faulty block's
+    # re-run changes the error, the others' leave it exactly as it was — so the copy the step trains kept
+    # the hooks. How much of it goes depends on the CPU's kernels, since the largest error left is the
+    # upstream gradients' that the backward through the scaled weight makes: 25 % removed on an AMD EPYC
+    # (AVX512-BF16), 15 % on an Intel Xeon with AMX, -1 % on ATen's default kernels with oneDNN at AVX2;
+    # so its verdict may be "no effect", which the message says does not clear it (asserted below).
+    faulty = rows["blocks.2 (Block)"]
+    assert faulty["error_after"] != faulty["error_before"] and faulty["verdict"] != "root cause"
     assert all(rows[f"blocks.{i} (Block)"]["verdict"] == "no effect" for i in (0, 1, 3))
+    assert all(rows[f"blocks.{i} (Block)"]["error_after"] == rows[f"blocks.{i} (Block)"]["error_before"]
+               for i in (0, 1, 3))
     assert rows["the patch set"]["verdict"] == "root cause"
     # ... and the message says that a backward fault is not removed by these re-runs, and where to look.
     assert "its backward stays the target's" in message and "--parity-policy allclose" in message

@@ -22,7 +22,9 @@ from .rerun import Outcome, Rerunner, Spent, end_to_end_error, patch_names, shar
 #: reference removed 0.9995 (fp32 scaled Linear, allclose), 0.9998 (tiny Llama down_proj x 1.01),
 #: 0.9986 (the bf16 fragile moments module, golden verdict) of the error, and 0.815 while passing
 #: (a bf16 head weight x 1.5); a train step's scaled block, whose fault also acts in the backward that
-#: a forward replacement keeps, 0.25.
+#: a forward replacement keeps, 0.25 on that CPU (AMD EPYC, AVX512-BF16), 0.15 on an Intel Xeon with AMX
+#: and -0.01 on ATen's default kernels with oneDNN at AVX2: there the largest error left is the upstream
+#: gradients', which no forward replacement removes (the report says "no effect" does not clear it).
 ROOT_CAUSE_SHARE = 0.9
 #: Share from which a suspect is said to contribute (between this and ``ROOT_CAUSE_SHARE``); below
 #: it, "no effect". In the same measurements the pieces without a fault removed between -0.57 (the
