@@ -115,7 +115,7 @@ from typing import Any, Iterator
 import torch
 
 from ..leaves import _leaves_by_path
-from .allclose import (WORKER_BLOCK, CompareResult, LeafResult, compare_tensors, flat_real_cpu, float64_blocks,
+from .allclose import (WORKER_BLOCK, CompareResult, LeafResult, _index, compare_tensors, flat_real_cpu, float64_blocks,
                        format_table)
 from .golden_metrics import SideMetrics, _SideSums, ratio, segment_sums
 from .golden_policy import DEFAULT_GOLDEN, JUDGED_EXTRA, METRICS, GoldenPolicy
@@ -412,7 +412,7 @@ def _find_gross(leaf: GoldenLeafResult, actual: torch.Tensor, expected: torch.Te
             count = int(gross.sum())
             if count and leaf.gross == 0:
                 i = int(torch.nonzero(gross)[0, 0])
-                leaf.gross_index = tuple(int(k) for k in torch.unravel_index(torch.tensor(start + i), expected.shape))
+                leaf.gross_index = _index(start + i, tuple(expected.shape))
                 leaf.gross_values = (float(a[i]), float(e[i]), float(g[i]))
             leaf.gross += count
             start += a.numel()
