@@ -29,6 +29,10 @@ MAX_SEED = 2**63 - 1
 #: Recipes with their own ini ``parity_<recipe>_tolerance`` / ``parity_<recipe>_policy`` keys
 #: (``bf16-weights`` follows ``bf16``).
 OVERRIDABLE_RECIPES = ("fp32", "bf16", "fp16")
+#: Each overridable recipe's default verdict policy, as ``--help`` words it (``checks.settings.DEFAULT_POLICIES`` and
+#: ``TRAINING_DEFAULT_POLICIES`` decide; a test holds the two together: this module does not import torch).
+POLICY_DEFAULTS = {"fp32": "allclose, golden floor for training checks", "bf16": "golden floor",
+                   "fp16": "allclose"}
 #: The command that writes the options reference from ``table()``.
 REGENERATE = "python -m pytest_npu_parity.plugin.options_md > docs/reference/options.md"
 #: The order ``pytest --help`` lists the ini keys in (the options follow ``table()``'s order).
@@ -298,7 +302,8 @@ def table() -> tuple[Setting, ...]:
                             help=f"override of the {recipe} default tolerance, e.g. 'rtol=1e-5 atol=1e-5 # reason'"))
         rows.append(Setting(ini=f"parity_{recipe}_policy", ini_default="",
                             help=f"verdict policy of {recipe} checks{' (and bf16-weights)' if recipe == 'bf16' else ''}: "
-                                 "'allclose' (default) or 'golden [rmse=2 max_rel=10 mean_rel=2 small=2] [# reason]'"))
+                                 "'allclose', 'golden [rmse=2 max_rel=10 mean_rel=2 small=2] [# reason]' or "
+                                 f"'golden floor [...]'; default {POLICY_DEFAULTS[recipe]}"))
     rows += [
         Setting(ini="parity_deepspeed_config", ini_default="",
                 help="a DeepSpeed JSON config (relative to rootdir) to lint by the Ascend guide's rules at start-up "
