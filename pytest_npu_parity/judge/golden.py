@@ -83,7 +83,7 @@ is msprobe's verdict without our rule. An empty tensor passes (msprobe skips it)
 
 A leaf passes when the structure matches (two floating dtypes may differ: autocast's op lists
 differ between devices and kernels), the NaN/Inf rule holds and every ratio is within its limit.
-Integer and bool leaves are compared exactly (the golden is not used).
+Integer and bool leaves, and a loss scaler's ``amp.scale``, are compared exactly (the golden is not used).
 
 Under ``allclose_floor`` with our limit set, a leaf whose out-of-bound elements the built-in budget
 would take (``Tolerance.rounding_budget``: few enough, ``mismatched <= allowed``) fails on a **gross
@@ -139,6 +139,11 @@ GROSS_ERR_RATIO = 16.0
 #: ``param.<p>``, the distributed step's ``rank<k>.param.<p>``): no gross-element test there (see the
 #: module docstring).
 _STEPPED_PARAMETER = re.compile(r"^(rank\d+\.)?param\.")
+#: The loss scaler's scale after an fp16 training step (``runtime.training``'s ``amp.scale``): a power of two its
+#: overflow decisions set, not a rounded result. The float64 golden step overflows where fp16 does (the tiny Aurora
+#: at 2^16) nowhere, so the golden cannot judge it (a target that missed the overflow matched the golden's 2^16 and
+#: passed the ratio test): it is compared exactly, as an integer leaf is.
+_SCALER_STATE = re.compile(r"^(rank\d+\.)?amp\.scale$")
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,7 +364,7 @@ def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: t
         so) under a 16-bit work dtype (or none given): the golden judges accuracy, and autocast's op
         lists differ between devices and kernels. Under fp32/fp64 work a dtype change is a failure
         (a target that returns bf16 where fp32 was computed lost precision). Integer and bool
-        leaves are judged exactly.
+        leaves, and the loss scaler's ``amp.scale`` (``_SCALER_STATE``), are judged exactly.
     """
     leaf, coarse = _prepare_leaf(actual, expected, golden, policy, tolerance, path, work_dtype)
     if coarse is None:
@@ -423,9 +428,10 @@ def _prepare_leaf(actual: torch.Tensor, expected: torch.Tensor, golden: torch.Te
                   work_dtype: torch.dtype | None) -> tuple[GoldenLeafResult, torch.dtype | None]:
     """``judge_golden_tensors`` up to the golden metrics: ``(leaf, coarse)`` with the informative
     target-vs-reference metrics, the structural checks and the dtype the rounding floor is taken in;
-    ``coarse`` None when the leaf is already judged (a structural problem, or an integer/bool leaf)."""
+    ``coarse`` None when the leaf is already judged (a structural problem, an integer/bool leaf or the loss
+    scaler's scale, ``_SCALER_STATE``)."""
     tol = tolerance if tolerance is not None else default_for_dtype(expected.dtype)
-    exact = not (expected.dtype.is_floating_point or expected.dtype.is_complex)
+    exact = not (expected.dtype.is_floating_point or expected.dtype.is_complex) or bool(_SCALER_STATE.match(path))
     lenient = work_dtype is None or (work_dtype.is_floating_point and torch.finfo(work_dtype).bits <= 16)
     base, coarse, note = _target_vs_reference(actual, expected, tol, exact, lenient, path)
     leaf = GoldenLeafResult(**{f.name: getattr(base, f.name) for f in dataclasses.fields(LeafResult)})

@@ -501,16 +501,23 @@ def test_fp16_eval_check_runs_in_fp16_and_fails_a_scaled_weight():
 
 def test_fp16_train_step_under_golden_runs_the_scaler_in_fp64_too():
     # The golden step (fp64, no autocast) goes through the same scaler: no overflow there (scale 2^16,
-    # nothing skipped); both sides are 2^15 off in amp.scale, equally, which the ratio test passes.
+    # nothing skipped); both sides are 2^15 off in amp.scale, which is compared exactly between them instead.
     kwargs = dict(loss_fn=lambda out: out, max_grad_norm=None)
     record = case("fp16", recipe_policies={"fp16": "golden"}).train_step("step", OverflowNet(), {"x": SMALL_X}, **kwargs)
     assert record.status == "pass" and record.policy == "golden" and not record.extra.get("policy_note")
+    scale = next(leaf for leaf in record.result.leaves if leaf.path == "amp.scale")
+    assert scale.exact and scale.passed
     from loss_scale_faults import FAULTS, target_scaler
 
     with pytest.raises(ParityError) as info:
         case("fp16", target_scaler(FAULTS["stale_inverse_scale"]), recipe_policies={"fp16": "golden"}).train_step(
             "step", OverflowNet(), {"x": SMALL_X}, **kwargs)
     assert "amp.grad_norm" in {leaf.path for leaf in info.value.result.leaves if not leaf.passed}
+    with pytest.raises(ParityError) as info:  # 2^16 where the reference backed off to 2^15: the golden's own scale
+        case("fp16", target_scaler(FAULTS["missed_overflow"]), recipe_policies={"fp16": "golden"}).train_step(
+            "step", OverflowNet(), {"x": SMALL_X}, **kwargs)
+    failing = {leaf.path for leaf in info.value.result.leaves if not leaf.passed}
+    assert {"amp.scale", "amp.skipped_steps"} <= failing
 
 
 # ---------------------------------------------------------------------------------------------
