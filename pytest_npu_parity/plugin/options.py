@@ -32,7 +32,7 @@ OVERRIDABLE_RECIPES = ("fp32", "bf16", "fp16")
 #: Each overridable recipe's default verdict policy, as ``--help`` words it (``checks.settings.DEFAULT_POLICIES`` and
 #: ``TRAINING_DEFAULT_POLICIES`` decide; a test holds the two together: this module does not import torch).
 POLICY_DEFAULTS = {"fp32": "allclose, golden floor for training checks", "bf16": "golden floor",
-                   "fp16": "allclose"}
+                   "fp16": "golden floor"}
 #: The command that writes the options reference from ``table()``.
 REGENERATE = "python -m pytest_npu_parity.plugin.options_md > docs/reference/options.md"
 #: The order ``pytest --help`` lists the ini keys in (the options follow ``table()``'s order).
@@ -180,8 +180,8 @@ def _default_budget() -> float:
 _POLICY_HELP = (
     "verdict policy of every recipe and check: allclose (rtol/atol/budget), golden (target and "
     "reference errors against a higher-precision CPU golden run, ratio limits 2/10/2/2) or "
-    "golden-floor (golden, a leaf within allclose passes, no element over 100x its bound; the default of bf16 "
-    "and of fp32 training checks; fp32 eval checks default to allclose; "
+    "golden-floor (golden, a leaf within allclose passes, no element over 100x its bound; the default of bf16, "
+    "fp16 and fp32 training checks; fp32 eval checks default to allclose; "
     "'golden msprobe op=…' in ini or the marker for msprobe 26.2.0's standard); replaces ini parity_<recipe>_policy, "
     "while ini parity_policies lines, the marker's policy= and parity.check(policy=...) still choose per check")
 

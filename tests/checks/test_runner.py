@@ -447,7 +447,7 @@ def test_fp16_train_step_backs_off_an_overflowing_scale_and_compares_the_amp_lea
     fp16 = case("fp16")
     assert fp16.recipe.loss_scaling
     record = fp16.train_step("step", OverflowNet(), {"x": SMALL_X}, loss_fn=lambda out: out, max_grad_norm=None)
-    assert record.status == "pass" and record.policy == "allclose"
+    assert record.status == "pass" and record.policy == "golden" and record.golden_policy.allclose_floor
     assert {"loss", "grad.lin.weight", "param.lin.weight", "amp.scale", "amp.skipped_steps",
             "amp.grad_norm"} <= {leaf.path for leaf in record.result.leaves}
     reference = next(iter(fp16.session._reference_memo.values()))[1]
@@ -460,17 +460,25 @@ def test_fp16_train_step_backs_off_an_overflowing_scale_and_compares_the_amp_lea
     assert float(reference["amp.grad_norm"]) == pytest.approx(norm, rel=1e-3)
 
 
-def _fp16_fault(fault_name):
+def _fp16_fault(fault_name, policy=None):
     from loss_scale_faults import FAULTS, target_scaler
 
-    return case("fp16", target_scaler(FAULTS[fault_name]))
+    return case("fp16", target_scaler(FAULTS[fault_name]), **({"recipe_policies": {"fp16": policy}} if policy else {}))
+
+
+def _failing(info):
+    return {leaf.path for leaf in info.value.result.leaves if not leaf.passed}
 
 
 def test_fp16_train_step_fails_a_scaler_that_unscales_with_a_stale_scale():
     with pytest.raises(ParityError, match=r"(?s)output .amp\.grad_norm.*expected 3\.0005") as info:
+        _fp16_fault("stale_inverse_scale", "allclose").train_step("step", OverflowNet(), {"x": SMALL_X},
+                                                                  loss_fn=lambda out: out, max_grad_norm=None)
+    assert "grad.lin.weight" in str(info.value) and "grad.lin.bias" in str(info.value)  # halved
+    with pytest.raises(ParityError) as info:  # the default, the golden floor
         _fp16_fault("stale_inverse_scale").train_step("step", OverflowNet(), {"x": SMALL_X}, loss_fn=lambda out: out,
                                                       max_grad_norm=None)
-    assert "grad.lin.weight" in str(info.value) and "grad.lin.bias" in str(info.value)  # halved
+    assert {"grad.lin.weight", "grad.lin.bias", "amp.grad_norm"} <= _failing(info)
 
 
 def test_fp16_train_step_sees_a_stale_scale_behind_gradient_clipping():
@@ -486,10 +494,16 @@ def test_fp16_train_step_sees_a_stale_scale_behind_gradient_clipping():
 
 def test_fp16_train_step_fails_a_scaler_that_misses_an_overflow():
     with pytest.raises(ParityError) as info:
-        _fp16_fault("missed_overflow").train_step("step", OverflowNet(), {"x": SMALL_X}, loss_fn=lambda out: out,
-                                                  max_grad_norm=None)
+        _fp16_fault("missed_overflow", "allclose").train_step("step", OverflowNet(), {"x": SMALL_X},
+                                                              loss_fn=lambda out: out, max_grad_norm=None)
     text = str(info.value)
     assert "amp.skipped_steps" in text and "amp.scale" in text
+    # the default, the golden floor: the float64 golden step overflows nowhere (scale 2^16, as the faulty target's),
+    # so amp.scale would pass a ratio test against it: it is compared exactly, as the skipped steps (an integer leaf)
+    with pytest.raises(ParityError) as info:
+        _fp16_fault("missed_overflow").train_step("step", OverflowNet(), {"x": SMALL_X}, loss_fn=lambda out: out,
+                                                  max_grad_norm=None)
+    assert {"amp.scale", "amp.skipped_steps", "amp.grad_norm", "grad.lin.weight"} <= _failing(info)
 
 
 def test_fp16_eval_check_runs_in_fp16_and_fails_a_scaled_weight():
@@ -516,8 +530,7 @@ def test_fp16_train_step_under_golden_runs_the_scaler_in_fp64_too():
     with pytest.raises(ParityError) as info:  # 2^16 where the reference backed off to 2^15: the golden's own scale
         case("fp16", target_scaler(FAULTS["missed_overflow"]), recipe_policies={"fp16": "golden"}).train_step(
             "step", OverflowNet(), {"x": SMALL_X}, **kwargs)
-    failing = {leaf.path for leaf in info.value.result.leaves if not leaf.passed}
-    assert {"amp.scale", "amp.skipped_steps"} <= failing
+    assert {"amp.scale", "amp.skipped_steps"} <= _failing(info)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1072,6 +1085,29 @@ def test_a_sign_flipped_output_element_fails_the_golden_floor():
     assert case("bf16").check("flip", Flip(), x).status == "pass"
     with pytest.raises(ParityError, match=r"1 element\(s\) beyond rounding by the float64 golden"):
         case("bf16", _switched(Flip, "flip")).check("flip", Flip(), x)
+
+
+@pytest.mark.parametrize("output", [0.04, 0.01])
+def test_a_sign_flipped_output_element_fails_fp16_by_default(output):
+    # the same linear under fp16: err/tol 77 (0.04) or 20 (0.01), within the built-in budget's 100x, passed plain
+    # allclose, fp16's default until 2026-12; the golden floor, now its default, finds the element gross
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+
+    class FlipAt(Flip):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            if Flip.flip:
+                i = (y.float().abs() - output).abs().argmin()
+                y = y.flatten().clone()
+                y[i] = -y[i]
+                y = y.view(x.shape[0], -1)
+            return y
+
+    assert case("fp16").check("flip", FlipAt(), x).status == "pass"
+    with pytest.raises(ParityError, match=r"1 element\(s\) beyond rounding by the float64 golden"):
+        case("fp16", _switched(Flip, "flip")).check("flip", FlipAt(), x)
+    flipped = case("fp16", _switched(Flip, "flip")).check("flip", FlipAt(), x, policy="allclose")
+    assert flipped.status == "pass"  # what plain allclose, still one option away, lets through
 
 
 def _one_adamw_step(module, batch, recipe):
