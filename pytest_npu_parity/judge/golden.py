@@ -95,7 +95,11 @@ cannot see such an element: a sign flipped at an output of 0.04 among 4,096 of a
 largest absolute error 6.7 times the reference's, and 32 logits of 0.1–0.2 negated in rows holding a
 logit of 25.3 moved it 8 times, both within the limits. Left out: a training step's parameters after
 the optimizer step (leaves named ``param.<p>`` or ``rank<k>.param.<p>``, as the training steps name them), where AdamW turns a gradient that is rounding
-noise into a step of ±lr whose sign the golden's gradient decides, and complex leaves.
+noise into a step of ±lr whose sign the golden's gradient decides; its gradients (``grad.<p>``,
+``rank<k>.grad.<p>``), which a ReLU's mask or a max's choice makes discontinuous in the forward's rounding:
+a correct fp16 target whose pre-activation near 0 fell on the other side of a ReLU dropped one sample's
+share of a weight-gradient row, 16× outside the bound where the reference happened to match the golden;
+and complex leaves.
 
 Where the pieces live: the limits and the spec texts are ``judge.golden_policy``; one side's metrics
 by our definitions ``judge.golden_metrics``, by msprobe's ``judge.msprobe``; the golden itself is
@@ -136,9 +140,9 @@ FLOOR_OUTLIER_ERR_RATIO = BUDGET_OUTLIER_ERR_RATIO
 GROSS_ERR_RATIO = 16.0
 
 #: Leaves that hold a training step's parameters after the optimizer step (``runtime.training``'s
-#: ``param.<p>``, the distributed step's ``rank<k>.param.<p>``): no gross-element test there (see the
-#: module docstring).
-_STEPPED_PARAMETER = re.compile(r"^(rank\d+\.)?param\.")
+#: ``param.<p>``, the distributed step's ``rank<k>.param.<p>``) or its gradients (``grad.<p>``,
+#: ``rank<k>.grad.<p>``): no gross-element test there (see the module docstring).
+_STEP_PARAMETER_OR_GRADIENT = re.compile(r"^(rank\d+\.)?(param|grad)\.")
 #: The loss scaler's scale after an fp16 training step (``runtime.training``'s ``amp.scale``): a power of two its
 #: overflow decisions set, not a rounded result. The float64 golden step overflows where fp16 does (the tiny Aurora
 #: at 2^16) nowhere, so the golden cannot judge it (a target that missed the overflow matched the golden's 2^16 and
@@ -380,13 +384,13 @@ def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: t
 def _may_hide_gross(leaf: GoldenLeafResult, actual: torch.Tensor) -> bool:
     """Whether ``leaf`` gets the gross-element test: our limit set with the allclose floor, the built-in
     budget taking every out-of-bound element, the worst more than ``GROSS_ERR_RATIO`` times outside the
-    bound, a real floating leaf that is not a parameter after an optimizer step (module docstring).
+    bound, a real floating leaf that is not a parameter after an optimizer step nor a gradient (module docstring).
     Cheap: the test itself runs only on such leaves."""
     policy = leaf.policy
     return (policy is not None and policy.allclose_floor and not policy.msprobe and leaf.problem is None
             and not leaf.exact and leaf.tolerance.rounding_budget and leaf.nonfinite_mismatched == 0
             and 0 < leaf.mismatched <= leaf.allowed and leaf.err_ratio > GROSS_ERR_RATIO
-            and not actual.is_complex() and _STEPPED_PARAMETER.match(leaf.path) is None)
+            and not actual.is_complex() and _STEP_PARAMETER_OR_GRADIENT.match(leaf.path) is None)
 
 
 def _find_gross(leaf: GoldenLeafResult, actual: torch.Tensor, expected: torch.Tensor, golden: torch.Tensor,
