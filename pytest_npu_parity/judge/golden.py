@@ -166,7 +166,9 @@ class GoldenLeafResult(LeafResult):
     ``exact`` — an integer/bool leaf, judged by equality; ``note`` — e.g. that the target's
     floating dtype differs from the reference's (allowed under the golden policy); ``gross`` — the
     number of gross elements (module docstring; 0 where the test does not apply), ``gross_index``
-    the first one's index in the leaf and ``gross_values`` its (target, reference, golden) values.
+    the first one's index in the leaf and ``gross_values`` its (target, reference, golden) values;
+    ``golden_shape`` — under the allclose floor, the golden's shape where it differs from the outputs'
+    (a value-dependent shape, ``y[y > t]``: no ratio can be taken, the floor alone decides), else None.
     """
 
     policy: GoldenPolicy | None = None
@@ -180,6 +182,7 @@ class GoldenLeafResult(LeafResult):
     gross: int = 0
     gross_index: tuple[int, ...] | None = None
     gross_values: tuple[float, float, float] | None = None
+    golden_shape: tuple[int, ...] | None = None
 
     @property
     def over_limit(self) -> dict[str, float]:
@@ -214,11 +217,13 @@ class GoldenLeafResult(LeafResult):
     def passed(self) -> bool:
         """No structural problem, no NaN/Inf on one side only, no gross element (``gross``), and every
         ratio within its limit or (``allclose_floor``) the leaf within the floor (``within_floor``;
-        integer/bool leaves: no differing element)."""
+        integer/bool leaves: no differing element; a golden of another shape, ``golden_shape``: the floor)."""
         if self.problem is not None:
             return False
         if self.exact:
             return self.mismatched == 0
+        if self.golden_shape is not None:  # the golden's shape differs (a value-dependent shape): the floor decides
+            return self.within_floor
         return self.nonfinite_mismatched == 0 and self.gross == 0 and (self.within_floor or not self.over_limit)
 
     @property
@@ -302,13 +307,17 @@ def _golden_header(leaf: LeafResult) -> str:
                 f"({abs(r - g):.3g}) and over the reference's largest anywhere in the leaf "
                 f"({max(leaf.reference.max_abs, leaf.floor.max_abs):.3g}), and the element is more than {GROSS_ERR_RATIO:g}x outside "
                 "the allclose bound: the budget is for rounding, not for a wrong element")
+    if isinstance(leaf, GoldenLeafResult) and leaf.golden_shape is not None:
+        return (f"{where}outside the allclose floor ({leaf.mismatched} element(s) outside the bound, err/tol "
+                f"{leaf.err_ratio:.3g}), with no golden ratio to take: the golden's shape {leaf.golden_shape} differs "
+                f"from the outputs' {tuple(leaf.shape)} (a value-dependent shape)")
     if isinstance(leaf, GoldenLeafResult) and not leaf.exact:
         parts = [f"{m} ratio {r:.3g} > {leaf.policy.limits[m]:g}"
                  + (" (the largest absolute error, held to the max_rel limit)" if m == "max_abs" else "")
                  for m, r in leaf.over_limit.items()]
         return (f"{where}target error vs the {leaf.golden_dtype} golden exceeds the reference's: "
                 + ", ".join(parts))
-    return f"{where}{leaf.mismatched} integer/bool element(s) differ"
+    return f"{where}{leaf.mismatched} element(s) differ, compared exactly (an integer/bool leaf or amp.scale)"
 
 
 _GOLDEN_COLUMNS = ("leaf", "golden", "rmse t/r (ratio)", "max_rel t/r (ratio)", "mean_rel t/r (ratio)",
@@ -446,7 +455,15 @@ def _prepare_leaf(actual: torch.Tensor, expected: torch.Tensor, golden: torch.Te
     if leaf.problem is not None or exact:
         return leaf, None
     if tuple(golden.shape) != tuple(expected.shape):
-        leaf.problem = f"golden shape {tuple(golden.shape)} differs from the outputs' {tuple(expected.shape)}"
+        shapes = f"golden shape {tuple(golden.shape)} differs from the outputs' {tuple(expected.shape)}"
+        if policy.allclose_floor and not policy.msprobe:
+            # a shape that depends on values (``y[y > t]``, ``nonzero``): the golden selected other elements, the
+            # two sides the same ones; no ratio can be taken, so the floor alone decides (``passed``)
+            leaf.golden_shape = tuple(golden.shape)
+            leaf.note = "; ".join(filter(None, [note, f"{shapes} (a value-dependent shape): judged by the allclose "
+                                                      "floor alone"]))
+        else:
+            leaf.problem = shapes
         return leaf, None
     if (lenient and work_dtype is not None and coarse.is_floating_point and golden.is_floating_point()
             and torch.finfo(golden.dtype).bits <= torch.finfo(coarse).bits

@@ -691,3 +691,21 @@ def test_a_zero_golden_counted_as_normal_gives_nan_relative_errors_on_both_paths
     for leaf in (together, alone):
         assert math.isnan(leaf.target.max_rel) and math.isnan(leaf.reference.max_rel)
         assert not leaf.passed
+
+
+def test_a_golden_of_another_shape_leaves_a_value_dependent_output_to_the_floor():
+    """``y[y > t]``: the float64 golden selected 6 elements, both bf16 sides the same 5 (the 6th, near t, fell below).
+    No ratio can be taken; under the floor it decides (a correct target failed on the golden's shape before),
+    without the floor the leaf fails as before."""
+    g = torch.tensor([0.31, 0.5, 0.7, 0.9, 1.1, 0.3004], dtype=torch.float64)
+    e = g[:5].to(torch.bfloat16)
+    fine = G.judge_golden_tensors(e.clone(), e, g, _FLOOR, tolerance=LOW_PRECISION, path="y", work_dtype=torch.bfloat16)
+    assert fine.passed and fine.golden_shape == (6,) and "value-dependent shape" in fine.note
+    off = G.judge_golden_tensors(e * 1.01, e, g, _FLOOR, tolerance=LOW_PRECISION, path="y", work_dtype=torch.bfloat16)
+    assert not off.passed and off.golden_shape == (6,)
+    message = G.judge_golden({"y": e * 1.01}, {"y": e}, {"y": g}, _FLOOR, tolerance=LOW_PRECISION,
+                             work_dtype=torch.bfloat16, name="select").format()
+    assert "outside the allclose floor" in message and "the golden's shape (6,) differs from the outputs' (5,)" in message
+    plain = G.judge_golden_tensors(e.clone(), e, g, _FLOOR.replace(allclose_floor=False),
+                                   tolerance=LOW_PRECISION, path="y", work_dtype=torch.bfloat16)
+    assert not plain.passed and plain.problem == "golden shape (6,) differs from the outputs' (5,)"
