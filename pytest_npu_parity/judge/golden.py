@@ -14,6 +14,9 @@ work (recipe)                  golden                        ``golden_dtypes(rec
 ``fp32``                       fp64 run on the CPU           ``(torch.float64,)``
 ``bf16``, ``bf16-weights``     fp64 run on the CPU, else     ``(torch.float64, torch.float32)``
                                fp32 where fp64 cannot run
+``fp16``                       the same (an fp16 training    ``(torch.float64, torch.float32)``
+                               step: fp32, its ``amp.*``
+                               leaves being fp32)
 =============================  ============================  ================================
 
 For bf16 work the golden is fp64 as well where the computation runs in fp64: under bf16 autocast
@@ -144,10 +147,12 @@ GROSS_ERR_RATIO = 16.0
 #: ``rank<k>.grad.<p>``): no gross-element test there (see the module docstring).
 _STEP_PARAMETER_OR_GRADIENT = re.compile(r"^(rank\d+\.)?(param|grad)\.")
 #: The loss scaler's scale after an fp16 training step (``runtime.training``'s ``amp.scale``): a power of two its
-#: overflow decisions set, not a rounded result. The float64 golden step overflows where fp16 does (the tiny Aurora
-#: at 2^16) nowhere, so the golden cannot judge it (a target that missed the overflow matched the golden's 2^16 and
-#: passed the ratio test): it is compared exactly, as an integer leaf is.
-_SCALER_STATE = re.compile(r"^(rank\d+\.)?amp\.scale$")
+#: overflow decisions set, not a rounded result. The golden step (float32: the step's ``amp.*`` leaves are float32,
+#: so ``runtime.golden_run`` refuses a float64 one) overflows where fp16 does (the tiny Aurora at 2^16) nowhere, so the golden cannot judge it (a target that missed the overflow matched the golden's 2^16 and
+#: passed the ratio test): under fp16 work it is compared exactly, as an integer leaf is. By the leaf's name: a
+#: leaf of one's own named ``amp.scale`` in an fp16 check is compared exactly too. (A distributed step refuses
+#: loss-scaling recipes, so there is no ``rank<k>.amp.scale``.)
+_SCALER_STATE = "amp.scale"
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,7 +449,7 @@ def _prepare_leaf(actual: torch.Tensor, expected: torch.Tensor, golden: torch.Te
     ``coarse`` None when the leaf is already judged (a structural problem, an integer/bool leaf or the loss
     scaler's scale, ``_SCALER_STATE``)."""
     tol = tolerance if tolerance is not None else default_for_dtype(expected.dtype)
-    exact = not (expected.dtype.is_floating_point or expected.dtype.is_complex) or bool(_SCALER_STATE.match(path))
+    exact = not (expected.dtype.is_floating_point or expected.dtype.is_complex) or (path == _SCALER_STATE and work_dtype == torch.float16)
     lenient = work_dtype is None or (work_dtype.is_floating_point and torch.finfo(work_dtype).bits <= 16)
     base, coarse, note = _target_vs_reference(actual, expected, tol, exact, lenient, path)
     leaf = GoldenLeafResult(**{f.name: getattr(base, f.name) for f in dataclasses.fields(LeafResult)})

@@ -499,7 +499,7 @@ def test_fp16_train_step_fails_a_scaler_that_misses_an_overflow():
                                                               loss_fn=lambda out: out, max_grad_norm=None)
     text = str(info.value)
     assert "amp.skipped_steps" in text and "amp.scale" in text
-    # the default, the golden floor: the float64 golden step overflows nowhere (scale 2^16, as the faulty target's),
+    # the default, the golden floor: the (float32) golden step overflows nowhere (scale 2^16, as the faulty target's),
     # so amp.scale would pass a ratio test against it: it is compared exactly, as the skipped steps (an integer leaf)
     with pytest.raises(ParityError) as info:
         _fp16_fault("missed_overflow").train_step("step", OverflowNet(), {"x": SMALL_X}, loss_fn=lambda out: out,
@@ -515,7 +515,7 @@ def test_fp16_eval_check_runs_in_fp16_and_fails_a_scaled_weight():
 
 
 def test_fp16_train_step_under_golden_runs_the_scaler_in_fp64_too():
-    # The golden step (fp64, no autocast) goes through the same scaler: no overflow there (scale 2^16,
+    # The golden step (float32, no autocast) goes through the same scaler: no overflow there (scale 2^16,
     # nothing skipped); both sides are 2^15 off in amp.scale, which is compared exactly between them instead.
     kwargs = dict(loss_fn=lambda out: out, max_grad_norm=None)
     record = case("fp16", recipe_policies={"fp16": "golden"}).train_step("step", OverflowNet(), {"x": SMALL_X}, **kwargs)

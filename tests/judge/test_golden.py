@@ -709,3 +709,21 @@ def test_a_golden_of_another_shape_leaves_a_value_dependent_output_to_the_floor(
     plain = G.judge_golden_tensors(e.clone(), e, g, _FLOOR.replace(allclose_floor=False),
                                    tolerance=LOW_PRECISION, path="y", work_dtype=torch.bfloat16)
     assert not plain.passed and plain.problem == "golden shape (6,) differs from the outputs' (5,)"
+
+
+def test_amp_scale_is_compared_exactly_under_fp16_work_only():
+    """The loss scaler's scale after an fp16 step is a power of two the overflow decisions set: compared exactly
+    (a target that missed the overflow kept the float64 golden's own 2^16); any other leaf of that name, in
+    another recipe, keeps the ratio test."""
+    scale = torch.tensor(2.0 ** 15)
+    missed = G.judge_golden_tensors(scale * 2, scale, torch.tensor(2.0 ** 16, dtype=torch.float64), _FLOOR,
+                                    path="amp.scale", work_dtype=torch.float16)
+    assert missed.exact and not missed.passed
+    header = G.judge_golden({"amp.scale": scale * 2}, {"amp.scale": scale}, {"amp.scale": scale.double() * 2}, _FLOOR,
+                            work_dtype=torch.float16, name="step").format()
+    assert "output 'amp.scale': 1 element(s) differ, compared exactly" in header
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(64, 64, dtype=torch.float64, generator=gen)
+    e, a = _two_bf16_kernels(g, gen)
+    own = G.judge_golden_tensors(a, e, g, _FLOOR, tolerance=LOW_PRECISION, path="amp.scale", work_dtype=torch.bfloat16)
+    assert not own.exact and own.passed
