@@ -1,8 +1,8 @@
 """Goldens stored with the baseline: a compare run against a baseline judges the golden verdict without
 running the golden.
 
-A check judged by a golden verdict (``golden.judge_golden``; the default of every bf16 check and of fp32
-training checks, see ``checks.settings``) compares both sides with a CPU run of the same computation in
+A check judged by a golden verdict (``golden.judge_golden``; the default of every bf16 and fp16 check and of
+fp32 training checks, see ``checks.settings``) compares both sides with a CPU run of the same computation in
 float64 (``golden.GoldenRunner``). Against a live CPU reference that run is part of the reference's cost;
 against a stored baseline it used to be the only CPU work left on the target host. So a recording
 (``--update-baselines``) of a check whose verdict policy is golden — the same decision the compare run

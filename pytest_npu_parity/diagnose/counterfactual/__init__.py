@@ -1,7 +1,7 @@
 """What makes a failing check pass: counterfactual re-runs of its target side and fp32 precision islands.
 
 A localization says where the target first computes something else; it does not say whether fixing
-that place is enough, and under a golden verdict (every bf16 check) it does not run at all. Here the
+that place is enough, and under a golden verdict (every bf16 and fp16 check) it does not run at all. Here the
 check's *target* side is run again with one piece changed and the new outputs are judged by the
 check's *own* verdict (``CheckCall.rejudge``: allclose or the golden floor, against the same
 expected leaves and the same golden as the original comparison; nothing of the reference side or the
