@@ -48,7 +48,8 @@ def test_every_golden_judged_check_of_the_committed_baselines_stores_its_golden(
     # Every bf16 check (the golden floor is bf16's default) and every fp32 check of a module in training
     # mode stores its golden: the whole-model, training-step and Trainer checks (their goldens added with
     # --parity-store-goldens) and the submodule checks fed by activations (re-recorded with their inputs,
-    # which another CPU replays, so the stored golden applies there too).
+    # which another CPU replays, so the stored golden applies there too). fp16, judged by the golden floor since
+    # 2026-12, is not covered: its training step's baseline stores none (findings.md says why).
     seen = 0
     for path, _, name, entry in _entries():
         # The training trajectories are judged by their curves (checks.verdict.TrajectoryVerdict), never by a golden.
