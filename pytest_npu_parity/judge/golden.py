@@ -86,7 +86,8 @@ is msprobe's verdict without our rule. An empty tensor passes (msprobe skips it)
 
 A leaf passes when the structure matches (two floating dtypes may differ: autocast's op lists
 differ between devices and kernels), the NaN/Inf rule holds and every ratio is within its limit.
-Integer and bool leaves, and a loss scaler's ``amp.scale``, are compared exactly (the golden is not used).
+Integer and bool leaves, and under fp16 work a loss scaler's ``amp.scale``, are compared exactly (the golden
+is not used).
 
 Under ``allclose_floor`` with our limit set, a leaf whose out-of-bound elements the built-in budget
 would take (``Tolerance.rounding_budget``: few enough, ``mismatched <= allowed``) fails on a **gross
@@ -173,7 +174,8 @@ class GoldenLeafResult(LeafResult):
     number of gross elements (module docstring; 0 where the test does not apply), ``gross_index``
     the first one's index in the leaf and ``gross_values`` its (target, reference, golden) values;
     ``golden_shape`` — under the allclose floor, the golden's shape where it differs from the outputs'
-    (a value-dependent shape, ``y[y > t]``: no ratio can be taken, the floor alone decides), else None.
+    in its first dimension's length only (a value-dependent shape, ``y[y > t]``: no ratio can be taken,
+    the floor alone decides, its outliers held to ``GROSS_ERR_RATIO``), else None.
     """
 
     policy: GoldenPolicy | None = None
@@ -213,10 +215,12 @@ class GoldenLeafResult(LeafResult):
         """Under ``allclose_floor``: the target is within the allclose tolerance of the reference, and
         the elements its budget lets outside the bound ``atol + rtol·|reference|`` are at most
         ``FLOOR_OUTLIER_ERR_RATIO`` times outside it (``err_ratio``); a leaf with an element further
-        off is left to the ratio test."""
+        off is left to the ratio test. A leaf whose golden has another shape (``golden_shape``), where no
+        golden can vouch for an element, takes them only within ``GROSS_ERR_RATIO`` times the bound."""
+        outliers = GROSS_ERR_RATIO if self.golden_shape is not None else FLOOR_OUTLIER_ERR_RATIO
         return (self.policy is not None and self.policy.allclose_floor and self.problem is None
                 and self.nonfinite_mismatched == 0 and self.mismatched <= self.allowed and self.gross == 0
-                and (self.mismatched == 0 or self.err_ratio <= FLOOR_OUTLIER_ERR_RATIO))
+                and (self.mismatched == 0 or self.err_ratio <= outliers))
 
     @property
     def passed(self) -> bool:
@@ -313,9 +317,9 @@ def _golden_header(leaf: LeafResult) -> str:
                 f"({max(leaf.reference.max_abs, leaf.floor.max_abs):.3g}), and the element is more than {GROSS_ERR_RATIO:g}x outside "
                 "the allclose bound: the budget is for rounding, not for a wrong element")
     if isinstance(leaf, GoldenLeafResult) and leaf.golden_shape is not None:
-        return (f"{where}outside the allclose floor ({leaf.mismatched} element(s) outside the bound, err/tol "
-                f"{leaf.err_ratio:.3g}), with no golden ratio to take: the golden's shape {leaf.golden_shape} differs "
-                f"from the outputs' {tuple(leaf.shape)} (a value-dependent shape)")
+        return (f"{where}outside the allclose floor ({leaf.mismatched} element(s) outside the bound, {leaf.allowed} "
+                f"allowed, each within {GROSS_ERR_RATIO:g}x it; err/tol {leaf.err_ratio:.3g}), with no golden ratio to take: "
+                f"the golden's shape {leaf.golden_shape} differs from the outputs' {tuple(leaf.shape)} (a value-dependent shape)")
     if isinstance(leaf, GoldenLeafResult) and not leaf.exact:
         parts = [f"{m} ratio {r:.3g} > {leaf.policy.limits[m]:g}"
                  + (" (the largest absolute error, held to the max_rel limit)" if m == "max_abs" else "")
@@ -378,11 +382,13 @@ def judge_golden_tensors(actual: torch.Tensor, expected: torch.Tensor, golden: t
     Returns:
         A ``GoldenLeafResult`` (its ``passed`` is the verdict). A shape mismatch between target and
         reference, a dtype mismatch of another kind (float vs integer, real vs complex), or a golden
-        of another shape fail with ``problem`` set. Two floating dtypes may differ (``note`` says
+        of another shape fail with ``problem`` set; under the allclose floor (our limit set) a golden
+        whose first dimension alone differs (a value-dependent shape) leaves the leaf to the floor
+        (``golden_shape``). Two floating dtypes may differ (``note`` says
         so) under a 16-bit work dtype (or none given): the golden judges accuracy, and autocast's op
         lists differ between devices and kernels. Under fp32/fp64 work a dtype change is a failure
         (a target that returns bf16 where fp32 was computed lost precision). Integer and bool
-        leaves, and the loss scaler's ``amp.scale`` (``_SCALER_STATE``), are judged exactly.
+        leaves, and under fp16 work the loss scaler's ``amp.scale`` (``_SCALER_STATE``), are judged exactly.
     """
     leaf, coarse = _prepare_leaf(actual, expected, golden, policy, tolerance, path, work_dtype)
     if coarse is None:
@@ -441,6 +447,13 @@ def _find_gross(leaf: GoldenLeafResult, actual: torch.Tensor, expected: torch.Te
             start += a.numel()
 
 
+def _value_dependent(golden_shape: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """The golden's shape differs from the outputs' in its first dimension's length only, as where the
+    values select the elements (``y[mask]``, ``masked_select``, ``nonzero``); any other difference (a
+    transposed golden, another rank) is a structural problem."""
+    return len(golden_shape) == len(shape) >= 1 and golden_shape[1:] == shape[1:] and golden_shape[0] != shape[0]
+
+
 def _prepare_leaf(actual: torch.Tensor, expected: torch.Tensor, golden: torch.Tensor, policy: GoldenPolicy,
                   tolerance: Tolerance | None, path: str,
                   work_dtype: torch.dtype | None) -> tuple[GoldenLeafResult, torch.dtype | None]:
@@ -461,7 +474,7 @@ def _prepare_leaf(actual: torch.Tensor, expected: torch.Tensor, golden: torch.Te
         return leaf, None
     if tuple(golden.shape) != tuple(expected.shape):
         shapes = f"golden shape {tuple(golden.shape)} differs from the outputs' {tuple(expected.shape)}"
-        if policy.allclose_floor and not policy.msprobe:
+        if policy.allclose_floor and not policy.msprobe and _value_dependent(tuple(golden.shape), tuple(expected.shape)):
             # a shape that depends on values (``y[y > t]``, ``nonzero``): the golden selected other elements, the
             # two sides the same ones; no ratio can be taken, so the floor alone decides (``passed``)
             leaf.golden_shape = tuple(golden.shape)

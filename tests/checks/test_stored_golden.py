@@ -500,6 +500,13 @@ def test_reference_mismatch_names_the_leaf_and_ratio_and_passes_the_same_computa
     assert S.reference_multiple(G.judge_golden({"": off}, {"": exact}, {"": exact.double()}, policy,
                                                work_dtype=torch.float32))[0] == float("inf")
     assert S.reference_mismatch(*args, policy, None, "exact", torch.float32) is not None  # no floor: refused
+    # a golden of another length (a value-dependent shape, judged by the floor alone): no ratio measures the
+    # stored reference, so it is no evidence of the same computation: refused, as a golden of another shape was
+    selected = torch.arange(1.0, 9.0)
+    multiple, _, where, problem = S.reference_multiple(G.judge_golden(
+        {"": selected}, {"": selected}, {"": torch.arange(1.0, 10.0, dtype=torch.float64)}, floor_policy,
+        work_dtype=torch.float32))
+    assert multiple == float("inf") and problem == "golden shape (9,) differs from the outputs' (8,)"
 
 
 def test_store_goldens_records_a_golden_that_could_not_run(tmp_path, monkeypatch):

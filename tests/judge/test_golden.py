@@ -709,11 +709,37 @@ def test_a_golden_of_another_shape_leaves_a_value_dependent_output_to_the_floor(
     plain = G.judge_golden_tensors(e.clone(), e, g, _FLOOR.replace(allclose_floor=False),
                                    tolerance=LOW_PRECISION, path="y", work_dtype=torch.bfloat16)
     assert not plain.passed and plain.problem == "golden shape (6,) differs from the outputs' (5,)"
+    # only a first dimension of another length is a value-dependent shape: a transposed golden, or one of another
+    # rank, is a golden of something else
+    square = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for golden in (square.T, square.reshape(-1), square[None]):
+        other = G.judge_golden_tensors(square.to(torch.bfloat16), square.to(torch.bfloat16), golden, _FLOOR,
+                                       tolerance=LOW_PRECISION, path="y", work_dtype=torch.bfloat16)
+        assert not other.passed and other.golden_shape is None and other.problem.startswith("golden shape")
+
+
+def test_a_golden_of_another_length_holds_the_budget_to_the_gross_bound():
+    """With no golden to vouch for an element, the floor takes the budget's outliers only within 16x the bound:
+    the sign flip at 0.04 (77x) that the gross test fails where the golden has the outputs' shape fails here too."""
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(64, 64, dtype=torch.float64, generator=gen)
+    e, a = _two_bf16_kernels(g, gen)
+    longer = torch.cat([g.reshape(-1), g.new_ones(1)])  # the golden selected one element more
+    judge = lambda x: G.judge_golden_tensors(x.reshape(-1), e.reshape(-1), longer, _FLOOR,  # noqa: E731
+                                             tolerance=LOW_PRECISION, path="y", work_dtype=torch.bfloat16)
+    assert judge(a).passed and judge(a).golden_shape == (4097,)
+    i = int((g.abs() - 0.04).abs().argmin())
+    flipped = judge(_negated(a, torch.tensor([i])))
+    assert 0 < flipped.mismatched <= flipped.allowed and G.GROSS_ERR_RATIO < flipped.err_ratio <= 100
+    assert not flipped.passed
+    message = G.judge_golden({"y": _negated(a, torch.tensor([i])).reshape(-1)}, {"y": e.reshape(-1)}, {"y": longer},
+                             _FLOOR, tolerance=LOW_PRECISION, work_dtype=torch.bfloat16, name="select").format()
+    assert "each within 16x it" in message and "a value-dependent shape" in message
 
 
 def test_amp_scale_is_compared_exactly_under_fp16_work_only():
     """The loss scaler's scale after an fp16 step is a power of two the overflow decisions set: compared exactly
-    (a target that missed the overflow kept the float64 golden's own 2^16); any other leaf of that name, in
+    (a target that missed the overflow kept the golden step's own 2^16); any other leaf of that name, in
     another recipe, keeps the ratio test."""
     scale = torch.tensor(2.0 ** 15)
     missed = G.judge_golden_tensors(scale * 2, scale, torch.tensor(2.0 ** 16, dtype=torch.float64), _FLOOR,
