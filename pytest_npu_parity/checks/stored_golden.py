@@ -316,14 +316,16 @@ def reference_multiple(result: Any) -> tuple[float, str | None, str | None, str 
     (``within_floor``, under a policy with the floor) is left out: last-bit differences against an exact
     value. NaN ratios (no error on either side under msprobe's rule) are left out. Integer leaves have no
     ratios."""
+    from ..judge.golden import golden_shape_differs
+
     worst: tuple[float, str | None, str | None] = (0.0, None, None)
     for leaf in result.leaves:
         where = repr(leaf.path or "<output>")
         nonfinite = getattr(leaf, "nonfinite_mismatched", 0)
         shape = getattr(leaf, "golden_shape", None)  # judged by the floor alone: no ratio to measure the reference by
-        problem = leaf.problem or (f"{nonfinite} non-finite element(s) where the other side is finite"
-                                   if nonfinite else None) or (
-            f"golden shape {shape} differs from the outputs' {tuple(leaf.shape)}" if shape is not None else None)
+        problem = (leaf.problem
+                   or (f"{nonfinite} non-finite element(s) where the other side is finite" if nonfinite else None)
+                   or (golden_shape_differs(shape, tuple(leaf.shape)) if shape is not None else None))
         if problem is not None:
             return math.inf, None, where, problem
         limits = leaf.policy.limits if getattr(leaf, "policy", None) is not None else {}

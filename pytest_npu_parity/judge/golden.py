@@ -148,8 +148,9 @@ GROSS_ERR_RATIO = 16.0
 #: ``rank<k>.grad.<p>``): no gross-element test there (see the module docstring).
 _STEP_PARAMETER_OR_GRADIENT = re.compile(r"^(rank\d+\.)?(param|grad)\.")
 #: The loss scaler's scale after an fp16 training step (``runtime.training``'s ``amp.scale``): a power of two its
-#: overflow decisions set, not a rounded result. The golden step (float32: the step's ``amp.*`` leaves are float32,
-#: so ``runtime.golden_run`` refuses a float64 one) overflows where fp16 does (the tiny Aurora at 2^16) nowhere, so the golden cannot judge it (a target that missed the overflow matched the golden's 2^16 and
+#: overflow decisions set, not a rounded result. The golden step (float32: the step's ``amp.*`` leaves are
+#: float32, so ``runtime.golden_run`` refuses a float64 one) overflows nowhere, where fp16 does (the tiny Aurora
+#: at 2^16), so the golden cannot judge it (a target that missed the overflow matched the golden's 2^16 and
 #: passed the ratio test): under fp16 work it is compared exactly, as an integer leaf is. By the leaf's name: a
 #: leaf of one's own named ``amp.scale`` in an fp16 check is compared exactly too. (A distributed step refuses
 #: loss-scaling recipes, so there is no ``rank<k>.amp.scale``.)
@@ -447,6 +448,12 @@ def _find_gross(leaf: GoldenLeafResult, actual: torch.Tensor, expected: torch.Te
             start += a.numel()
 
 
+def golden_shape_differs(golden_shape: tuple[int, ...], shape: tuple[int, ...]) -> str:
+    """The sentence that names a golden of another shape than the outputs' (a leaf's ``problem``, or its
+    ``note`` and ``checks.stored_golden``'s refusal where the floor judges it, ``golden_shape``)."""
+    return f"golden shape {golden_shape} differs from the outputs' {shape}"
+
+
 def _value_dependent(golden_shape: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     """The golden's shape differs from the outputs' in its first dimension's length only, as where the
     values select the elements (``y[mask]``, ``masked_select``, ``nonzero``); any other difference (a
@@ -462,7 +469,8 @@ def _prepare_leaf(actual: torch.Tensor, expected: torch.Tensor, golden: torch.Te
     ``coarse`` None when the leaf is already judged (a structural problem, an integer/bool leaf or the loss
     scaler's scale, ``_SCALER_STATE``)."""
     tol = tolerance if tolerance is not None else default_for_dtype(expected.dtype)
-    exact = not (expected.dtype.is_floating_point or expected.dtype.is_complex) or (path == _SCALER_STATE and work_dtype == torch.float16)
+    exact = (not (expected.dtype.is_floating_point or expected.dtype.is_complex)
+             or (path == _SCALER_STATE and work_dtype == torch.float16))
     lenient = work_dtype is None or (work_dtype.is_floating_point and torch.finfo(work_dtype).bits <= 16)
     base, coarse, note = _target_vs_reference(actual, expected, tol, exact, lenient, path)
     leaf = GoldenLeafResult(**{f.name: getattr(base, f.name) for f in dataclasses.fields(LeafResult)})
@@ -473,7 +481,7 @@ def _prepare_leaf(actual: torch.Tensor, expected: torch.Tensor, golden: torch.Te
     if leaf.problem is not None or exact:
         return leaf, None
     if tuple(golden.shape) != tuple(expected.shape):
-        shapes = f"golden shape {tuple(golden.shape)} differs from the outputs' {tuple(expected.shape)}"
+        shapes = golden_shape_differs(tuple(golden.shape), tuple(expected.shape))
         if policy.allclose_floor and not policy.msprobe and _value_dependent(tuple(golden.shape), tuple(expected.shape)):
             # a shape that depends on values (``y[y > t]``, ``nonzero``): the golden selected other elements, the
             # two sides the same ones; no ratio can be taken, so the floor alone decides (``passed``)
