@@ -278,6 +278,9 @@ def golden_step(golden_runner: Any, step: Callable[..., dict], module: torch.nn.
                 inputs: tuple[tuple, Any, Any], seed: int) -> dict[str, torch.Tensor | None]:
     """The golden of a training step: ``step`` on a CPU copy of ``module`` in each golden dtype of
     ``recipe`` in turn (``golden.golden_dtypes``: fp64, else for bf16 work fp32), without autocast.
+    Under a loss-scaling recipe (fp16) the step's ``amp.*`` leaves are float32 (the scaler's state,
+    ``scaled_backward_and_step``), which the golden runner refuses below a float64 golden, so the
+    golden starts at float32 there instead of running the float64 step to have it refused.
 
     Args:
         golden_runner: a ``golden.GoldenRunner``.
@@ -289,7 +292,10 @@ def golden_step(golden_runner: Any, step: Callable[..., dict], module: torch.nn.
     """
     positional, keywords, labels = inputs
     first = None
-    for dtype in golden_dtypes(recipe.name):  # fp64, else (bf16 work) fp32
+    dtypes = golden_dtypes(recipe.name)  # fp64, else (bf16 work) fp32
+    if recipe.loss_scaling:
+        dtypes = tuple(d for d in dtypes if torch.finfo(d).bits <= torch.finfo(AMP_LEAF_DTYPE).bits)
+    for dtype in dtypes:
         m = trainable_copy(module).to(dtype)
         try:
             return golden_runner.run(step, (m, recipe, False, positional, labels), keywords,
@@ -394,6 +400,10 @@ _without = without  # the old private name (runner re-exports it)
 #: the default scaler) before it records the step as skipped.
 MAX_SCALE_BACKOFFS = 24
 
+#: The dtype of ``scaled_backward_and_step``'s ``amp.scale`` and ``amp.grad_norm`` leaves, whatever the
+#: gradients' dtype (the scaler keeps its scale in float32; ``golden_step`` starts no golden above it).
+AMP_LEAF_DTYPE = torch.float32
+
 
 def scaled_backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
                              params: list[tuple[str, torch.nn.Parameter]], device: torch.device,
@@ -458,9 +468,9 @@ def scaled_backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimize
             break
         skipped += 1
     out: dict[str, torch.Tensor] = dict(grads)
-    out["amp.scale"] = torch.tensor(float(scaler.get_scale()), dtype=torch.float32)
+    out["amp.scale"] = torch.tensor(float(scaler.get_scale()), dtype=AMP_LEAF_DTYPE)
     out["amp.skipped_steps"] = torch.tensor(skipped, dtype=torch.int64)
-    out["amp.grad_norm"] = norm.detach().to(torch.float32).reshape(())
+    out["amp.grad_norm"] = norm.detach().to(AMP_LEAF_DTYPE).reshape(())
     return out
 
 

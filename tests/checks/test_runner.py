@@ -514,7 +514,7 @@ def test_fp16_eval_check_runs_in_fp16_and_fails_a_scaled_weight():
         case("fp16", target_patch(scale=1 + 1e-2)).check("proj", Proj(), X)
 
 
-def test_fp16_train_step_under_golden_runs_the_scaler_in_fp64_too():
+def test_fp16_train_step_under_golden_runs_the_scaler_in_its_golden_too():
     # The golden step (float32, no autocast) goes through the same scaler: no overflow there (scale 2^16,
     # nothing skipped); both sides are 2^15 off in amp.scale, which is compared exactly between them instead.
     kwargs = dict(loss_fn=lambda out: out, max_grad_norm=None)
@@ -532,6 +532,26 @@ def test_fp16_train_step_under_golden_runs_the_scaler_in_fp64_too():
         case("fp16", target_scaler(FAULTS["missed_overflow"]), recipe_policies={"fp16": "golden"}).train_step(
             "step", OverflowNet(), {"x": SMALL_X}, **kwargs)
     assert {"amp.scale", "amp.skipped_steps"} <= _failing(info)
+
+
+def test_fp16_train_steps_golden_runs_once_in_float32(monkeypatch):
+    # its amp.* leaves are float32 (the scaler's state): a float64 golden step was run, refused, then run again
+    from pytest_npu_parity.runtime.golden_run import GoldenRunner
+
+    tried: list[torch.dtype] = []
+    run = GoldenRunner.run
+
+    def spy(self, fn, args=(), kwargs=None, **options):
+        tried.append(options.get("dtype"))
+        return run(self, fn, args, kwargs, **options)
+
+    monkeypatch.setattr(GoldenRunner, "run", spy)
+    kwargs = dict(loss_fn=lambda out: out, max_grad_norm=None)
+    record = case("fp16", recipe_policies={"fp16": "golden"}).train_step("step", OverflowNet(), {"x": SMALL_X}, **kwargs)
+    assert record.status == "pass" and tried == [torch.float32]
+    tried.clear()  # bf16's step has no amp.* leaves: its golden tries float64 first
+    case("bf16", recipe_policies={"bf16": "golden"}).train_step("step", OverflowNet(), {"x": SMALL_X}, **kwargs)
+    assert tried[0] == torch.float64
 
 
 # ---------------------------------------------------------------------------------------------
