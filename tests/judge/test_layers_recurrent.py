@@ -3,7 +3,9 @@ GRU model fails, where the LSTM's gates damped the recurrent weight's fault belo
 (a false pass), and a baseline recorded here passes on other CPU kernel paths and thread counts."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,6 +51,7 @@ class Recurrent(torch.nn.Module):
 X = (torch.rand(4, 20, 16, generator=torch.Generator().manual_seed(1)) - 0.5) * 2
 '''
 MODEL_DIR = Path(tempfile.mkdtemp(prefix="npu-parity-recurrent-"))
+atexit.register(shutil.rmtree, MODEL_DIR, ignore_errors=True)  # made at import (collection): removed at exit
 (MODEL_DIR / "recurrent_model.py").write_text(MODEL)
 sys.path.insert(0, str(MODEL_DIR))  # one importable module: the same class fingerprint in the child processes
 from recurrent_model import Recurrent, X  # noqa: E402
