@@ -568,8 +568,9 @@ class ParityCase:
         fails that; against a compact baseline, on the parameters it stores whole, and the replayed
         parameters are then reduced to ``@sample``/``@stats`` as recorded); otherwise the
         reference's own step is the expected value, the parameters whose reference gradient is
-        rounding noise are left out (``rounding_level_params``), and the note says why. Not with ``loop`` or a loss-scaling
-        recipe (their steps are compared as they are). Under a loss-scaling recipe (``fp16``)
+        rounding noise are left out (``rounding_level_params``), and the note says why (also where the
+        reference's gradients are not finite: a loss scaler skipped that step). Not with ``loop`` (the loop
+        owns its optimizer; its steps are compared as they are). Under a loss-scaling recipe (``fp16``)
         the backward, clipping and step go through a dynamic ``GradScaler``
         (:func:`scaled_backward_and_step`), ``grad.<param>`` are the unscaled gradients, and three
         leaves more are compared: ``amp.scale``, ``amp.skipped_steps`` and ``amp.grad_norm``.

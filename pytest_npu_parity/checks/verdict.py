@@ -253,6 +253,10 @@ def optimizer_replay(call: CheckCall, actual: dict, expected: dict, tol: Toleran
             return None, fallback.format("the compact baseline stores no parameter's gradient whole, so the "
                                          "reference's step cannot be replayed from it"), False
         return None, None, False
+    grads = (expected.get("grad." + k[len("param."):]) for k in whole)
+    if any(isinstance(g, torch.Tensor) and g.is_floating_point() and not bool(torch.isfinite(g).all()) for g in grads):
+        return None, fallback.format("the reference's gradients are not finite: a loss scaler skips such a step, "
+                                     "which a replay from them does not"), False
     try:
         check = call.replay(expected)  # compacted gradients are absent: those parameters are not stepped
         mismatch = sorted(k for k in whole if not isinstance(expected[k], torch.Tensor) or k not in check

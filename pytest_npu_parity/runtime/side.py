@@ -61,7 +61,7 @@ class CheckCall:
         fault_weight: the parameter of the check's module (a ``named_parameters`` name) that
             ``--parity-selfcheck`` perturbs, or None for ``selfcheck.sensitive_parameter``'s choice.
         sample_dim: the axis of i.i.d. samples of a sampling check, or None.
-        replay: for a plain training step (``train_step`` without ``loop`` or loss scaling),
+        replay: for a plain training step (``train_step`` without ``loop``; loss-scaled or not),
             ``(leaves) -> {param.<p>: CPU tensor}``: the optimizer step replayed on a fresh CPU copy
             of the module from the ``grad.<p>`` leaves in ``leaves`` (see ``ParityCase.train_step``,
             optimizer replay); None for other checks.

@@ -243,13 +243,13 @@ def train_check(check: TrainCheck, side: Side, recipe: Recipe, golden_runner: An
     """``(run, golden, call)`` of a ``ParityCase.train_step``: ``run`` as ``train_runs`` gives it (with
     the layer records of ``layers``), ``golden()`` the step's golden (``golden_step`` with
     ``golden_runner``), and its ``CheckCall``, whose optimizer replay (``replay_optimizer_step``, in
-    ``recipe``'s weights dtype) is None with a ``loop`` or under a loss-scaling recipe."""
+    ``recipe``'s weights dtype) is None with a ``loop``."""
     spec = check.spec
     step = training_step(spec)
     run, rerun = train_runs(side, check.module, step, check.forward, check.seed, layers)
     golden = partial(golden_step, golden_runner, step, check.module, recipe, check.forward, check.seed)
     replay = (partial(replay_optimizer_step, check.module, optimizer=spec.optimizer,
-                      weights_dtype=recipe.weights_dtype) if spec.loop is None and not recipe.loss_scaling else None)
+                      weights_dtype=recipe.weights_dtype) if spec.loop is None else None)
     positional, keywords, _ = check.forward
     call = CheckCall("train_step", check.module, positional, keywords, check.seed, True, rerun, check.vacuous_ok,
                      check.fault_weight, replay=replay,

@@ -394,11 +394,12 @@ def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 
 
-@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+@pytest.mark.parametrize("recipe", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("lr_scale", [None, 1.5], ids=["no step", "1.5x lr"])
-def test_a_target_optimizer_that_steps_otherwise_fails_under_bf16_too(recipe, lr_scale):
-    # under bf16 autocast the parameters are fp32 and the recipe's 1e-3 + 1e-3*|p| holds a whole AdamW step:
-    # both faults passed there before; the replay from the target's gradients is judged at fp32's tolerance
+def test_a_target_optimizer_that_steps_otherwise_fails_under_autocast_too(recipe, lr_scale):
+    # under bf16 or fp16 autocast the parameters are fp32 and the recipe's 1e-3 + 1e-3*|p| holds a whole AdamW
+    # step: both faults passed there before; the replay from the target's gradients is judged at fp32's
+    # tolerance (fp16's loss-scaled step had no replay until 2026-12: its faulty optimizers passed)
     x, y = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), torch.randn(4, 1)
     session = ParitySession(CPU, reference="cpu")
     record = ParityCase(session, "tests/test_optimizer_replay.py::mlp", recipe).train_step(
@@ -407,9 +408,28 @@ def test_a_target_optimizer_that_steps_otherwise_fails_under_bf16_too(recipe, lr
     faulty = ParityCase(ParitySession(CPU, reference="cpu"), "tests/test_optimizer_replay.py::mlp", recipe,
                         patches=_no_step if lr_scale is None else wrong_lr(lr_scale))
     match = r"optimizer step differs from the CPU optimizer's step from the target's own gradients" \
-        if recipe == "bf16" else r"param\."
+        if recipe != "fp32" else r"param\."
     with pytest.raises(ParityError, match=match):
         faulty.train_step("step", _mlp(), x, labels=y, loss_fn=torch.nn.MSELoss())
+
+
+def test_an_fp16_step_whose_every_attempt_overflows_is_judged_against_the_references_own_step():
+    # the loss is inf in fp16 (an output of ~1e8): the scaler skips the step, so a replay from the
+    # reference's (non-finite) gradients cannot reproduce it; the note says why, not "not a function of ..."
+    class Overflowing(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return (self.lin(x) * 1e8).float().pow(2).mean()
+
+    record = ParityCase(ParitySession(CPU, reference="cpu"), "tests/test_optimizer_replay.py::inf", "fp16").train_step(
+        "step", Overflowing(), torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), loss_fn=lambda out: out,
+        max_grad_norm=None)
+    assert record.status == "pass"
+    assert record.extra["policy_note"].startswith("optimizer replay not used (the reference's gradients are not finite")
 
 
 def test_a_rounding_level_gradient_difference_passes_the_optimizer_step_check_in_bf16():

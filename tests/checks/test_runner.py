@@ -519,7 +519,9 @@ def test_fp16_train_step_under_golden_runs_the_scaler_in_its_golden_too():
     # nothing skipped); both sides are 2^15 off in amp.scale, which is compared exactly between them instead.
     kwargs = dict(loss_fn=lambda out: out, max_grad_norm=None)
     record = case("fp16", recipe_policies={"fp16": "golden"}).train_step("step", OverflowNet(), {"x": SMALL_X}, **kwargs)
-    assert record.status == "pass" and record.policy == "golden" and not record.extra.get("policy_note")
+    # no note of a golden that could not run; the parameters are judged against the optimizer replay
+    assert record.status == "pass" and record.policy == "golden"
+    assert record.extra.get("policy_note", "").startswith("param.* after the step compared with the CPU optimizer's step")
     scale = next(leaf for leaf in record.result.leaves if leaf.path == "amp.scale")
     assert scale.exact and scale.passed
     from loss_scale_faults import FAULTS, target_scaler
