@@ -91,6 +91,27 @@ def test_scaled_weight_fails_the_trainer_check(model, inputs, kind):
             f"{kind}_{STEPS}_steps", model, inputs, loop=faulty)
 
 
+@contextlib.contextmanager
+def target_optimizer_without_step(device):
+    """The suite's patch set, with the target's AdamW never stepping (a kernel that never writes back)."""
+    real = torch.optim.AdamW.step
+    torch.optim.AdamW.step = lambda self, closure=None: None
+    try:
+        with patches.patched(device):
+            yield
+    finally:
+        torch.optim.AdamW.step = real
+
+
+def test_a_target_optimizer_that_does_not_step_fails_the_later_steps_losses(model, inputs):
+    # a loop owns its optimizer, so its parameters get no optimizer replay: the losses of steps 2-5 catch it
+    with pytest.raises(ParityError) as info:
+        ParityCase(_session(), "no_step", "fp32", patches=target_optimizer_without_step).train_step(
+            f"trainer_{STEPS}_steps", model, inputs, loop=LOOPS["trainer"])
+    failing = {leaf.path for leaf in info.value.result.leaves if not leaf.passed}
+    assert {f"loss.step{i}" for i in range(2, STEPS + 1)} <= failing and "loss.step1" not in failing
+
+
 def test_deepspeed_check_keeps_its_teeth_at_the_suite_tolerance(model, inputs):
     """The suite's DeepSpeed check allows 1e-4 (no golden; measured drift on another CPU kernel path):
     the same fault then still fails it, through the layer check of the first forward."""
